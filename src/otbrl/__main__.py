@@ -1,0 +1,3 @@
+from otbrl.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""otbrl.algos"""
