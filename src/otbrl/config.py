@@ -1,0 +1,349 @@
+"""Configuration schema: OmegaConf structured dataclasses, loaded from YAML + dotted overrides.
+
+This module imports nothing from otbrl (it sits beside the floors). It checks what the schema
+alone can decide: unknown keys (with a did-you-mean), types, allowed values, ranges, and batch
+divisibility. Checks that need the estimator registry (estimator name, Σπ² contradictions) live
+in ``otbrl.trainer.validate_config``, which the CLI calls before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A user configuration problem; ``str(err)`` is one line naming the key."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)  # parquet; empty -> built-in task
+    val_files: list[str] = field(default_factory=list)
+    task: str = "arithmetic"  # built-in task used when no files are given
+    train_batch_size: int = 32  # prompts per RL step
+    val_size: int = 500  # built-in task: number of validation prompts
+    max_prompt_length: int = 64
+    max_response_length: int = 8
+    seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    path: str = "builtin"  # local HF directory, or "builtin" (tiny model, SFT warm start)
+    dtype: str = "float32"
+    use_remove_padding: bool = False  # packed [1, nnz] forward instead of padded [B, L]
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "hf"
+    n: int = 8  # responses per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = "${data.max_response_length}"  # type: ignore[assignment]
+
+
+@dataclass
+class ActorConfig:
+    lr: float = 5e-4
+    warmup_steps: int = 10  # linear warmup of optimizer steps; a cold AdamW can wreck the policy
+    weight_decay: float = 0.0
+    ppo_epochs: int = 1
+    ppo_mini_batch_size: int = 32  # prompts per optimizer step (x rollout.n sequences)
+    micro_batch_size: int = 64  # sequences per forward/backward (gradient accumulation)
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    grad_clip: float = 1.0
+    use_fused_kernels: bool = False
+    calculate_sum_pi_squared: Any = "auto"  # "auto" | "true" | "false" (YAML booleans accepted)
+
+
+@dataclass
+class OTBConfig:
+    leave_one_out: bool = False
+    energy: str = "logit_gradient"  # "logit_gradient" | "uniform"
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "optimal_token_baseline"
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    handle_zero_tail: bool = True
+    use_kl_in_reward: bool = False
+    kl_coef: float = 0.001
+    otb: OTBConfig = field(default_factory=OTBConfig)
+
+
+@dataclass
+class RewardConfig:
+    function: str | None = None  # built-in name or "path/to/file.py:fn"; None -> by data_source
+    on_error: str = "raise"  # "raise" | "zero"
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 100
+    val_every: int = 10  # 0 = no validation
+    save_every: int = 0  # 0 = no checkpoints
+    output_dir: str = "runs/default"
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    seed: int = 0
+    resume: str = "auto"  # "auto" | "never" | path to a checkpoint
+    val_greedy: bool = True
+    val_temperature: float = 1.0  # used when val_greedy is false
+    val_batch_size: int = 256
+    progress_bar: bool = True
+
+
+@dataclass
+class SFTConfig:
+    lr: float = 3e-3
+    batch_size: int = 64
+    max_steps: int = 2000
+    target_accuracy: float = 0.15
+    eval_every: int = 25
+    cache_dir: str = ".cache/otbrl"
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+
+_CHOICES = {
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "rollout.name": ("hf",),
+    "actor.loss_agg_mode": (
+        "token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum-norm",
+    ),
+    "actor.kl_loss_type": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
+    "actor.calculate_sum_pi_squared": ("auto", "true", "false"),
+    "algorithm.otb.energy": ("logit_gradient", "uniform"),
+    "reward.on_error": ("raise", "zero"),
+}
+_LIST_KEYS = ("data.train_files", "data.val_files", "trainer.logger")
+_LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+_POSITIVE = (
+    "data.train_batch_size",
+    "data.max_prompt_length",
+    "data.max_response_length",
+    "rollout.n",
+    "rollout.max_new_tokens",
+    "actor.ppo_epochs",
+    "actor.ppo_mini_batch_size",
+    "actor.micro_batch_size",
+    "trainer.total_steps",
+    "trainer.val_batch_size",
+    "sft.batch_size",
+    "sft.lr",
+    "actor.lr",
+    "rollout.temperature",
+    "trainer.val_temperature",
+)
+_NON_NEGATIVE = (
+    "data.val_size",
+    "rollout.top_k",
+    "actor.warmup_steps",
+    "actor.weight_decay",
+    "actor.clip_ratio_low",
+    "actor.clip_ratio_high",
+    "actor.kl_loss_coef",
+    "actor.grad_clip",
+    "algorithm.kl_coef",
+    "trainer.val_every",
+    "trainer.save_every",
+    "sft.max_steps",
+    "sft.eval_every",
+)
+
+
+def all_keys(node: Any = None, prefix: str = "") -> list[str]:
+    """Every dotted leaf key of the schema (``["data.train_files", ...]``)."""
+    node = OmegaConf.structured(Config) if node is None else node
+    keys = []
+    for name in node:
+        value = node._get_node(name)
+        dotted = f"{prefix}{name}"
+        if isinstance(value, DictConfig):
+            keys.extend(all_keys(value, dotted + "."))
+        else:
+            keys.append(dotted)
+    return keys
+
+
+def _did_you_mean(key: str) -> str:
+    candidates = all_keys()
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
+    if not close:  # a typo in the leaf with the right group, e.g. "actor.lrr"
+        leaf = key.rsplit(".", 1)[-1]
+        by_leaf = {c.rsplit(".", 1)[-1]: c for c in candidates}
+        leaves = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)
+        close = [by_leaf[leaves[0]]] if leaves else []
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _merge(
+    base: DictConfig, other: DictConfig | ListConfig, source: str, key_hint: str = ""
+) -> DictConfig:
+    try:
+        return OmegaConf.merge(base, other)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or key_hint
+        if type(err).__name__ in ("ConfigKeyError", "ConfigAttributeError"):
+            raise ConfigError(
+                f"unknown config key '{key}' in {source}{_did_you_mean(key)}", key
+            ) from None
+        msg = str(err).splitlines()[0]
+        raise ConfigError(f"invalid value for '{key}' in {source}: {msg}", key) from None
+
+
+def load_config(
+    config_file: str | Path | None = None, overrides: list[str] | None = None
+) -> Config:
+    """Build a ``Config`` from defaults, an optional YAML file, then ``key=value`` overrides.
+
+    Raises ``ConfigError`` (one line, naming the key) for unknown keys, bad types or values.
+    """
+    cfg = OmegaConf.structured(Config)
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: '{path}'", "--config")
+        try:
+            loaded = OmegaConf.load(path)
+        except Exception as err:  # YAML syntax errors come in several exception types
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ConfigError(f"cannot parse config file '{path}': {first}", "--config") from None
+        if not isinstance(loaded, DictConfig):
+            raise ConfigError(f"config file '{path}' must hold a mapping of groups", "--config")
+        cfg = _merge(cfg, loaded, f"'{path}'")
+    for item in overrides or []:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override '{item}' is not of the form key=value", item)
+        key, value = (part.strip() for part in item.split("=", 1))
+        if key in _LIST_KEYS and not value.startswith("["):
+            item = f"{key}=[{value}]"  # CLI shorthand: data.train_files=a.parquet
+        try:
+            dot = OmegaConf.from_dotlist([item])
+        except OmegaConfBaseException as err:
+            msg = str(err).splitlines()[0]
+            raise ConfigError(f"cannot parse override '{item}': {msg}", key) from None
+        cfg = _merge(cfg, dot, f"override '{item}'", key)
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or ""
+        msg = str(err).splitlines()[0]
+        raise ConfigError(f"invalid value for '{key}': {msg}", key) from None
+    assert isinstance(obj, Config)
+    _normalize(obj)
+    check_config(obj)
+    return obj
+
+
+def _normalize(cfg: Config) -> None:
+    value = cfg.actor.calculate_sum_pi_squared
+    if isinstance(value, bool):
+        value = "true" if value else "false"
+    cfg.actor.calculate_sum_pi_squared = str(value).lower()
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    node: Any = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def check_config(cfg: Config) -> None:
+    """Schema-level checks (values, ranges, divisibility); raises ``ConfigError``."""
+    for key, choices in _CHOICES.items():
+        value = _get(cfg, key)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), choices, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"'{key}' must be one of {list(choices)}, got '{value}'{hint}", key)
+    for key in _POSITIVE:
+        if not _get(cfg, key) > 0:
+            raise ConfigError(f"'{key}' must be > 0, got {_get(cfg, key)}", key)
+    for key in _NON_NEGATIVE:
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"'{key}' must be >= 0, got {_get(cfg, key)}", key)
+    if not 0.0 < cfg.rollout.top_p <= 1.0:
+        raise ConfigError(
+            f"'rollout.top_p' must be in (0, 1], got {cfg.rollout.top_p}", "rollout.top_p"
+        )
+    if cfg.actor.clip_ratio_c <= 1.0:
+        raise ConfigError(
+            f"'actor.clip_ratio_c' must be > 1.0, got {cfg.actor.clip_ratio_c}",
+            "actor.clip_ratio_c",
+        )
+    if not 0.0 <= cfg.sft.target_accuracy <= 1.0:
+        raise ConfigError(
+            f"'sft.target_accuracy' must be in [0, 1], got {cfg.sft.target_accuracy}",
+            "sft.target_accuracy",
+        )
+    for name in cfg.trainer.logger:
+        if name not in _LOGGERS:
+            raise ConfigError(
+                f"'trainer.logger' entries must be in {list(_LOGGERS)}, got '{name}'",
+                "trainer.logger",
+            )
+    if cfg.trainer.resume not in ("auto", "never") and not Path(cfg.trainer.resume).exists():
+        raise ConfigError(
+            f"'trainer.resume' must be 'auto', 'never' or an existing checkpoint path, "
+            f"got '{cfg.trainer.resume}'",
+            "trainer.resume",
+        )
+    batch, mini = cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size
+    if batch % mini != 0:
+        raise ConfigError(
+            f"'data.train_batch_size' ({batch}) must be divisible by "
+            f"'actor.ppo_mini_batch_size' ({mini})",
+            "actor.ppo_mini_batch_size",
+        )
+    seqs, micro = mini * cfg.rollout.n, cfg.actor.micro_batch_size
+    if seqs % micro != 0:
+        raise ConfigError(
+            f"'actor.micro_batch_size' ({micro}) must divide 'actor.ppo_mini_batch_size' x "
+            f"'rollout.n' ({mini} x {cfg.rollout.n} = {seqs} sequences)",
+            "actor.micro_batch_size",
+        )
+    if cfg.reward.function is not None and ":" in cfg.reward.function:
+        file = cfg.reward.function.rsplit(":", 1)[0]
+        if not Path(file).is_file():
+            raise ConfigError(f"'reward.function' file not found: '{file}'", "reward.function")
+
+
+def to_dict(cfg: Config) -> dict:
+    """The resolved configuration as plain containers (for checkpoints and logs)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
