@@ -20,12 +20,12 @@ demo: $(STAMP)
 	$(PY) -m otbrl demo
 
 test: $(STAMP)
-	$(PY) -m ruff check src tests benchmarks examples
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
-	$(PY) -m ruff check src tests benchmarks examples
-	$(PY) -m ruff format --check src tests benchmarks examples
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 bench: $(STAMP)
 	$(PY) benchmarks/token_stats.py
