@@ -1,11 +1,148 @@
-"""Command-line entry point (placeholder until the trainer lands)."""
+"""Command line: ``otbrl train | sft | eval | export | plot | demo``.
+
+Configuration problems print one line naming the key and exit with status 2, before any model is
+loaded; heavy modules are imported only once the configuration has been checked.
+"""
 
 from __future__ import annotations
 
+import argparse
 import sys
+import time
+from collections.abc import Callable
+
+from otbrl.config import Config, ConfigError, load_config
+
+EXIT_CONFIG = 2
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML file with config groups (data, model, actor, ...)")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. actor.lr=1e-4"
+    )
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="otbrl", description="RL post-training with the Optimal Token Baseline."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("train", help="run RL training")
+    _add_config_args(p)
+    p = sub.add_parser("sft", help="supervised warm start of the built-in model (cached)")
+    _add_config_args(p)
+    p = sub.add_parser("eval", help="validation accuracy of model.path (or the warm start)")
+    _add_config_args(p)
+    p = sub.add_parser("export", help="checkpoint -> plain Hugging Face directory")
+    p.add_argument("checkpoint", help="a <output_dir>/checkpoints/step_<k> directory")
+    p.add_argument("out_dir", help="directory to write")
+    p = sub.add_parser("plot", help="overlay the curves of one or more runs")
+    p.add_argument("run_dirs", nargs="+", help="run output directories")
+    p.add_argument("--out", default=None, help="PNG to write (default: <run>/curves.png)")
+    p = sub.add_parser("demo", help="warm start + RL with the defaults; prints accuracy gain")
+    _add_config_args(p)
+    return parser
+
+
+def _config(args: argparse.Namespace, extra: list[str] | None = None) -> tuple[Config, frozenset]:
+    from otbrl.trainer import validate_config
+
+    cfg = load_config(args.config, [*(extra or []), *args.overrides])
+    return cfg, validate_config(cfg)
+
+
+def _train(args: argparse.Namespace) -> int:
+    cfg, _ = _config(args)
+    from otbrl.trainer import Trainer
+
+    Trainer(cfg).fit()
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    cfg, _ = _config(args, ["trainer.output_dir=runs/demo"])
+    from otbrl.trainer import Trainer
+
+    start = time.perf_counter()
+    summary = Trainer(cfg).fit()
+    before, after = summary.get("initial_val_accuracy"), summary.get("final_val_accuracy")
+    wall = time.perf_counter() - start
+    if before is None or after is None:
+        print(f"demo finished in {wall:.0f} s (validation was off)")
+        return 0
+    print(
+        f"validation accuracy: {before:.3f} (warm start) -> {after:.3f} (after RL, "
+        f"{cfg.algorithm.adv_estimator}), gain {after - before:+.3f}; "
+        f"{wall:.0f} s incl. warm start; curves: {cfg.trainer.output_dir}/curves.png"
+    )
+    return 0
+
+
+def _sft(args: argparse.Namespace) -> int:
+    cfg, _ = _config(args)
+    if cfg.model.path != "builtin":
+        raise ConfigError(
+            "'model.path' must be 'builtin' for 'otbrl sft' (it warm-starts the built-in model)",
+            "model.path",
+        )
+    from otbrl.trainer import warm_start
+
+    path = warm_start(cfg)
+    print(f"warm-started model: {path}")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    cfg, _ = _config(args)
+    from otbrl.trainer import evaluate_config
+
+    accuracy, count = evaluate_config(cfg)
+    print(f"val accuracy: {accuracy:.4f} on {count} prompts ({cfg.model.path})")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from otbrl.checkpoint import export_checkpoint
+
+    print(f"exported: {export_checkpoint(args.checkpoint, args.out_dir)}")
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from otbrl.plotting import plot_run, plot_runs
+
+    if len(args.run_dirs) == 1 and args.out is None:
+        print(f"wrote {plot_run(args.run_dirs[0])}")
+    else:
+        print(f"wrote {plot_runs(args.run_dirs, args.out or 'curves.png')}")
+    return 0
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "train": _train,
+    "sft": _sft,
+    "eval": _eval,
+    "export": _export,
+    "plot": _plot,
+    "demo": _demo,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    print("otbrl: no commands yet", file=sys.stderr)
-    return 2
+    """Entry point of ``otbrl`` and ``python -m otbrl``; returns the exit status."""
+    try:
+        args = _build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as exit_:  # argparse already printed usage + the error
+        return int(exit_.code or 0)
+    try:
+        return COMMANDS[args.command](args)
+    except ConfigError as err:
+        print(f"otbrl: config error: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    except FileNotFoundError as err:
+        print(f"otbrl: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("otbrl: interrupted", file=sys.stderr)
+        return 130
