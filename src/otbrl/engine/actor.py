@@ -171,17 +171,24 @@ class Actor:
         result["policy/lr"] = self.scheduler.get_last_lr()[0]
         return result
 
-    def _optimizer_step(self, mini: dict[str, Tensor]) -> dict[str, float]:
+    def accumulate_gradients(self, mini: dict[str, Tensor]) -> dict[str, float]:
+        """Zero the gradients, then backpropagate the mini-batch loss micro-batch by micro-batch.
+
+        The loss of every micro-batch is divided by one normalizer computed on the whole
+        mini-batch, so the accumulated gradient equals that of the mini-batch loss taken at
+        once, for every ``loss_agg_mode``. Returns token-weighted loss metrics.
+        """
         cfg = self.config
         mask = mini["response_mask"]
-        # one normalizer for the whole mini-batch, so the sum of micro-batch losses equals the
-        # loss of the mini-batch taken at once, whatever loss_agg_mode is
         normalizer = losses.global_normalizer(mask, cfg.loss_agg_mode)
         self.optimizer.zero_grad(set_to_none=True)
         need_entropy = cfg.entropy_coeff != 0.0
-        tally = {"clip_frac": 0.0, "approx_kl": 0.0, "pg_loss": 0.0, "kl_loss": 0.0}
-        tokens = mask.sum().clamp(min=1.0)
+        tally = {"policy/clip_frac": 0.0, "policy/approx_kl": 0.0, "policy/loss": 0.0}
+        if cfg.use_kl_loss:
+            tally["policy/kl_loss"] = 0.0
+        tokens = float(mask.sum().clamp(min=1.0))
         for micro in _split(mini, cfg.micro_batch_size):
+            m_mask = micro["response_mask"]
             stats = forward_token_stats(
                 self.model,
                 micro,
@@ -190,7 +197,6 @@ class Actor:
                 packed=self.packed,
                 fused=cfg.use_fused_kernels,
             )
-            m_mask = micro["response_mask"]
             pg = losses.ppo_policy_loss(
                 stats["old_log_probs"],
                 micro["old_log_probs"],
@@ -202,38 +208,34 @@ class Actor:
             )
             loss = losses.aggregate(pg.loss, m_mask, cfg.loss_agg_mode, normalizer=normalizer)
             if need_entropy:
-                ent = losses.aggregate(
+                entropy = losses.aggregate(
                     stats["entropy"], m_mask, cfg.loss_agg_mode, normalizer=normalizer
                 )
-                loss = loss - cfg.entropy_coeff * ent
+                loss = loss - cfg.entropy_coeff * entropy
             if cfg.use_kl_loss:
                 kl = losses.kl_penalty(
                     stats["old_log_probs"], micro["ref_log_probs"], cfg.kl_loss_type
                 )
                 kl_loss = losses.aggregate(kl, m_mask, cfg.loss_agg_mode, normalizer=normalizer)
                 loss = loss + cfg.kl_loss_coef * kl_loss
-                tally["kl_loss"] += kl_loss.item()
+                tally["policy/kl_loss"] += float(kl_loss)
             loss.backward()
-            weight = m_mask.sum().item() / tokens.item()  # token-weighted means over micro-batches
-            tally["clip_frac"] += pg.clip_frac.item() * weight
-            tally["approx_kl"] += pg.approx_kl.item() * weight
-            tally["pg_loss"] += (loss.detach().item()) if not cfg.use_kl_loss else 0.0
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), max_norm=cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-        )
+            weight = float(m_mask.sum()) / tokens  # token-weighted means over micro-batches
+            tally["policy/clip_frac"] += float(pg.clip_frac) * weight
+            tally["policy/approx_kl"] += float(pg.approx_kl) * weight
+            tally["policy/loss"] += float(loss)
+        return tally
+
+    def _optimizer_step(self, mini: dict[str, Tensor]) -> dict[str, float]:
+        metrics = self.accumulate_gradients(mini)
+        clip = self.config.grad_clip if self.config.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=clip)
+        # a non-finite gradient skips the step (and shows in the metric) instead of writing
+        # NaNs into the weights
         if torch.isfinite(grad_norm):
             self.optimizer.step()
-        # a non-finite gradient skips the step (and is visible in the metric) instead of
-        # writing NaNs into the weights
         self.scheduler.step()
-        metrics = {
-            "policy/grad_norm": float(grad_norm),
-            "policy/clip_frac": tally["clip_frac"],
-            "policy/approx_kl": tally["approx_kl"],
-            "policy/pg_loss": tally["pg_loss"],
-        }
-        if cfg.use_kl_loss:
-            metrics["policy/kl_loss"] = tally["kl_loss"]
+        metrics["policy/grad_norm"] = float(grad_norm)
         return metrics
 
     # -- state ------------------------------------------------------------------------------------
