@@ -1,1 +1,21 @@
-"""otbrl.models"""
+"""otbrl.models: tiny task tokenizer and model, and loading of local HF model directories."""
+
+from otbrl.models.hf import (
+    ARCHS,
+    DEFAULT_SIZE,
+    build_tiny_model,
+    eos_token_ids,
+    load_model_and_tokenizer,
+)
+from otbrl.models.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
+
+__all__ = [
+    "ARCHS",
+    "CHAT_TEMPLATE",
+    "DEFAULT_SIZE",
+    "SPECIAL_TOKENS",
+    "build_tiny_model",
+    "build_tokenizer",
+    "eos_token_ids",
+    "load_model_and_tokenizer",
+]

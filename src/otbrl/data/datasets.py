@@ -1,0 +1,193 @@
+"""Rows in the RL parquet schema: reading, writing, prompt encoding and a resumable batch iterator.
+
+Schema of one row: ``prompt`` (list of ``{"role", "content"}`` chat messages), ``data_source``
+(str, selects the built-in reward), ``reward_model.ground_truth`` (str), optional
+``extra_info`` (dict) and ``ability``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from torch import Tensor
+from transformers import PreTrainedTokenizerBase
+
+
+def validate_row(row: dict, where: str = "row") -> dict:
+    """Check one row against the schema; return it. ``where`` names it in the error."""
+    if not isinstance(row, dict):
+        raise TypeError(f"{where}: expected a dict, got {type(row).__name__}")
+    prompt = row.get("prompt")
+    if not isinstance(prompt, list | tuple) or not prompt:
+        raise ValueError(
+            f"{where}: 'prompt' must be a non-empty list of chat messages, got {prompt!r}"
+        )
+    for m in prompt:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+            raise ValueError(f"{where}: each prompt message needs 'role' and 'content', got {m!r}")
+    if not isinstance(row.get("data_source"), str):
+        raise ValueError(f"{where}: 'data_source' must be a str, got {row.get('data_source')!r}")
+    reward_model = row.get("reward_model")
+    if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
+        raise ValueError(
+            f"{where}: 'reward_model' must be a dict with 'ground_truth', got {reward_model!r}"
+        )
+    return row
+
+
+def read_parquet_rows(files: str | Path | Sequence[str | Path]) -> list[dict]:
+    """Read and validate every row of one or more parquet files, in file order.
+
+    Returns:
+        A list of plain dicts; ``ground_truth`` is converted to ``str`` (numbers are common in
+        the wild) and a missing ``extra_info`` becomes ``{}``.
+    """
+    paths = [files] if isinstance(files, str | Path) else list(files)
+    if not paths:
+        raise ValueError("files: expected at least one parquet file, got none")
+    rows: list[dict] = []
+    for path in paths:
+        if not Path(path).is_file():
+            raise ValueError(f"files: parquet file {str(path)!r} does not exist")
+        for i, row in enumerate(pq.read_table(path).to_pylist()):
+            validate_row(row, where=f"{path} row {i}")
+            row["reward_model"] = {
+                **row["reward_model"],
+                "ground_truth": str(row["reward_model"]["ground_truth"]),
+            }
+            row["extra_info"] = row.get("extra_info") or {}
+            rows.append(row)
+    return rows
+
+
+def write_parquet_rows(rows: Sequence[dict], path: str | Path) -> Path:
+    """Write schema rows to a parquet file (temp name + rename, so never a torn file)."""
+    if not rows:
+        raise ValueError("rows: expected at least one row, got none")
+    for i, row in enumerate(rows):
+        validate_row(row, where=f"rows[{i}]")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    pq.write_table(pa.Table.from_pylist(list(rows)), tmp)
+    tmp.replace(path)
+    return path
+
+
+def render_prompts(rows: Sequence[dict], tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """Chat-template text of each row's prompt, with the generation prompt appended."""
+    return [
+        tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+        for row in rows
+    ]
+
+
+def encode_prompts(
+    rows: Sequence[dict], tokenizer: PreTrainedTokenizerBase, max_prompt_length: int
+) -> dict[str, Tensor]:
+    """Tokenize prompts through the chat template, left-padded.
+
+    Returns:
+        ``input_ids`` [B, Lp] long and ``attention_mask`` [B, Lp] long, Lp = longest prompt.
+        A prompt longer than ``max_prompt_length`` tokens is a ``ValueError`` naming its row.
+    """
+    if not rows:
+        raise ValueError("rows: expected at least one row, got none")
+    texts = render_prompts(rows, tokenizer)
+    # The template already holds the special tokens (BOS, role markers): add none twice.
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    lengths = [len(x) for x in ids]
+    worst = int(np.argmax(lengths))
+    if lengths[worst] > max_prompt_length:
+        raise ValueError(
+            f"max_prompt_length: row {worst} (data_source {rows[worst].get('data_source')!r}) "
+            f"has a {lengths[worst]}-token prompt, longer than {max_prompt_length}"
+        )
+    pad_id = (
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    )
+    width = max(lengths)
+    input_ids = torch.full((len(ids), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for i, x in enumerate(ids):
+        if x:
+            input_ids[i, width - len(x) :] = torch.tensor(x, dtype=torch.long)
+            attention_mask[i, width - len(x) :] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+class PromptDataset:
+    """Deterministic, resumable stream of prompt batches (lists of rows).
+
+    Every epoch is a fresh permutation drawn from ``(seed, epoch)``; batches never straddle
+    two epochs (a short tail is skipped), so ``batch_size`` rows come back every time.
+    ``state_dict()`` is two ints; loading it resumes the exact same sequence.
+    """
+
+    def __init__(
+        self,
+        rows: Sequence[dict],
+        tokenizer: PreTrainedTokenizerBase | None,
+        *,
+        max_prompt_length: int,
+        batch_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+    ):
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size: expected an int ≥ 1, got {batch_size!r}")
+        if len(rows) < batch_size:
+            raise ValueError(
+                f"batch_size: {batch_size} is larger than the dataset ({len(rows)} rows)"
+            )
+        for i, row in enumerate(rows):
+            validate_row(row, where=f"rows[{i}]")
+        if tokenizer is not None:
+            # Fail at start-up, not at step 900, when one prompt is too long.
+            for start in range(0, len(rows), 4096):
+                encode_prompts(rows[start : start + 4096], tokenizer, max_prompt_length)
+        self.rows = list(rows)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0
+        self._order = self._permutation(0)
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        return len(self.rows) // self.batch_size
+
+    def next_batch(self) -> list[dict]:
+        """The next ``batch_size`` rows."""
+        if self.position + self.batch_size > len(self.rows):
+            self.epoch += 1
+            self.position = 0
+            self._order = self._permutation(self.epoch)
+        idx = self._order[self.position : self.position + self.batch_size]
+        self.position += self.batch_size
+        return [self.rows[i] for i in idx]
+
+    def state_dict(self) -> dict[str, int]:
+        """The data position: ``{"epoch", "position"}``."""
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at a position saved by ``state_dict``."""
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position <= len(self.rows):
+            raise ValueError(
+                f"state: expected epoch ≥ 0 and 0 ≤ position ≤ {len(self.rows)}, got {state!r}"
+            )
+        self.epoch, self.position = epoch, position
+        self._order = self._permutation(epoch)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.rows))
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))

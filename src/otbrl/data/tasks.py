@@ -1,0 +1,109 @@
+"""Built-in synthetic tasks: rows in the parquet schema, plus the demonstrations SFT learns from.
+
+A row is ``{"prompt": [{"role": "user", "content": "12+34="}], "data_source": "otbrl/arithmetic",
+"ability": "arithmetic", "reward_model": {"style": "rule", "ground_truth": "46"},
+"extra_info": {"split": "train", "index": 0}}`` — the widely used RL-parquet schema, so a built-in
+task and a user's parquet file flow through the same code.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+ARITHMETIC_SOURCE = "otbrl/arithmetic"
+SPLITS = ("train", "val")
+
+
+class Task:
+    """A built-in task. Subclasses set the attributes and implement ``rows``/``demonstration``.
+
+    Attributes:
+        name: registry name (``get_task(name)``).
+        data_source: the ``data_source`` of every row; selects the built-in reward.
+        alphabet: every character a prompt or response can contain (sizes the tiny tokenizer).
+        max_response_chars: longest demonstration, in characters (= tokens for the tiny
+            tokenizer, before EOS).
+    """
+
+    name: str
+    data_source: str
+    alphabet: str
+    max_response_chars: int
+
+    def rows(self, split: str, n: int | None = None, seed: int = 0) -> list[dict]:
+        """``n`` rows of ``split`` (all of it when ``None``), in an order fixed by ``seed``."""
+        raise NotImplementedError
+
+    def demonstration(self, row: dict) -> str:
+        """The target response text for ``row`` (without EOS): what SFT teaches."""
+        raise NotImplementedError
+
+
+class ArithmeticTask(Task):
+    """``a+b=`` with ``digits``-digit operands; the answer is the decimal sum.
+
+    Every operand pair occurs once; a fixed permutation (``split_seed``) assigns the first
+    ``n_val`` pairs to ``val`` and the rest to ``train``, so the splits are disjoint whatever
+    ``seed`` a caller draws rows with.
+    """
+
+    name = "arithmetic"
+    data_source = ARITHMETIC_SOURCE
+    alphabet = "0123456789+="
+
+    def __init__(self, digits: int = 2, n_val: int = 1000, split_seed: int = 1234):
+        if not isinstance(digits, int) or not 1 <= digits <= 4:
+            raise ValueError(f"digits: expected an int in [1, 4], got {digits!r}")
+        low, high = (10 ** (digits - 1) if digits > 1 else 0), 10**digits
+        n_pairs = (high - low) ** 2
+        if not isinstance(n_val, int) or not 0 < n_val < n_pairs:
+            raise ValueError(f"n_val: expected an int in (0, {n_pairs}), got {n_val!r}")
+        self.digits = digits
+        self.max_response_chars = digits + 1
+        a, b = np.meshgrid(np.arange(low, high), np.arange(low, high), indexing="ij")
+        pairs = np.stack([a.ravel(), b.ravel()], axis=1)
+        pairs = pairs[np.random.default_rng(split_seed).permutation(n_pairs)]
+        self._pairs = {"val": pairs[:n_val], "train": pairs[n_val:]}
+
+    def split_size(self, split: str) -> int:
+        """Number of distinct rows in ``split``."""
+        return len(self._split(split))
+
+    def rows(self, split: str, n: int | None = None, seed: int = 0) -> list[dict]:
+        pool = self._split(split)
+        if n is None:
+            n = len(pool)
+        if not isinstance(n, int) or not 0 < n <= len(pool):
+            raise ValueError(
+                f"n: expected an int in [1, {len(pool)}] for split {split!r}, got {n!r}"
+            )
+        order = np.random.default_rng(seed).permutation(len(pool))[:n]
+        return [self._row(split, int(i), pool[i]) for i in order]
+
+    def demonstration(self, row: dict) -> str:
+        return str(row["reward_model"]["ground_truth"])
+
+    def _split(self, split: str) -> np.ndarray:
+        if split not in self._pairs:
+            raise ValueError(f"split: expected one of {list(self._pairs)}, got {split!r}")
+        return self._pairs[split]
+
+    def _row(self, split: str, index: int, pair: np.ndarray) -> dict:
+        a, b = int(pair[0]), int(pair[1])
+        return {
+            "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+            "data_source": self.data_source,
+            "ability": "arithmetic",
+            "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+            "extra_info": {"split": split, "index": index},
+        }
+
+
+TASKS: dict[str, type[Task]] = {"arithmetic": ArithmeticTask}
+
+
+def get_task(name: str, **kwargs) -> Task:
+    """The built-in task called ``name`` (``kwargs`` go to its constructor)."""
+    if name not in TASKS:
+        raise ValueError(f"task: expected one of {sorted(TASKS)}, got {name!r}")
+    return TASKS[name](**kwargs)

@@ -1,0 +1,128 @@
+"""Build a tiny random-init causal LM for a built-in task, and load any local HF model directory.
+
+Both go through the same Hugging Face code paths: ``build_tiny_model`` writes a directory with
+``save_pretrained`` that ``load_model_and_tokenizer`` reads back exactly as it reads a real model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from otbrl.data.tasks import get_task
+from otbrl.models.tokenizer import build_tokenizer
+
+ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The feasibility probe's size (NOTES): ~660k parameters, learns 2-digit addition on 2 CPU cores.
+DEFAULT_SIZE = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 64,
+}
+
+
+def build_tiny_model(
+    out_dir: str | Path, *, task: str = "arithmetic", arch: str = "llama", seed: int = 0, **size
+) -> Path:
+    """Random-init a tiny causal LM plus a task-alphabet tokenizer and save both to ``out_dir``.
+
+    Args:
+        out_dir: directory to write (created; existing files are overwritten).
+        task: built-in task whose alphabet sizes the vocabulary (see ``otbrl.data.get_task``).
+        arch: ``"llama"`` or ``"qwen2"``.
+        seed: seeds the weight initialisation (the global RNG state is left untouched).
+        **size: overrides of ``DEFAULT_SIZE`` keys (``hidden_size``, ``num_hidden_layers``, ...).
+
+    Returns:
+        ``Path(out_dir)``, holding ``config.json``, ``model.safetensors``, the tokenizer files
+        and the chat template; ``load_model_and_tokenizer(out_dir)`` loads it.
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"arch: expected one of {sorted(ARCHS)}, got {arch!r}")
+    unknown = sorted(set(size) - set(DEFAULT_SIZE))
+    if unknown:
+        raise ValueError(
+            f"size: unknown keys {unknown}; expected a subset of {sorted(DEFAULT_SIZE)}"
+        )
+    tokenizer = build_tokenizer(get_task(task).alphabet)
+    config_cls, model_cls = ARCHS[arch]
+    config = config_cls(
+        vocab_size=len(tokenizer),
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **{**DEFAULT_SIZE, **size},
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def load_model_and_tokenizer(
+    path: str | Path, *, dtype: str = "float32", device: str = "cpu", **model_kwargs
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer from a local Hugging Face directory.
+
+    Args:
+        path: directory with ``config.json`` and weights (``save_pretrained`` layout).
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        device: torch device for the weights.
+        **model_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (e.g.
+            ``attn_implementation``).
+
+    Returns:
+        ``(model, tokenizer)``: the tokenizer pads on the left and always has a pad token (the
+        EOS token when the model ships none); the model's generation config carries that pad id
+        and stops at every id in ``eos_token_ids``.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"path: expected a local model directory with config.json, got {str(path)!r}"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"path: the tokenizer in {str(path)!r} has no EOS token to end responses")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **model_kwargs)
+    model.to(device)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = eos_token_ids(model, tokenizer)
+    return model, tokenizer
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Every token id that ends a response: the tokenizer's EOS plus the generation config's."""
+    ids = [tokenizer.eos_token_id]
+    extra = model.generation_config.eos_token_id
+    for i in extra if isinstance(extra, list | tuple) else [extra]:
+        if i is not None and i not in ids:
+            ids.append(int(i))
+    return ids

@@ -1,0 +1,89 @@
+"""A tiny byte-level BPE tokenizer for a built-in task, wrapped as a Hugging Face tokenizer.
+
+The vocabulary is the task's alphabet plus a few special tokens, so the model's embedding and
+output layers stay tiny. The tokenizer is a byte-level BPE (``models.BPE`` +
+``pre_tokenizers.ByteLevel`` + ``decoders.ByteLevel``) so that it survives the
+``save_pretrained`` → ``AutoTokenizer.from_pretrained`` round trip unchanged, whatever model
+type it is saved next to (see NOTES: a WordLevel tokenizer next to a ``qwen2`` config is
+silently rebuilt as a byte-level one and loses spaces).
+"""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+ROLE_TOKENS = ("<system>", "<user>", "<assistant>")
+SPECIAL_TOKENS = (PAD, BOS, EOS, *ROLE_TOKENS)
+
+# Renders ``<bos><user>12+34=<assistant>`` for a one-turn prompt with the generation prompt on,
+# and closes assistant turns with ``<eos>``: the same token that ends a sampled response.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unsupported chat role: ' + message['role']) }}"
+    "{% endif %}"
+    "<{{ message['role'] }}>{{ message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def build_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
+    """Build a character-level byte-level-BPE tokenizer over ``alphabet`` plus special tokens.
+
+    Args:
+        alphabet: the characters the task uses (non-empty, ASCII only: one byte per character,
+            so each character is exactly one token). Characters outside it are dropped when
+            encoding, as a BPE without an unknown token does.
+
+    Returns:
+        A ``PreTrainedTokenizerFast`` with pad/bos/eos and chat-role special tokens, the
+        ``CHAT_TEMPLATE`` chat template and ``padding_side="left"``. Vocabulary size is
+        ``len(SPECIAL_TOKENS) + len(set(alphabet))``; special tokens take ids 0..5.
+    """
+    if not isinstance(alphabet, str):
+        raise TypeError(f"alphabet: expected a str, got {type(alphabet).__name__}")
+    chars = sorted(set(alphabet))
+    if not chars:
+        raise ValueError("alphabet: expected at least one character, got an empty string")
+    if any(ord(c) > 127 for c in chars):
+        raise ValueError(f"alphabet: expected ASCII characters only, got {alphabet!r}")
+    # The byte-level pre-tokenizer maps each byte to a printable stand-in (space -> 'Ġ'), so the
+    # initial alphabet must be given in that mapped form.
+    byte_map = pre_tokenizers.ByteLevel.alphabet()
+    mapped = [_byte_level_char(c, byte_map) for c in chars]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        # No room for merges: one token per character keeps arithmetic digit-by-digit.
+        vocab_size=len(SPECIAL_TOKENS) + len(mapped),
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=mapped,
+        limit_alphabet=len(mapped),
+        show_progress=False,
+    )
+    tok.train_from_iterator(["".join(chars)], trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        additional_special_tokens=list(ROLE_TOKENS),
+        padding_side="left",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def _byte_level_char(char: str, byte_map: list[str]) -> str:
+    """The byte-level stand-in of one ASCII character (identity for printable ones)."""
+    mapped = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False).pre_tokenize_str(
+        char
+    )[0][0]
+    if mapped not in byte_map:  # defensive: the ByteLevel table covers all 256 bytes
+        raise ValueError(f"alphabet: character {char!r} has no byte-level token")
+    return mapped

@@ -1,0 +1,156 @@
+"""Response generation with Hugging Face ``model.generate`` (the CPU / single-device rollout).
+
+All prompts × ``n`` samples go through one batched ``generate`` call with the KV cache on;
+rows of the same prompt are adjacent, as the group-wise estimators expect.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from otbrl.models import eos_token_ids
+
+
+@torch.no_grad()
+def generate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    *,
+    n: int = 1,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    do_sample: bool = True,
+    seed: int | None = None,
+) -> dict[str, Tensor]:
+    """Sample ``n`` responses per prompt.
+
+    Args:
+        model: a causal LM (its train/eval mode is restored afterwards).
+        tokenizer: gives the pad and EOS ids.
+        prompt_ids: [P, Lp] long, left-padded.
+        prompt_mask: [P, Lp] 0/1, 1 on real prompt tokens.
+        n: samples per prompt (rows ``i*n .. i*n+n-1`` come from prompt ``i``).
+        max_new_tokens: response length cap.
+        temperature, top_p, top_k: sampling parameters (``top_k=0`` and ``top_p=1`` disable
+            those filters); ignored when ``do_sample=False`` (greedy decoding).
+        seed: makes sampling reproducible without touching the caller's global RNG state.
+
+    Returns:
+        ``prompts`` [B, Lp] long (B = P*n), ``responses`` [B, Lr] long right-padded with the
+        pad id (Lr ≤ ``max_new_tokens`` is the longest response), ``response_mask`` [B, Lr]
+        float32 (1 up to and including the first EOS, 0 after), the full sequence
+        ``input_ids`` / ``attention_mask`` / ``position_ids`` [B, Lp+Lr] long, and ``uid``
+        [B] int64 (the prompt index, shared by the ``n`` rows of a group).
+    """
+    _check_args(prompt_ids, prompt_mask, n, max_new_tokens, temperature, top_p, top_k)
+    prompt_mask = prompt_mask.to(dtype=torch.long, device=prompt_ids.device)
+    prompts = prompt_ids.repeat_interleave(n, dim=0)
+    masks = prompt_mask.repeat_interleave(n, dim=0)
+    eos_ids = eos_token_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    sampling = {}
+    if do_sample:
+        sampling = {"do_sample": True, "temperature": float(temperature), "top_p": float(top_p)}
+        sampling["top_k"] = int(top_k) if top_k > 0 else None
+    else:
+        sampling = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=_devices(prompt_ids)):
+            if seed is not None:
+                torch.manual_seed(seed)
+            out = model.generate(
+                input_ids=prompts,
+                attention_mask=masks,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=eos_ids,
+                pad_token_id=pad_id,
+                use_cache=True,
+                **sampling,
+            )
+    finally:
+        model.train(was_training)
+    responses = out[:, prompts.shape[1] :]
+    response_mask = eos_response_mask(responses, eos_ids)
+    # generate() already pads finished rows, but with pad == EOS (common for real models) only
+    # the mask tells a trained-on EOS from padding; make the ids after the first EOS uniform.
+    responses = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad_id))
+    attention_mask = torch.cat([masks, response_mask.long()], dim=1)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    uid = torch.arange(prompt_ids.shape[0], device=prompts.device).repeat_interleave(n)
+    return {
+        "prompts": prompts,
+        "responses": responses,
+        "response_mask": response_mask,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "uid": uid,
+    }
+
+
+def eos_response_mask(responses: Tensor, eos_ids: list[int] | int) -> Tensor:
+    """[B, Lr] float32 mask: 1 up to and including the first EOS of each row, 0 after.
+
+    A row without EOS (truncated at the length cap) is 1 everywhere.
+    """
+    eos = torch.as_tensor(eos_ids if isinstance(eos_ids, list) else [eos_ids])
+    is_eos = torch.isin(responses, eos.to(responses.device)).long()
+    # Number of EOS strictly before each position: 0 means "not past the first EOS yet".
+    before = is_eos.cumsum(dim=1) - is_eos
+    return (before == 0).to(torch.float32)
+
+
+def decode_responses(
+    tokenizer: PreTrainedTokenizerBase, responses: Tensor, response_mask: Tensor
+) -> list[str]:
+    """Text of each response: masked tokens only, special tokens (EOS) dropped.
+
+    Args:
+        responses: [B, Lr] long. response_mask: [B, Lr] 0/1.
+    """
+    if responses.shape != response_mask.shape:
+        raise ValueError(
+            f"response_mask: expected shape {tuple(responses.shape)} like responses, "
+            f"got {tuple(response_mask.shape)}"
+        )
+    lengths = response_mask.sum(dim=1).long().tolist()
+    rows = [ids[:k] for ids, k in zip(responses.tolist(), lengths)]
+    return tokenizer.batch_decode(rows, skip_special_tokens=True)
+
+
+def _devices(t: Tensor) -> list:
+    return [t.device] if t.device.type == "cuda" else []
+
+
+def _check_args(prompt_ids, prompt_mask, n, max_new_tokens, temperature, top_p, top_k) -> None:
+    if not isinstance(prompt_ids, Tensor) or prompt_ids.dim() != 2:
+        raise ValueError(f"prompt_ids: expected a [P, Lp] tensor, got {_describe(prompt_ids)}")
+    if prompt_ids.dtype not in (torch.long, torch.int32):
+        raise TypeError(f"prompt_ids: expected an integer tensor, got dtype {prompt_ids.dtype}")
+    if not isinstance(prompt_mask, Tensor) or prompt_mask.shape != prompt_ids.shape:
+        raise ValueError(
+            f"prompt_mask: expected shape {tuple(prompt_ids.shape)} like prompt_ids, "
+            f"got {_describe(prompt_mask)}"
+        )
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n: expected an int ≥ 1, got {n!r}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: expected an int ≥ 1, got {max_new_tokens!r}")
+    if not temperature > 0:
+        raise ValueError(f"temperature: expected > 0, got {temperature!r}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p: expected a float in (0, 1], got {top_p!r}")
+    if not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k: expected an int ≥ 0 (0 = off), got {top_k!r}")
+
+
+def _describe(x) -> str:
+    return f"shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
