@@ -1,0 +1,147 @@
+"""Resolving the configured reward function and scoring a batch of responses with it."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from otbrl.rewards.builtin import BUILTIN_REWARDS, RewardFunction, reward_for_data_source
+
+logger = logging.getLogger(__name__)
+ON_ERROR = ("raise", "zero")
+
+
+class RewardError(RuntimeError):
+    """A reward function raised or returned something that is not a finite number."""
+
+
+def resolve_reward_function(spec: str | None) -> RewardFunction | None:
+    """Turn a configured reward into a function.
+
+    Args:
+        spec: ``None`` (choose per row by ``data_source``), a built-in name (``exact_match``,
+            ``gsm8k``, ``gsm8k_flexible``) or ``"path/to/file.py:function"``.
+
+    Returns:
+        The function, or ``None`` for ``spec=None``.
+    """
+    if spec is None:
+        return None
+    if not isinstance(spec, str) or not spec:
+        raise TypeError(f"reward function: expected a name or 'path/file.py:fn', got {spec!r}")
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec]
+    if ":" not in spec:
+        raise ValueError(
+            f"reward function: {spec!r} is neither a built-in ({sorted(BUILTIN_REWARDS)}) "
+            f"nor 'path/to/file.py:function'"
+        )
+    file, _, name = spec.rpartition(":")
+    path = Path(file).expanduser()
+    if not path.is_file():
+        raise ValueError(f"reward function: file {file!r} (from {spec!r}) does not exist")
+    module_name = f"otbrl_user_reward_{abs(hash(str(path.resolve())))}"
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ValueError(f"reward function: cannot import {file!r} as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # lets dataclasses/pickling inside the file resolve it
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[module_name]
+        raise ValueError(
+            f"reward function: importing {file!r} failed: {type(e).__name__}: {e}"
+        ) from e
+    fn = getattr(module, name, None)
+    if fn is None:
+        available = sorted(
+            k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
+        )
+        raise ValueError(
+            f"reward function: {file!r} has no {name!r} (callables there: {available})"
+        )
+    if not callable(fn):
+        raise TypeError(
+            f"reward function: {name!r} in {file!r} is a {type(fn).__name__}, not callable"
+        )
+    return fn
+
+
+def score_responses(
+    responses: Sequence[str],
+    rows: Sequence[dict],
+    *,
+    function: RewardFunction | str | None = None,
+    on_error: str = "raise",
+) -> tuple[list[float], dict[str, float]]:
+    """Score each response against its row's ground truth.
+
+    Args:
+        responses: B decoded responses.
+        rows: B schema rows (``data_source``, ``reward_model.ground_truth``, ``extra_info``);
+            with n samples per prompt, repeat each row n times.
+        function: the reward for every row (a callable, or a spec for
+            ``resolve_reward_function``); ``None`` picks the built-in for each row's
+            ``data_source`` (an unknown one is a ``ValueError`` naming it, whatever
+            ``on_error`` says: that is a configuration problem, not a bad sample).
+        on_error: ``"raise"`` (a ``RewardError`` naming the sample index and function) or
+            ``"zero"`` (the sample scores 0.0 and is counted).
+
+    Returns:
+        ``(scores, info)``: B floats and ``{"reward/errors": count}``. A function may return a
+        number, a bool, or a dict with a ``"score"`` entry.
+    """
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_error: expected one of {list(ON_ERROR)}, got {on_error!r}")
+    if len(responses) != len(rows):
+        raise ValueError(
+            f"rows: expected {len(responses)} rows (one per response), got {len(rows)}"
+        )
+    if isinstance(function, str):
+        function = resolve_reward_function(function)
+    if function is None:
+        functions = [reward_for_data_source(row.get("data_source")) for row in rows]
+    else:
+        functions = [function] * len(rows)
+    scores: list[float] = []
+    errors = 0
+    for i, (response, row, fn) in enumerate(zip(responses, rows, functions)):
+        try:
+            scores.append(_call(fn, response, row))
+        except Exception as e:
+            error = RewardError(
+                f"reward function {_name(fn)!r} failed on sample {i} "
+                f"(data_source {row.get('data_source')!r}): {type(e).__name__}: {e}"
+            )
+            if on_error == "raise":
+                raise error from e
+            if errors == 0:
+                logger.warning(
+                    "%s (scored 0; later failures in this batch are only counted)", error
+                )
+            errors += 1
+            scores.append(0.0)
+    return scores, {"reward/errors": float(errors)}
+
+
+def _call(fn: RewardFunction, response: str, row: dict) -> float:
+    ground_truth = row["reward_model"]["ground_truth"]
+    result = fn(row.get("data_source"), response, ground_truth, row.get("extra_info") or {})
+    if isinstance(result, dict):
+        if "score" not in result:
+            raise TypeError(f"returned a dict without a 'score' entry (keys {sorted(result)})")
+        result = result["score"]
+    if not isinstance(result, int | float):  # bool is an int
+        raise TypeError(f"returned {type(result).__name__}, expected a number")
+    if not math.isfinite(result):
+        raise ValueError(f"returned {result!r}, expected a finite number")
+    return float(result)
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
