@@ -1,1 +1,11 @@
-"""otbrl.algos"""
+"""otbrl.algos: pure functions over ``[B, L]`` tensors (advantages, losses, metrics)."""
+
+from otbrl.algos.advantages import (
+    ESTIMATORS,
+    Estimator,
+    compute_advantage,
+    get_estimator,
+    register_estimator,
+)
+
+__all__ = ["ESTIMATORS", "Estimator", "compute_advantage", "get_estimator", "register_estimator"]

@@ -1,0 +1,122 @@
+"""Shared helpers for ``otbrl.algos``: input checks, group ids, masked statistics, whitening.
+
+Everything here is pure tensor math over ``[B, L]`` tensors (B rows, L response positions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+WHITEN_EPS = 1e-8
+
+
+def check_tensor(name: str, x: Any, shape: torch.Size | tuple[int, ...] | None = None) -> Tensor:
+    """Return ``x`` as a float32 tensor after checking it is a tensor of the expected shape.
+
+    Raises ``ValueError`` when ``x`` is None (a required input is missing) or has the wrong
+    shape, ``TypeError`` when it is not a tensor. Bool/int masks are converted to float32.
+    """
+    if x is None:
+        raise ValueError(f"{name} is required but was not given (None)")
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if shape is not None and tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+    if x.dtype != torch.float32:
+        x = x.float()
+    return x
+
+
+def check_batch(token_level_rewards: Any, response_mask: Any) -> tuple[Tensor, Tensor]:
+    """Check the two arguments every estimator takes; returns them as float32 ``[B, L]``."""
+    r = check_tensor("token_level_rewards", token_level_rewards)
+    if r.dim() != 2:
+        raise ValueError(f"token_level_rewards must be 2-D [B, L], got shape {tuple(r.shape)}")
+    m = check_tensor("response_mask", response_mask, r.shape)
+    return r, m
+
+
+def group_ids(
+    index: Any, batch_size: int, device: torch.device | None = None
+) -> tuple[Tensor, int]:
+    """Dense group ids for a per-row group key.
+
+    Args:
+        index: ``[B]`` int tensor, numpy array, or a sequence of hashables (e.g. uid strings).
+            Rows that share a value form a group; the values' order does not matter.
+        batch_size: B, checked against ``len(index)``.
+        device: where to put the result (defaults to the tensor's own device, else CPU).
+
+    Returns:
+        ``(gid, num_groups)``: ``gid`` is ``[B]`` int64 in ``[0, num_groups)``.
+    """
+    if index is None:
+        raise ValueError("index is required but was not given (None)")
+    if isinstance(index, Tensor):
+        if index.dim() != 1 or index.numel() != batch_size:
+            raise ValueError(f"index must have shape ({batch_size},), got {tuple(index.shape)}")
+        if index.is_floating_point() or index.is_complex():
+            raise TypeError(f"index must be an integer tensor, got dtype {index.dtype}")
+        uniq, gid = torch.unique(index, return_inverse=True)
+        return gid.to(device or index.device, torch.int64), int(uniq.numel())
+    if isinstance(index, str) or not isinstance(index, Sequence | np.ndarray):
+        raise TypeError(
+            "index must be a tensor, numpy array or sequence of hashables, "
+            f"got {type(index).__name__}"
+        )
+    if len(index) != batch_size:
+        raise ValueError(f"index must have {batch_size} entries (one per row), got {len(index)}")
+    arr = np.asarray(index)
+    if arr.dtype != object and arr.ndim == 1:
+        uniq, inv = np.unique(arr, return_inverse=True)
+        gid = torch.from_numpy(inv.astype(np.int64).reshape(-1))
+        return gid.to(device or "cpu"), len(uniq)
+    # Mixed or composite keys (tuples, None...): hash them; one dict pass, once per batch.
+    ids: dict[Any, int] = {}
+    gid_list = [ids.setdefault(key, len(ids)) for key in index]
+    return torch.tensor(gid_list, dtype=torch.int64, device=device or "cpu"), len(ids)
+
+
+def group_sum(x: Tensor, gid: Tensor, num_groups: int) -> Tensor:
+    """Per-group sums of ``x`` ``[B, ...]`` over rows -> ``[num_groups, ...]`` (one scatter)."""
+    out = x.new_zeros((num_groups, *x.shape[1:]))
+    return out.index_add_(0, gid, x)
+
+
+def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
+    """Σ x·mask over all elements -> 0-dim tensor."""
+    return (x * mask).sum()
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Σ x·m / (Σ m + 1e-8), over everything (``dim=None``) or along ``dim``."""
+    if dim is None:
+        return (x * mask).sum() / (mask.sum() + WHITEN_EPS)
+    return (x * mask).sum(dim) / (mask.sum(dim) + WHITEN_EPS)
+
+
+def masked_var(x: Tensor, mask: Tensor) -> Tensor:
+    """Unbiased masked variance over all elements (Bessel factor Σm/(Σm−1)); 0 when Σm < 2."""
+    mean = masked_mean(x, mask)
+    n = mask.sum()
+    var = masked_mean((x - mean) ** 2, mask)
+    # No host sync: fewer than two tokens have no spread to measure, so the variance is 0.
+    bessel = torch.where(n > 1, n / (n - 1).clamp(min=1.0), torch.zeros_like(n))
+    return var * bessel
+
+
+def whiten(x: Tensor, mask: Tensor) -> Tensor:
+    """(x − μ)/sqrt(σ² + 1e-8) with the masked mean μ and unbiased masked variance σ².
+
+    Shapes: ``x``, ``mask`` ``[B, L]`` -> ``[B, L]`` (not multiplied by the mask; callers do).
+    With fewer than two masked tokens the result is 0 (there is nothing to whiten against).
+    """
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask)
+    out = (x - mean) * torch.rsqrt(var + WHITEN_EPS)
+    return torch.where(mask.sum() > 1, out, torch.zeros_like(out))

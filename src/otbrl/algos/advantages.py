@@ -1,0 +1,212 @@
+"""Advantage estimators and their registry.
+
+Every estimator is a function of keyword tensors returning ``(advantages, returns)``, both
+``[B, L]`` float32. Notation: m = response_mask, r = token_level_rewards, score_i = Σ_t r_{i,t};
+a group is the set of rows sharing an ``index`` value (n = its size).
+
+The registry records which statistics each estimator needs from the engine (``needs``), so the
+trainer asks for exactly those in the forward pass that computes log-probs. When the answer
+depends on an option (OTB with ``energy="uniform"`` needs neither Σπ² nor old log-probs),
+``Estimator.needs_for(**options)`` gives it; ``needs`` is the answer for default options.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from otbrl.algos._common import check_batch, check_tensor, group_ids, group_sum, whiten
+from otbrl.algos.otb import optimal_token_baseline, tir_optimal_token_baseline
+
+GRPO_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """A registered advantage estimator.
+
+    ``fn(**kwargs) -> (advantages [B, L], returns [B, L])``; ``needs``: the statistics (batch
+    keys such as ``"old_log_probs"``, ``"sum_pi_squared"``, ``"values"``) it needs with default
+    options; ``options_needs``: optional ``(**options) -> frozenset`` for option-dependent needs.
+    """
+
+    name: str
+    fn: Callable[..., tuple[Tensor, Tensor]]
+    needs: frozenset[str]
+    options_needs: Callable[..., frozenset[str]] | None = None
+    params: frozenset[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "params", frozenset(inspect.signature(self.fn).parameters))
+
+    def needs_for(self, **options) -> frozenset[str]:
+        """The statistics needed under these estimator options (unknown keys are ignored)."""
+        if self.options_needs is None:
+            return self.needs
+        known = {k: v for k, v in options.items() if k in self.params}
+        return frozenset(self.options_needs(**known))
+
+
+ESTIMATORS: dict[str, Estimator] = {}
+
+
+def register_estimator(
+    name: str, *, needs=(), options_needs: Callable[..., frozenset[str]] | None = None
+):
+    """Decorator: register ``fn`` under ``name`` with the statistics it needs."""
+
+    def wrap(fn):
+        if name in ESTIMATORS:
+            raise ValueError(f"estimator {name!r} is already registered")
+        ESTIMATORS[name] = Estimator(name, fn, frozenset(needs), options_needs)
+        return fn
+
+    return wrap
+
+
+def get_estimator(name: str) -> Estimator:
+    """The registered estimator called ``name``; ``ValueError`` listing valid names otherwise."""
+    if name not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; valid: {sorted(ESTIMATORS)}")
+    return ESTIMATORS[name]
+
+
+def compute_advantage(name: str, **kwargs) -> tuple[Tensor, Tensor]:
+    """Run estimator ``name`` on a superset of keyword arguments.
+
+    Each estimator receives only the arguments its function takes, so a trainer can pass one
+    common dict (batch tensors plus options) to any estimator. Returns ``(advantages,
+    returns)``, both ``[B, L]`` float32.
+    """
+    est = get_estimator(name)
+    return est.fn(**{k: v for k, v in kwargs.items() if k in est.params})
+
+
+def _otb_needs(energy: str = "logit_gradient", **_) -> frozenset[str]:
+    if energy == "uniform":
+        return frozenset()
+    return frozenset({"old_log_probs", "sum_pi_squared"})
+
+
+register_estimator("optimal_token_baseline", needs=_otb_needs(), options_needs=_otb_needs)(
+    optimal_token_baseline
+)
+register_estimator("tir_optimal_token_baseline", needs=_otb_needs(), options_needs=_otb_needs)(
+    tir_optimal_token_baseline
+)
+
+
+def _scores_and_groups(token_level_rewards, response_mask, index):
+    r, m = check_batch(token_level_rewards, response_mask)
+    gid, ng = group_ids(index, r.shape[0], r.device)
+    n = torch.bincount(gid, minlength=ng).to(r.dtype)
+    return r.sum(-1), m, gid, n
+
+
+@register_estimator("grpo")
+def grpo(
+    *, token_level_rewards, response_mask, index, norm_adv_by_std_in_grpo: bool = True
+) -> tuple[Tensor, Tensor]:
+    """GRPO: a_i = (score_i − mean_g)/(std_g + 1e-6), std unbiased; broadcast ·m.
+
+    ``norm_adv_by_std_in_grpo=False`` gives a_i = score_i − mean_g (Dr. GRPO). Groups of n = 1
+    use mean 0, std 1. Shapes: ``[B, L]`` -> ``(advantages, returns)`` ``[B, L]`` (equal).
+    """
+    score, m, gid, n = _scores_and_groups(token_level_rewards, response_mask, index)
+    mean = group_sum(score, gid, n.numel()) / n
+    var = group_sum((score - mean[gid]) ** 2, gid, n.numel()) / (n - 1).clamp(min=1.0)
+    single = n[gid] == 1
+    mean_row = torch.where(single, 0.0, mean[gid])
+    std_row = torch.where(single, 1.0, var.sqrt()[gid])
+    a = score - mean_row
+    if norm_adv_by_std_in_grpo:
+        a = a / (std_row + GRPO_EPS)
+    adv = a[:, None] * m
+    return adv, adv.clone()
+
+
+@register_estimator("rloo")
+def rloo(*, token_level_rewards, response_mask, index) -> tuple[Tensor, Tensor]:
+    """RLOO: a_i = (n·score_i − Σ_g score)/(n − 1) (score minus the others' mean); n = 1: score_i.
+
+    Shapes: ``[B, L]`` -> ``(advantages, returns)`` ``[B, L]``, a_i broadcast ·m (equal).
+    """
+    score, m, gid, n = _scores_and_groups(token_level_rewards, response_mask, index)
+    total = group_sum(score, gid, n.numel())[gid]
+    nr = n[gid]
+    a = torch.where(nr > 1, (nr * score - total) / (nr - 1).clamp(min=1.0), score)
+    adv = a[:, None] * m
+    return adv, adv.clone()
+
+
+@register_estimator("reinforce_plus_plus_baseline")
+def reinforce_plus_plus_baseline(
+    *, token_level_rewards, response_mask, index
+) -> tuple[Tensor, Tensor]:
+    """REINFORCE++ with a group baseline: a_i = score_i − mean_g (n = 1: score_i), broadcast
+    over tokens, whitened over all masked tokens of the batch, times m.
+
+    Shapes: ``[B, L]`` -> ``(advantages, returns)`` ``[B, L]`` (equal).
+    """
+    score, m, gid, n = _scores_and_groups(token_level_rewards, response_mask, index)
+    mean = group_sum(score, gid, n.numel()) / n
+    a = torch.where(n[gid] > 1, score - mean[gid], score)
+    adv = whiten(a[:, None].expand_as(m), m) * m
+    return adv, adv.clone()
+
+
+def _reverse_scan(r: Tensor, m: Tensor, values: Tensor | None, gamma: float, lam: float):
+    """Backward recursion over L, skipping masked positions; vectorized over rows.
+
+    Without ``values``: R_t = r_t + γ·R_{t+1} at m_t = 1 (R carried through m_t = 0).
+    With ``values``: δ_t = r_t + γ·V_next − V_t, A_t = δ_t + γλ·A_next, V_next/A_next carried
+    through m_t = 0. Returns the per-position R (or A), 0 where m = 0.
+    """
+    # Time-major contiguous copies: each step then reads and writes one contiguous row.
+    rT, mT = r.t().contiguous(), (m > 0).t().contiguous()
+    vT = values.t().contiguous() if values is not None else None
+    out = torch.zeros_like(rT)
+    carry = torch.zeros_like(rT[0])
+    next_v = torch.zeros_like(rT[0])
+    for t in range(rT.shape[0] - 1, -1, -1):
+        if vT is None:
+            new = rT[t] + gamma * carry
+        else:
+            new = rT[t] + gamma * next_v - vT[t] + (gamma * lam) * carry
+            next_v = torch.where(mT[t], vT[t], next_v)
+        carry = torch.where(mT[t], new, carry)
+        out[t] = new * mT[t]
+    return out.t().contiguous()
+
+
+@register_estimator("reinforce_plus_plus")
+def reinforce_plus_plus(
+    *, token_level_rewards, response_mask, gamma: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """REINFORCE++: discounted returns R_t = r_t + γ·R_{t+1} that skip masked positions (at
+    m_t = 0, R passes through unchanged and the output is 0); advantages = whiten(R)·m.
+
+    Shapes: ``[B, L]`` -> ``(advantages, returns = R)`` ``[B, L]``.
+    """
+    r, m = check_batch(token_level_rewards, response_mask)
+    R = _reverse_scan(r, m, None, float(gamma), 1.0)
+    return whiten(R, m) * m, R
+
+
+@register_estimator("gae", needs={"values"})
+def gae(
+    *, token_level_rewards, response_mask, values, gamma: float = 1.0, lam: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """GAE: δ_t = r_t + γ·V_next − V_t, A_t = δ_t + γλ·A_next, where V_next/A_next skip masked
+    positions (carried through unchanged; 0 past the end).
+
+    Shapes: ``[B, L]`` -> ``(advantages = whiten(A)·m, returns = (A + V)·m)`` ``[B, L]``.
+    """
+    r, m = check_batch(token_level_rewards, response_mask)
+    v = check_tensor("values", values, r.shape)
+    A = _reverse_scan(r, m, v, float(gamma), float(lam))
+    return whiten(A, m) * m, (A + v) * m
