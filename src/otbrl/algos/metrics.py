@@ -1,0 +1,131 @@
+"""Batch metrics: masked summaries, OTB's W-score and zero-tail share, Σπ² variance proxies.
+
+All return 0-dim tensors (no host sync here; the logger converts) keyed by metric name.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from otbrl.algos._common import check_tensor
+from otbrl.algos.otb import ENERGIES, zero_tail_mask
+
+
+def masked_summary(x: Tensor, response_mask: Tensor, prefix: str) -> dict[str, Tensor]:
+    """``{prefix}/mean``, ``/std`` (unbiased), ``/min``, ``/max`` of ``x`` over masked entries.
+
+    Shapes: ``x`` ``[B, L]`` (or any shape matching the mask) -> 0-dim tensors. An empty mask
+    gives zeros rather than NaN/inf.
+    """
+    m = check_tensor("response_mask", response_mask, x.shape) > 0
+    x = x.detach().float()
+    n = m.sum()
+    any_ = n > 0
+    mean = torch.where(m, x, 0.0).sum() / n.clamp(min=1)
+    var = torch.where(m, (x - mean) ** 2, 0.0).sum() / (n - 1).clamp(min=1)
+    zero = torch.zeros((), device=x.device)
+    return {
+        f"{prefix}/mean": mean,
+        f"{prefix}/std": var.sqrt(),
+        f"{prefix}/min": torch.where(any_, torch.where(m, x, torch.inf).min(), zero),
+        f"{prefix}/max": torch.where(any_, torch.where(m, x, -torch.inf).max(), zero),
+    }
+
+
+def trajectory_w(
+    response_mask: Tensor,
+    old_log_probs: Tensor | None = None,
+    sum_pi_squared: Tensor | None = None,
+    *,
+    rollout_is_weights: Tensor | None = None,
+    energy: str = "logit_gradient",
+) -> Tensor:
+    """W-score per trajectory: W(τ) = Σ_t w_t m_t, ``[B, L]`` -> ``[B]`` float32.
+
+    w_t = 1 − 2·exp(old_log_probs) + sum_pi_squared (the squared logit-gradient norm of the
+    sampled token; ``energy="uniform"``: w ≡ 1), times rollout_is_weights² when given, as in OTB.
+    """
+    if energy not in ENERGIES:
+        raise ValueError(f"energy must be one of {ENERGIES}, got {energy!r}")
+    m = check_tensor("response_mask", response_mask)
+    if energy == "uniform":
+        w = torch.ones_like(m)
+    else:
+        lp = check_tensor("old_log_probs", old_log_probs, m.shape)
+        w = 1.0 - 2.0 * lp.exp() + check_tensor("sum_pi_squared", sum_pi_squared, m.shape)
+    if rollout_is_weights is not None:
+        w = w * check_tensor("rollout_is_weights", rollout_is_weights, m.shape).square()
+    return (w * m).sum(-1)
+
+
+def variance_proxy(
+    advantages: Tensor,
+    response_mask: Tensor,
+    w_score: Tensor,
+    grad_norm: Tensor | float | None = None,
+) -> dict[str, Tensor]:
+    """Σπ²-based gradient-variance proxies for one batch of N trajectories.
+
+    Total power P = mean_τ(Ā_τ² · max(W(τ), 0)), Ā_τ = the masked-mean advantage of τ (0 for an
+    empty response), W(τ) from :func:`trajectory_w`. Given the norm g of the batch-mean
+    gradient: signal S = g², noise = max(0, (P − S)/(N − 1)) (0 when N = 1).
+
+    Shapes: ``advantages``, ``response_mask`` ``[N, L]``, ``w_score`` ``[N]`` -> keys
+    ``variance_proxy/total_power`` and, with ``grad_norm``, ``variance_proxy/signal_strength``
+    and ``variance_proxy/pure_noise`` (0-dim tensors).
+    """
+    m = check_tensor("response_mask", response_mask, advantages.shape)
+    n_tok = m.sum(-1)
+    w_score = check_tensor("w_score", w_score, n_tok.shape)
+    a_bar = (advantages.detach().float() * m).sum(-1) / n_tok.clamp(min=1.0)
+    power = (a_bar.square() * w_score.clamp(min=0.0)).mean()
+    out = {"variance_proxy/total_power": power}
+    if grad_norm is not None:
+        g = torch.as_tensor(grad_norm, dtype=torch.float32, device=power.device)
+        signal = g.square()
+        n = advantages.shape[0]
+        noise = (power - signal).clamp(min=0.0) / (n - 1) if n > 1 else torch.zeros_like(power)
+        out["variance_proxy/signal_strength"] = signal
+        out["variance_proxy/pure_noise"] = noise
+    return out
+
+
+def zero_tail_fraction(response_mask: Tensor, index, *, response_space: bool = False) -> Tensor:
+    """Share of trained tokens whose OTB baseline the zero tail sets to 0, ``[B, L]`` -> [].
+
+    ``response_space=True`` for TIR-OTB (k space, empty rows not members); see
+    :func:`otbrl.algos.otb.zero_tail_mask`.
+    """
+    tail = zero_tail_mask(response_mask, index, response_space=response_space)
+    n = (response_mask > 0).sum()
+    return tail.sum().float() / n.clamp(min=1).float()
+
+
+def otb_metrics(
+    advantages: Tensor,
+    response_mask: Tensor,
+    index,
+    old_log_probs: Tensor | None = None,
+    sum_pi_squared: Tensor | None = None,
+    *,
+    rollout_is_weights: Tensor | None = None,
+    grad_norm: Tensor | float | None = None,
+    response_space: bool = False,
+) -> dict[str, Tensor]:
+    """The OTB metric set: ``otb/w_score/*`` summaries, ``otb/zero_tail_fraction`` and, when the
+    Σπ² inputs are given, the ``variance_proxy/*`` keys. Shapes as in the functions above."""
+    out = {
+        "otb/zero_tail_fraction": zero_tail_fraction(
+            response_mask, index, response_space=response_space
+        )
+    }
+    if old_log_probs is None or sum_pi_squared is None:
+        return out
+    w = trajectory_w(
+        response_mask, old_log_probs, sum_pi_squared, rollout_is_weights=rollout_is_weights
+    )
+    rows = torch.ones_like(w)
+    out.update(masked_summary(w, rows, "otb/w_score"))
+    out.update(variance_proxy(advantages, response_mask, w, grad_norm))
+    return out
