@@ -17,8 +17,6 @@ Everything is written into ``.tmp-step_<k>-*`` in the same folder, fsynced, then
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import json
 import os
 import random
@@ -33,6 +31,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from otbrl.logging import _fsync_dir, to_plain_dict
+
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp-step_"
@@ -46,50 +46,6 @@ _TRAINING_FILES = {
     "config.yaml",
     _MARKER,
 }
-
-
-# ---------------------------------------------------------------------------------------------
-# small file helpers (also used by otbrl.logging)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temp file in the same folder, fsync, rename."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-
-
-def to_plain_dict(config: Any) -> dict[str, Any]:
-    """A resolved config (dict, dataclass instance or OmegaConf node) as plain nested dicts."""
-    if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        return dataclasses.asdict(config)
-    if type(config).__module__.startswith("omegaconf"):
-        from omegaconf import OmegaConf
-
-        return OmegaConf.to_container(config, resolve=True)
-    if isinstance(config, Mapping):
-        return {str(k): v for k, v in config.items()}
-    raise TypeError(
-        f"config: expected a dict, dataclass or OmegaConf config, got {type(config).__name__}"
-    )
 
 
 # ---------------------------------------------------------------------------------------------
