@@ -71,14 +71,15 @@ def group_ids(
         )
     if len(index) != batch_size:
         raise ValueError(f"index must have {batch_size} entries (one per row), got {len(index)}")
-    arr = np.asarray(index)
-    if arr.dtype != object and arr.ndim == 1:
-        uniq, inv = np.unique(arr, return_inverse=True)
-        gid = torch.from_numpy(inv.astype(np.int64).reshape(-1))
-        return gid.to(device or "cpu"), len(uniq)
-    # Mixed or composite keys (tuples, None...): hash them; one dict pass, once per batch.
+    if isinstance(index, np.ndarray) and index.dtype != object and index.ndim == 1:
+        uniq, inv = np.unique(index, return_inverse=True)
+        return torch.from_numpy(inv.astype(np.int64).reshape(-1)).to(device or "cpu"), len(uniq)
+    # Hashable keys (uid strings, tuples...): one dict pass per batch, not per group.
     ids: dict[Any, int] = {}
-    gid_list = [ids.setdefault(key, len(ids)) for key in index]
+    try:
+        gid_list = [ids.setdefault(key, len(ids)) for key in index]
+    except TypeError as err:
+        raise TypeError(f"index entries must be hashable group keys: {err}") from None
     return torch.tensor(gid_list, dtype=torch.int64, device=device or "cpu"), len(ids)
 
 
