@@ -20,7 +20,7 @@ from torch import Tensor
 from otbrl import checkpoint
 from otbrl.algos import losses
 from otbrl.algos.advantages import ESTIMATORS, compute_advantage, get_estimator
-from otbrl.algos.metrics import variance_proxy
+from otbrl.algos.metrics import otb_metrics
 from otbrl.config import Config, ConfigError, to_dict
 from otbrl.data import PromptDataset, encode_prompts, get_task, read_parquet_rows
 from otbrl.engine.actor import Actor
@@ -303,9 +303,14 @@ class Trainer:
         metrics = {}
         rewards = batch["token_level_scores"]
         if cfg.use_kl_in_reward:
-            kl = losses.kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], "kl")
-            rewards = rewards - cfg.kl_coef * kl * batch["response_mask"]
-            metrics["train/kl_in_reward"] = _masked_mean(kl, batch["response_mask"])
+            rewards, kl = losses.kl_in_reward(
+                rewards,
+                batch["old_log_probs"],
+                batch["ref_log_probs"],
+                batch["response_mask"],
+                coef=cfg.kl_coef,
+            )
+            metrics["train/kl_in_reward"] = float(kl)
         batch["token_level_rewards"] = rewards
         common = {
             "token_level_rewards": rewards,
@@ -335,16 +340,22 @@ class Trainer:
                 batch["ref_log_probs"] = self.actor.compute_ref_log_probs(batch)
         with _timed(timing, "adv"):
             metrics.update(self.advantage(batch))
+        with _timed(timing, "update"):
+            metrics.update(self.actor.update(batch))
         mask = batch["response_mask"]
         metrics["policy/entropy_mean"] = _masked_mean(batch["entropy"], mask)
         if "sum_pi_squared" in batch:
             metrics["policy/sum_pi_squared_mean"] = _masked_mean(batch["sum_pi_squared"], mask)
-            proxy = variance_proxy(
-                batch["advantages"], batch["sum_pi_squared"], batch["old_log_probs"], mask
+            # the update's mean pre-clip grad norm stands in for the batch-gradient norm
+            extra = otb_metrics(
+                batch["advantages"],
+                mask,
+                batch["uid"],
+                batch["old_log_probs"],
+                batch["sum_pi_squared"],
+                grad_norm=metrics["policy/grad_norm"],
             )
-            metrics.update({f"variance_proxy/{k}": float(v) for k, v in proxy.items()})
-        with _timed(timing, "update"):
-            metrics.update(self.actor.update(batch))
+            metrics.update({k: float(v) for k, v in extra.items()})
         timing["timing/step"] = time.perf_counter() - start
         tokens = float(batch["attention_mask"].sum())
         metrics["throughput/tokens_per_s"] = tokens / timing["timing/step"]

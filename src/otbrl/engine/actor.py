@@ -180,7 +180,9 @@ class Actor:
         """
         cfg = self.config
         mask = mini["response_mask"]
-        normalizer = losses.global_normalizer(mask, cfg.loss_agg_mode)
+        # normalizers of the whole mini-batch: micro-batch losses then sum to the mini-batch loss
+        norms = {**losses.loss_normalizers(mask), "horizon": mask.shape[1]}
+        agg = {"loss_agg_mode": cfg.loss_agg_mode, **norms}
         self.optimizer.zero_grad(set_to_none=True)
         need_entropy = cfg.entropy_coeff != 0.0
         tally = {"policy/clip_frac": 0.0, "policy/approx_kl": 0.0, "policy/loss": 0.0}
@@ -197,7 +199,7 @@ class Actor:
                 packed=self.packed,
                 fused=cfg.use_fused_kernels,
             )
-            pg = losses.ppo_policy_loss(
+            loss, pg = losses.ppo_policy_loss(
                 stats["old_log_probs"],
                 micro["old_log_probs"],
                 micro["advantages"],
@@ -205,25 +207,24 @@ class Actor:
                 clip_ratio_low=cfg.clip_ratio_low,
                 clip_ratio_high=cfg.clip_ratio_high,
                 clip_ratio_c=cfg.clip_ratio_c,
+                **agg,
             )
-            loss = losses.aggregate(pg.loss, m_mask, cfg.loss_agg_mode, normalizer=normalizer)
             if need_entropy:
-                entropy = losses.aggregate(
-                    stats["entropy"], m_mask, cfg.loss_agg_mode, normalizer=normalizer
+                loss = loss + losses.entropy_bonus(
+                    stats["entropy"], m_mask, cfg.entropy_coeff, **agg
                 )
-                loss = loss - cfg.entropy_coeff * entropy
             if cfg.use_kl_loss:
                 kl = losses.kl_penalty(
                     stats["old_log_probs"], micro["ref_log_probs"], cfg.kl_loss_type
                 )
-                kl_loss = losses.aggregate(kl, m_mask, cfg.loss_agg_mode, normalizer=normalizer)
+                kl_loss = losses.agg_loss(kl, m_mask, **agg)
                 loss = loss + cfg.kl_loss_coef * kl_loss
-                tally["policy/kl_loss"] += float(kl_loss)
+                tally["policy/kl_loss"] += float(kl_loss.detach())
             loss.backward()
             weight = float(m_mask.sum()) / tokens  # token-weighted means over micro-batches
-            tally["policy/clip_frac"] += float(pg.clip_frac) * weight
-            tally["policy/approx_kl"] += float(pg.approx_kl) * weight
-            tally["policy/loss"] += float(loss)
+            tally["policy/clip_frac"] += float(pg["clip_frac"]) * weight
+            tally["policy/approx_kl"] += float(pg["approx_kl"]) * weight
+            tally["policy/loss"] += float(loss.detach())
         return tally
 
     def _optimizer_step(self, mini: dict[str, Tensor]) -> dict[str, float]:
