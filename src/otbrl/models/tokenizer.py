@@ -13,9 +13,11 @@ from __future__ import annotations
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 ROLE_TOKENS = ("<system>", "<user>", "<assistant>")
-SPECIAL_TOKENS = (PAD, BOS, EOS, *ROLE_TOKENS)
+# An explicit unknown token matters: without one, AutoTokenizer's Qwen2Tokenizer (picked for a
+# ``qwen2`` config) adds its default "<|endoftext|>" past the model's vocabulary.
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK, *ROLE_TOKENS)
 
 # Renders ``<bos><user>12+34=<assistant>`` for a one-turn prompt with the generation prompt on,
 # and closes assistant turns with ``<eos>``: the same token that ends a sampled response.
@@ -43,7 +45,7 @@ def build_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
     Returns:
         A ``PreTrainedTokenizerFast`` with pad/bos/eos and chat-role special tokens, the
         ``CHAT_TEMPLATE`` chat template and ``padding_side="left"``. Vocabulary size is
-        ``len(SPECIAL_TOKENS) + len(set(alphabet))``; special tokens take ids 0..5.
+        ``len(SPECIAL_TOKENS) + len(set(alphabet))``; special tokens take ids 0..6.
     """
     if not isinstance(alphabet, str):
         raise TypeError(f"alphabet: expected a str, got {type(alphabet).__name__}")
@@ -73,6 +75,7 @@ def build_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
         pad_token=PAD,
         bos_token=BOS,
         eos_token=EOS,
+        unk_token=UNK,
         additional_special_tokens=list(ROLE_TOKENS),
         padding_side="left",
         chat_template=CHAT_TEMPLATE,

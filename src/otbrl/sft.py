@@ -1,0 +1,280 @@
+"""Supervised warm start: teacher-forced cross-entropy on demonstrations, stopped on accuracy.
+
+SFT accuracy on a fresh tiny model jumps abruptly (NOTES), so the stopping rule is a greedy
+validation-accuracy target checked every few steps, not a step count. ``ensure_warm_start``
+wraps build → SFT → save in a cache keyed by the settings, so the demo pays for it once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+import otbrl
+from otbrl.data import encode_prompts, get_task, render_prompts
+from otbrl.models import build_tiny_model, load_model_and_tokenizer
+from otbrl.rewards import score_responses
+from otbrl.rollout import decode_responses, generate
+
+logger = logging.getLogger(__name__)
+IGNORE = -100  # label of tokens the loss skips (prompt and padding)
+WARM_START_FILE = "warm_start.json"
+
+
+def tokenize_demonstrations(
+    rows: Sequence[dict], demonstrations: Sequence[str], tokenizer: PreTrainedTokenizerBase
+) -> dict[str, torch.Tensor]:
+    """Prompt (chat template, generation prompt on) + demonstration + EOS, right-padded.
+
+    Returns:
+        ``input_ids`` [N, L] long, ``attention_mask`` [N, L] long and ``labels`` [N, L] long
+        (the token ids on response tokens, EOS included; ``IGNORE`` on prompt and padding).
+    """
+    if len(rows) != len(demonstrations):
+        raise ValueError(
+            f"demonstrations: expected {len(rows)} (one per row), got {len(demonstrations)}"
+        )
+    if not rows:
+        raise ValueError("rows: expected at least one row, got none")
+    eos = _eos_id(tokenizer)
+    prompts = tokenizer(render_prompts(rows, tokenizer), add_special_tokens=False)["input_ids"]
+    answers = tokenizer(list(demonstrations), add_special_tokens=False)["input_ids"]
+    sequences = [(p, [*a, eos]) for p, a in zip(prompts, answers)]
+    width = max(len(p) + len(a) for p, a in sequences)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    input_ids = torch.full((len(sequences), width), pad, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    labels = torch.full_like(input_ids, IGNORE)
+    for i, (p, a) in enumerate(sequences):
+        input_ids[i, : len(p) + len(a)] = torch.tensor(p + a)
+        attention_mask[i, : len(p) + len(a)] = 1
+        labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def _eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    if tokenizer.eos_token_id is None:
+        raise ValueError("tokenizer: expected an EOS token to end demonstrations, got none")
+    return int(tokenizer.eos_token_id)
+
+
+@torch.no_grad()
+def evaluate_accuracy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: Sequence[dict],
+    *,
+    max_new_tokens: int,
+    greedy: bool = True,
+    batch_size: int = 512,
+    temperature: float = 1.0,
+    seed: int = 0,
+    function=None,
+) -> float:
+    """Mean reward of one response per row (greedy by default), batched.
+
+    ``function`` as in ``score_responses`` (``None``: the built-in for each ``data_source``);
+    with 0/1 rewards this is the accuracy. Errors in the reward function raise.
+    """
+    if not rows:
+        raise ValueError("rows: expected at least one row to evaluate, got none")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size: expected an int ≥ 1, got {batch_size!r}")
+    total = 0.0
+    for start in range(0, len(rows), batch_size):
+        chunk = list(rows[start : start + batch_size])
+        enc = encode_prompts(chunk, tokenizer, max_prompt_length=10**9)
+        out = generate(
+            model,
+            tokenizer,
+            enc["input_ids"].to(model.device),
+            enc["attention_mask"].to(model.device),
+            n=1,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            do_sample=not greedy,
+            seed=seed + start,
+        )
+        texts = decode_responses(tokenizer, out["responses"], out["response_mask"])
+        scores, _ = score_responses(texts, chunk, function=function)
+        total += sum(scores)
+    return total / len(rows)
+
+
+def run_sft(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: Sequence[dict],
+    demonstrations: Sequence[str],
+    *,
+    lr: float = 3e-3,
+    batch_size: int = 64,
+    max_steps: int = 2000,
+    target_accuracy: float | None = None,
+    eval_rows: Sequence[dict] | None = None,
+    eval_every: int = 10,
+    max_new_tokens: int = 8,
+    seed: int = 0,
+) -> dict:
+    """Teacher-forced SFT with AdamW on response tokens only; stops at ``target_accuracy``.
+
+    Args:
+        rows / demonstrations: N prompts (schema rows) and their target response texts.
+        lr, batch_size: AdamW learning rate (constant) and sequences per step (sampled with
+            replacement from a ``seed``-ed generator).
+        max_steps: hard cap on optimizer steps.
+        target_accuracy: stop as soon as greedy accuracy on ``eval_rows`` reaches it
+            (checked every ``eval_every`` steps); ``None`` trains ``max_steps`` steps.
+        max_new_tokens: response cap when evaluating.
+
+    Returns:
+        ``{"steps", "accuracy" (last evaluation, None if never), "reached_target",
+        "losses" (per step), "evaluations" ([step, accuracy] pairs), "seconds"}``.
+    """
+    if target_accuracy is not None and not eval_rows:
+        raise ValueError("eval_rows: expected rows to evaluate target_accuracy on, got none")
+    if not isinstance(max_steps, int) or max_steps < 1:
+        raise ValueError(f"max_steps: expected an int ≥ 1, got {max_steps!r}")
+    if not isinstance(eval_every, int) or eval_every < 1:
+        raise ValueError(f"eval_every: expected an int ≥ 1, got {eval_every!r}")
+    data = tokenize_demonstrations(rows, demonstrations, tokenizer)
+    n = data["input_ids"].shape[0]
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    result = {
+        "steps": 0,
+        "accuracy": None,
+        "reached_target": False,
+        "losses": [],
+        "evaluations": [],
+    }
+    start_time = time.perf_counter()
+    was_training = model.training
+    for step in range(1, max_steps + 1):
+        model.train()
+        idx = torch.randint(n, (batch_size,), generator=generator)
+        mask = data["attention_mask"][idx]
+        width = int(mask.sum(dim=1).max())  # right-padded: trim the all-padding tail
+        out = model(
+            input_ids=data["input_ids"][idx, :width].to(model.device),
+            attention_mask=mask[:, :width].to(model.device),
+            labels=data["labels"][idx, :width].to(model.device),
+        )
+        optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        optimizer.step()
+        result["losses"].append(out.loss.detach().item())
+        result["steps"] = step
+        if eval_rows and (step % eval_every == 0 or step == max_steps):
+            accuracy = evaluate_accuracy(model, tokenizer, eval_rows, max_new_tokens=max_new_tokens)
+            result["accuracy"] = accuracy
+            result["evaluations"].append([step, accuracy])
+            if target_accuracy is not None and accuracy >= target_accuracy:
+                result["reached_target"] = True
+                break
+    model.train(was_training)
+    result["seconds"] = time.perf_counter() - start_time
+    return result
+
+
+def warm_start_key(settings: dict) -> str:
+    """Cache key of a warm start: a hash of its settings and the otbrl version."""
+    blob = json.dumps({"otbrl": otbrl.__version__, **settings}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def ensure_warm_start(
+    cache_dir: str | Path,
+    *,
+    task: str = "arithmetic",
+    seed: int = 0,
+    arch: str = "llama",
+    size: dict | None = None,
+    lr: float = 3e-3,
+    batch_size: int = 64,
+    max_steps: int = 3000,
+    target_accuracy: float = 0.2,
+    eval_every: int = 10,
+    n_eval: int = 500,
+) -> Path:
+    """Path of a tiny model SFT-ed on ``task`` to ``target_accuracy``: cached, built if missing.
+
+    The directory (HF layout plus ``warm_start.json`` with the settings and SFT result) is
+    ``cache_dir/<task>-<key>``, ``key`` hashing every setting; it is written under a temp name
+    and renamed, so it is complete or absent. Evaluation uses ``n_eval`` rows of the task's
+    ``val`` split (the split RL validates on); SFT trains on the ``train`` split.
+    """
+    settings = {
+        "task": task,
+        "seed": seed,
+        "arch": arch,
+        "size": dict(size or {}),
+        "lr": lr,
+        "batch_size": batch_size,
+        "max_steps": max_steps,
+        "target_accuracy": target_accuracy,
+        "eval_every": eval_every,
+        "n_eval": n_eval,
+    }
+    cache_dir = Path(cache_dir)
+    final = cache_dir / f"{task}-{warm_start_key(settings)}"
+    if (final / WARM_START_FILE).is_file():
+        return final
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cache_dir / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    task_obj = get_task(task)
+    build_tiny_model(tmp, task=task, arch=arch, seed=seed, **(size or {}))
+    model, tokenizer = load_model_and_tokenizer(tmp)
+    rows = task_obj.rows("train", seed=seed)
+    with torch.random.fork_rng(devices=[]):
+        result = run_sft(
+            model,
+            tokenizer,
+            rows,
+            [task_obj.demonstration(r) for r in rows],
+            lr=lr,
+            batch_size=batch_size,
+            max_steps=max_steps,
+            target_accuracy=target_accuracy,
+            eval_rows=task_obj.rows("val", n_eval, seed=seed),
+            eval_every=eval_every,
+            max_new_tokens=task_obj.max_response_chars + 1,
+            seed=seed,
+        )
+    if not result["reached_target"]:
+        logger.warning(
+            "warm start stopped at max_steps=%d with accuracy %s < target %s",
+            max_steps,
+            result["accuracy"],
+            target_accuracy,
+        )
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    summary = {k: v for k, v in result.items() if k != "losses"}
+    summary["final_loss"] = result["losses"][-1]
+    _write_json(tmp / WARM_START_FILE, {"settings": settings, "result": summary})
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        # Another process finished the same warm start first; theirs is equally valid.
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (final / WARM_START_FILE).is_file():
+            raise
+    return final
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
