@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 
 from otbrl.config import Config, ConfigError, load_config
+from otbrl.rewards.scoring import RewardError
 
 EXIT_CONFIG = 2
 
@@ -140,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"otbrl: config error: {err}", file=sys.stderr)
         return EXIT_CONFIG
+    except RewardError as err:  # user code failed under reward.on_error=raise
+        print(f"otbrl: error: {err}", file=sys.stderr)
+        return 1
     except FileNotFoundError as err:
         print(f"otbrl: error: {err}", file=sys.stderr)
         return 1

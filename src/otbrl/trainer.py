@@ -163,7 +163,9 @@ def evaluate_config(cfg: Config) -> tuple[float, int]:
         val_rows,
         max_new_tokens=cfg.rollout.max_new_tokens,
         greedy=cfg.trainer.val_greedy,
+        temperature=cfg.trainer.val_temperature,
         batch_size=cfg.trainer.val_batch_size,
+        function=resolve_reward_function(cfg.reward.function),
     )
     return accuracy, len(val_rows)
 
@@ -371,7 +373,10 @@ class Trainer:
             self.val_rows,
             max_new_tokens=cfg.rollout.max_new_tokens,
             greedy=cfg.trainer.val_greedy,
+            temperature=cfg.trainer.val_temperature,
             batch_size=cfg.trainer.val_batch_size,
+            seed=cfg.trainer.seed + self.step,
+            function=self.reward_fn,
         )
 
     # -- the loop ---------------------------------------------------------------------------------
