@@ -1,0 +1,142 @@
+"""Process-group setup and teardown for multi-process runs.
+
+One process per device, launched by `torchrun` (which sets RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT) or spawned by a test with an explicit `tcp://` init method.
+Backend: gloo on CPU, NCCL on CUDA. Every collective carries a timeout, so a rank that dies
+makes the survivors fail with `DistributedError` in bounded time instead of hanging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class DistributedError(RuntimeError):
+    """A collective failed or timed out: a peer rank most likely died or stalled."""
+
+
+class DistInfo(NamedTuple):
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+
+def _env_int(name: str, default: int | None) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        if default is None:
+            raise ValueError(
+                f"environment variable {name}: expected an integer set by torchrun, got nothing"
+            )
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}: expected an integer, got {raw!r}") from None
+
+
+def init_distributed(
+    *,
+    backend: str | None = None,
+    init_method: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    local_rank: int | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> DistInfo:
+    """Join (or create) the default process group and pick this process's device.
+
+    Unset arguments come from the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK; a
+    single process without them is rank 0 of 1). `backend=None` picks NCCL when CUDA is
+    available, gloo otherwise. `timeout_s` bounds every collective: the survivors of a dead
+    rank get an error after at most that long (gloo usually fails sooner, when the peer's
+    socket closes). Idempotent: if the group exists, its settings are returned.
+    """
+    if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+        raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
+    if backend is not None and backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend: expected 'gloo', 'nccl' or None, got {backend!r}")
+    rank = _env_int("RANK", 0) if rank is None else rank
+    world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
+    local_rank = _env_int("LOCAL_RANK", rank) if local_rank is None else local_rank
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank: expected 0 <= rank < world_size={world_size}, got {rank}")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ValueError("backend: 'nccl' needs CUDA, which is not available; use 'gloo'")
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if dist.is_initialized():
+        return DistInfo(
+            dist.get_rank(), dist.get_world_size(), local_rank, device, dist.get_backend()
+        )
+    if init_method is None and "MASTER_ADDR" not in os.environ:
+        if world_size != 1:
+            raise ValueError(
+                "init_method: expected a tcp:// address or MASTER_ADDR/MASTER_PORT from torchrun "
+                f"for world_size={world_size}, got neither"
+            )
+        # A single process still gets a (trivial) group so one code path serves every size.
+        init_method = "tcp://127.0.0.1:" + str(free_port())
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if backend == "nccl" else None,
+    )
+    return DistInfo(rank, world_size, local_rank, device, backend)
+
+
+def teardown_distributed() -> None:
+    """Destroy the default process group if one exists (safe to call twice)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def collective_guard(what: str) -> Iterator[None]:
+    """Re-raise a failed collective inside the block as `DistributedError` naming `what`.
+
+    Gloo and NCCL report a dead peer as a bare RuntimeError ("Connection closed by peer",
+    "Timed out waiting ..."); this names the step, this rank and the likely cause.
+    """
+    try:
+        yield
+    except DistributedError:
+        raise
+    except (RuntimeError, dist.DistBackendError) as err:
+        text = str(err)
+        markers = ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket")
+        if not any(m in text.lower() for m in markers):
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else -1
+        raise DistributedError(
+            f"rank {rank}: a collective failed during {what}; another rank probably died or "
+            f"stalled (cause: {text.splitlines()[0] if text else type(err).__name__})"
+        ) from err
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago (for tests and single-process runs)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

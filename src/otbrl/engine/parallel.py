@@ -1,0 +1,219 @@
+"""Parallelism as functions applied to a plain Hugging Face causal LM (torchtitan style).
+
+    mesh = build_mesh(dp=2, tp=2, device_type="cpu")
+    apply_tp(model, mesh["tp"])                      # DTensor TP, logits left vocab-sharded
+    apply_fsdp(model, fsdp_mesh(mesh), mixed_precision_policy(device))  # FSDP2 per block
+
+The order is fixed: tensor parallel first (it rewrites parameters into DTensors on the "tp"
+dimension), then FSDP2 (it shards those along the data dimensions). Ulysses sequence
+parallel changes only the attention function and the data layout (`otbrl.engine.ulysses`).
+
+Gradient convention: FSDP2 here *sums* gradients over its mesh (divide factor 1). Each rank
+therefore backpropagates its own contribution to the global loss (its tokens' terms,
+normalised by global counts), which makes the update independent of the world size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+MESH_DIMS = ("dp", "sp", "tp")
+
+
+def build_mesh(
+    world_size: int, *, dp: int = -1, sp: int = 1, tp: int = 1, device_type: str = "cpu"
+) -> DeviceMesh:
+    """A 3-D device mesh named ("dp", "sp", "tp"); size-1 dimensions are kept for uniform code.
+
+    `dp=-1` takes whatever `world_size / (sp * tp)` leaves. Ranks are laid out tp-fastest, so
+    a TP group sits on consecutive ranks (one node). Ulysses and TP both split attention
+    heads, so they are not combined (sp > 1 and tp > 1 is a ValueError).
+    """
+    for name, value in (("world_size", world_size), ("sp", sp), ("tp", tp)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    if sp > 1 and tp > 1:
+        raise ValueError(
+            f"sp, tp: Ulysses (sp={sp}) and tensor parallel (tp={tp}) both split heads; use one"
+        )
+    if dp == -1:
+        if world_size % (sp * tp):
+            raise ValueError(
+                f"world_size: expected a multiple of sp*tp={sp * tp}, got {world_size}"
+            )
+        dp = world_size // (sp * tp)
+    if not isinstance(dp, int) or dp < 1 or dp * sp * tp != world_size:
+        raise ValueError(
+            f"dp: expected dp*sp*tp == world_size={world_size}, got dp={dp}, sp={sp}, tp={tp}"
+        )
+    return init_device_mesh(device_type, (dp, sp, tp), mesh_dim_names=MESH_DIMS)
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D mesh FSDP2 shards over: every rank that holds different data (dp × sp).
+
+    Ranks of one SP group hold different slices of the same sequences, so their gradients
+    are partial sums and are reduced together with the data-parallel ones.
+    """
+    if mesh["sp"].size() == 1:
+        return mesh["dp"]
+    return mesh["dp", "sp"]._flatten("dp_sp")
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder blocks of an HF Llama/Qwen2-style causal LM (`model.model.layers`)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(
+            "model: expected an HF causal LM with model.model.layers (Llama, Qwen2), "
+            f"got {type(model).__name__}"
+        )
+    return layers
+
+
+def _is_tied(model: nn.Module) -> bool:
+    head = getattr(model, "lm_head", None)
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return head is not None and emb is not None and head.weight is emb.weight
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """Tensor-parallelise `model` in place over the 1-D `tp_mesh` and return it.
+
+    Per block: q/k/v and gate/up column-wise (each rank keeps heads/tp heads and
+    intermediate/tp channels), o/down row-wise (output all-reduced). The embedding is split
+    over the vocabulary (row-wise, output replicated). The lm_head is column-wise with its
+    output *left sharded*: `model(...).logits` is a plain local tensor [..., V/tp] holding
+    vocabulary ids `vocab_shard_range(model, tp_mesh)`, ready for `vocab_parallel_token_stats`.
+    Tied embeddings stay tied (both shard the same [V, H] weight on dim 0).
+    """
+    tp = tp_mesh.size()
+    config = model.config
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        raise TypeError(f"model: expected an lm_head, got {type(model).__name__} without one")
+    sizes = {
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": getattr(config, "num_key_value_heads", config.num_attention_heads),
+        "intermediate_size": config.intermediate_size,
+        "vocab_size (lm_head rows)": head.weight.shape[0],
+    }
+    for name, size in sizes.items():
+        if size % tp:
+            raise ValueError(
+                f"model.config.{name}: expected a multiple of the TP size {tp}, got {size}"
+            )
+    tied = _is_tied(model)
+    for layer in decoder_layers(model):
+        plan = {
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(),
+        }
+        parallelize_module(layer, tp_mesh, plan)
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "model.embed_tokens": RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=Replicate()
+            ),
+            "lm_head": ColwiseParallel(
+                input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=True
+            ),
+        },
+    )
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def vocab_shard_range(model: nn.Module, tp_mesh: DeviceMesh) -> tuple[int, int]:
+    """[start, end) of the vocabulary ids whose logits this rank holds after `apply_tp`."""
+    weight = model.lm_head.weight
+    vocab = weight.shape[0]  # a DTensor reports the global shape
+    local = vocab // tp_mesh.size()
+    start = tp_mesh.get_local_rank() * local
+    return start, start + local
+
+
+def mixed_precision_policy(device: torch.device | str) -> MixedPrecisionPolicy:
+    """bf16 compute with fp32 gradient reduction on CUDA; plain fp32 on CPU."""
+    if torch.device(device).type == "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    *,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """FSDP2-shard `model` in place: `fully_shard` each decoder block, then the root.
+
+    Per-block units let the all-gather of block i+1 overlap compute of block i and bound
+    unsharded memory to one block; the root unit takes embeddings, final norm and lm_head.
+    Gradients are summed over `dp_mesh` (see the module docstring for the loss convention).
+    """
+    if dp_mesh.ndim != 1:
+        raise ValueError(f"dp_mesh: expected a 1-D mesh, got {dp_mesh.ndim} dimensions")
+    mp_policy = MixedPrecisionPolicy() if mp_policy is None else mp_policy
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        # The last block is resharded by the root's backward anyway; keeping it avoids a re-gather.
+        keep = reshard_after_forward and i < len(layers) - 1
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=keep)
+    fully_shard(
+        model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
+    )
+    for module in (*layers, model):
+        module.set_gradient_divide_factor(1.0)
+        # Factor 1 is a plain sum; without this FSDP2 asks for PREMUL_SUM, which gloo lacks.
+        module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip gradients in place to a global L2 norm of `max_norm`; return the norm before clipping.
+
+    Works for any mix of plain tensors and DTensors (FSDP2 shards, TP shards, replicated
+    norms): the squared norms are summed per sharding layout and reduced once per layout, so
+    every rank sees the same global norm. Returns a 0-d float32 tensor.
+    """
+    if not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise ValueError(f"max_norm: expected a positive number, got {max_norm!r}")
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    groups: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g)
+    total_sq = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+    for key, group in groups.items():
+        norm = torch.nn.utils.get_total_norm(group, 2.0)
+        if key is not None:
+            norm = norm.full_tensor()
+        total_sq = total_sq + norm.float().to(total_sq.device) ** 2
+    total = total_sq.sqrt()
+    coef = max_norm / (total.item() + 1e-6)
+    if math.isfinite(coef) and coef < 1.0:
+        # A Python float scales each DTensor shard in place. torch's clip_grads_with_norm_
+        # (a foreach multiply by a plain tensor) left FSDP2 gradients unscaled here (torch 2.13).
+        for g in grads:
+            g.mul_(coef)
+    return total

@@ -1,0 +1,158 @@
+"""Helpers for the multi-process tests (`tests/test_dist_*.py`): launcher, tiny model, stats.
+
+Workers start from a forkserver that has already imported torch and transformers, so each
+launch costs ~1-3 s instead of re-importing everything per process (the CPU has 2 cores).
+A worker writes its result to `<out>/rank<r>.pt`, or its exception text to `<out>/rank<r>.err`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+VOCAB = 64
+_PRELOAD = [
+    "torch",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor.parallel",
+    "transformers",
+    "dist_utils",
+    "otbrl.engine.parallel",
+    "otbrl.engine.ulysses",
+    "otbrl.engine.dist",
+]
+_CTX = None
+
+
+def _context():
+    global _CTX
+    if _CTX is None:
+        _CTX = multiprocessing.get_context("forkserver")
+        _CTX.set_forkserver_preload(_PRELOAD)
+    return _CTX
+
+
+def _entry(fn, rank, world_size, port, out_dir, args):
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    out = Path(out_dir)
+    try:
+        result = fn(rank, world_size, port, *args)
+        torch.save(result, out / f"rank{rank}.pt")
+    except BaseException as err:
+        (out / f"rank{rank}.err").write_text(
+            f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
+        )
+        raise SystemExit(1) from None
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            # A finished rank leaves its peers' sockets alone only if all are done: no barrier
+            # here, so a test whose peer died does not hang in teardown.
+            dist.destroy_process_group()
+
+
+def launch(fn, world_size: int, out_dir: Path, *args, timeout_s: float = 120.0) -> dict:
+    """Run `fn(rank, world_size, port, *args)` in `world_size` processes; wait at most `timeout_s`.
+
+    Returns {"results": {rank: object}, "errors": {rank: text}, "exitcodes": {rank: code},
+    "elapsed": seconds}. A process still alive at the deadline is killed and reported with
+    exit code None, so a hang fails the test instead of the suite.
+    """
+    from otbrl.engine.dist import free_port
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ctx = _context()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, str(out_dir), args))
+        for r in range(world_size)
+    ]
+    start = time.monotonic()
+    for p in procs:
+        p.start()
+    exitcodes = {}
+    for r, p in enumerate(procs):
+        p.join(max(0.0, timeout_s - (time.monotonic() - start)))
+        if p.is_alive():
+            p.kill()
+            p.join()
+            exitcodes[r] = None
+        else:
+            exitcodes[r] = p.exitcode
+    results, errors = {}, {}
+    for r in range(world_size):
+        if (out_dir / f"rank{r}.pt").exists():
+            results[r] = torch.load(out_dir / f"rank{r}.pt", weights_only=False)
+        if (out_dir / f"rank{r}.err").exists():
+            errors[r] = (out_dir / f"rank{r}.err").read_text()
+    return {
+        "results": results,
+        "errors": errors,
+        "exitcodes": exitcodes,
+        "elapsed": time.monotonic() - start,
+    }
+
+
+def check_ok(run: dict) -> dict:
+    """The per-rank results of a launch that must have succeeded on every rank."""
+    assert not run["errors"], "worker errors:\n" + "\n".join(run["errors"].values())
+    assert all(code == 0 for code in run["exitcodes"].values()), run["exitcodes"]
+    return run["results"]
+
+
+def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
+    """A random-init fp32 Llama small enough for 2 CPU cores (4 heads, 2 KV heads, V=64)."""
+    torch.manual_seed(seed)
+    kwargs = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )
+    kwargs.update(overrides)
+    return LlamaForCausalLM(LlamaConfig(**kwargs)).float()
+
+
+def reference_stats(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Log-prob of `labels`, entropy and Σπ² from [..., V] logits, via float64 softmax."""
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    p = logp.exp()
+    return {
+        "log_probs": logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1),
+        "entropy": -(p * logp).sum(-1),
+        "sum_pi_squared": (p * p).sum(-1),
+    }
+
+
+def uneven_sequences(lengths=(5, 9, 3), seed: int = 1) -> list[torch.Tensor]:
+    """Token-id sequences of the given (uneven) lengths."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
+
+
+def packed_layout(seqs: list[torch.Tensor]):
+    """(ids [1, nnz], positions [1, nnz], cu_seqlens [B+1] int32, labels [nnz], label_mask [nnz]).
+
+    labels[i] is the next token of the same sequence; the last token of each sequence has
+    none (label 0, mask 0).
+    """
+    ids = torch.cat(seqs)[None]
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    lens = torch.tensor([len(s) for s in seqs])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(torch.int32)
+    labels = torch.cat([torch.cat([s[1:], s.new_zeros(1)]) for s in seqs])
+    mask = torch.cat([torch.cat([torch.ones(len(s) - 1), torch.zeros(1)]) for s in seqs])
+    return ids, pos, cu, labels, mask
