@@ -1,0 +1,118 @@
+"""Masked summaries, W-score, zero-tail share and the Σπ² variance proxy."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from otbrl.algos.metrics import (
+    masked_summary,
+    otb_metrics,
+    trajectory_w,
+    variance_proxy,
+    zero_tail_fraction,
+)
+from otbrl.algos.otb import zero_tail_mask
+
+T = torch.tensor
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10_000))
+def test_masked_summary_matches_numpy(seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, 7, generator=g)
+    m = (torch.rand(5, 7, generator=g) < 0.6).float()
+    m[0, 0] = m[1, 1] = 1.0  # at least two entries, so the unbiased std exists
+    sel = x.numpy()[m.numpy() > 0].astype(np.float64)
+    out = masked_summary(x, m, "adv")
+    assert out["adv/mean"].item() == pytest.approx(sel.mean(), abs=1e-5)
+    assert out["adv/std"].item() == pytest.approx(sel.std(ddof=1), abs=1e-5)
+    assert out["adv/min"].item() == pytest.approx(sel.min())
+    assert out["adv/max"].item() == pytest.approx(sel.max())
+
+
+def test_masked_summary_empty_mask_is_zero_not_nan():
+    out = masked_summary(torch.randn(2, 3), torch.zeros(2, 3), "x")
+    assert all(v.item() == 0.0 for v in out.values())
+
+
+def test_trajectory_w_hand_worked_and_is_weights():
+    # π_y = 0.5, Σπ² = 0.5 -> w = 0.5 per token; row 0 has 3 tokens, row 1 has 1.
+    m = T([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    lp, spi = torch.full((2, 3), 0.5).log(), torch.full((2, 3), 0.5)
+    torch.testing.assert_close(trajectory_w(m, lp, spi), T([1.5, 0.5]))
+    isw = T([[2.0, 1.0, 1.0], [3.0, 1.0, 1.0]])  # w·isw² -> [0.5·4 + 0.5 + 0.5, 0.5·9]
+    torch.testing.assert_close(trajectory_w(m, lp, spi, rollout_is_weights=isw), T([3.0, 4.5]))
+    torch.testing.assert_close(trajectory_w(m, energy="uniform"), T([3.0, 1.0]))
+    with pytest.raises(ValueError, match="sum_pi_squared"):
+        trajectory_w(m, lp, None)
+    with pytest.raises(ValueError, match="energy"):
+        trajectory_w(m, energy="flat")
+
+
+def test_variance_proxy_hand_worked():
+    # Ā = [masked mean of (1, 3), (−2), (nothing)] = [2, −2, 0]; W = [−0.5, 2, 7] ->
+    # max(W, 0) = [0, 2, 7].
+    # P = (4·0 + 4·2 + 0·7)/3 = 8/3; g = 1 -> S = 1; noise = (8/3 − 1)/(3 − 1) = 5/6.
+    adv = T([[1.0, 3.0], [-2.0, 9.0], [5.0, 5.0]])
+    m = T([[1.0, 1.0], [1.0, 0.0], [0.0, 0.0]])
+    out = variance_proxy(adv, m, T([-0.5, 2.0, 7.0]), grad_norm=1.0)
+    assert out["variance_proxy/total_power"].item() == pytest.approx(8 / 3)
+    assert out["variance_proxy/signal_strength"].item() == pytest.approx(1.0)
+    assert out["variance_proxy/pure_noise"].item() == pytest.approx(5 / 6)
+    # A strong signal cannot make the noise negative.
+    out = variance_proxy(adv, m, T([-0.5, 2.0, 7.0]), grad_norm=torch.tensor(3.0))
+    assert out["variance_proxy/pure_noise"].item() == 0.0
+    assert set(variance_proxy(adv, m, T([1.0, 1.0, 1.0]))) == {"variance_proxy/total_power"}
+    with pytest.raises(ValueError, match="w_score"):
+        variance_proxy(adv, m, T([1.0, 2.0]))
+
+
+def loop_zero_tail_count(m, index, response_space):
+    """Tokens in the zero tail, counted with plain loops from the OTB/TIR-OTB definition."""
+    count = 0
+    for key in set(index):
+        rows = [i for i, k in enumerate(index) if k == key]
+        lengths = {i: int(m[i].sum()) for i in rows}
+        members = [i for i in rows if lengths[i] > 0] if response_space else rows
+        ranked = sorted((lengths[i] for i in members), reverse=True)
+        if len(ranked) < 2 or ranked[0] == ranked[1]:
+            continue
+        (top,) = [i for i in members if lengths[i] == ranked[0]]
+        positions = [t for t in range(m.shape[1]) if m[top, t] > 0]
+        if response_space:
+            count += len(positions) - ranked[1]  # response tokens k ≥ ℓ_2
+        else:
+            count += sum(t >= ranked[1] for t in positions)
+    return count
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 10_000), st.booleans())
+def test_zero_tail_fraction_matches_loop_count(seed, response_space):
+    g = torch.Generator().manual_seed(seed)
+    B, L = 9, 6
+    lengths = torch.randint(0, L + 1, (B,), generator=g)
+    m = (torch.arange(L)[None] < lengths[:, None]).float() * (torch.rand(B, L, generator=g) > 0.2)
+    index = torch.randint(0, 3, (B,), generator=g).tolist()
+    expected = loop_zero_tail_count(m, index, response_space) / max(int(m.sum()), 1)
+    got = zero_tail_fraction(m, index, response_space=response_space)
+    assert got.item() == pytest.approx(expected)
+    assert not (zero_tail_mask(m, index, response_space=response_space) & (m == 0)).any()
+
+
+def test_otb_metrics_keys():
+    g = torch.Generator().manual_seed(0)
+    m = torch.ones(4, 5)
+    m[0, 3:] = 0
+    lp = -torch.rand(4, 5, generator=g)
+    out = otb_metrics(
+        torch.randn(4, 5, generator=g), m, [0, 0, 1, 1], lp, torch.rand(4, 5), grad_norm=0.5
+    )
+    assert {"otb/zero_tail_fraction", "otb/w_score/mean", "otb/w_score/max"} <= set(out)
+    assert {"variance_proxy/total_power", "variance_proxy/pure_noise"} <= set(out)
+    # Rows 2, 3 (length 5) tie; rows 0 (3) and 1 (5): row 1's tokens at t ≥ 3 -> 2 of 18.
+    assert out["otb/zero_tail_fraction"].item() == pytest.approx(2 / 18)
+    assert set(otb_metrics(torch.zeros(4, 5), m, [0, 0, 1, 1])) == {"otb/zero_tail_fraction"}
