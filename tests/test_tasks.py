@@ -1,0 +1,71 @@
+import pytest
+
+from otbrl.data import ARITHMETIC_SOURCE, ArithmeticTask, get_task, validate_row
+
+
+def _pair(row):
+    a, b = row["prompt"][0]["content"].rstrip("=").split("+")
+    return int(a), int(b)
+
+
+def test_splits_are_disjoint_and_cover_every_pair():
+    task = get_task("arithmetic")
+    train, val = task.rows("train"), task.rows("val")
+    train_pairs, val_pairs = {_pair(r) for r in train}, {_pair(r) for r in val}
+    assert len(train_pairs) == len(train) and len(val_pairs) == len(val) == 1000
+    assert not train_pairs & val_pairs
+    assert train_pairs | val_pairs == {(a, b) for a in range(10, 100) for b in range(10, 100)}
+
+
+def test_splits_do_not_depend_on_the_draw_seed():
+    task = get_task("arithmetic")
+    val_a = {_pair(r) for r in task.rows("val", seed=1)}
+    val_b = {_pair(r) for r in task.rows("val", seed=2)}
+    assert val_a == val_b
+    assert not val_a & {_pair(r) for r in task.rows("train", 500, seed=3)}
+    # A second instance partitions identically: train/val stay disjoint across processes.
+    assert {_pair(r) for r in ArithmeticTask().rows("val")} == val_a
+
+
+def test_rows_are_deterministic_by_seed():
+    task = get_task("arithmetic")
+    assert task.rows("train", 50, seed=5) == task.rows("train", 50, seed=5)
+    assert task.rows("train", 50, seed=5) != task.rows("train", 50, seed=6)
+
+
+def test_rows_follow_the_schema_and_are_correct():
+    task = get_task("arithmetic")
+    for row in task.rows("train", 300, seed=0):
+        validate_row(row)
+        assert row["data_source"] == ARITHMETIC_SOURCE
+        a, b = _pair(row)
+        truth = row["reward_model"]["ground_truth"]
+        assert isinstance(truth, str) and int(truth) == a + b
+        assert task.demonstration(row) == truth
+        assert len(truth) <= task.max_response_chars
+        text = row["prompt"][0]["content"] + truth
+        assert set(text) <= set(task.alphabet)
+        assert row["extra_info"]["split"] == "train"
+
+
+def test_other_digit_counts():
+    task = ArithmeticTask(digits=1, n_val=20)
+    rows = task.rows("val")
+    assert len(rows) == 20 and task.split_size("train") == 80
+    assert all(sum(_pair(r)) == int(r["reward_model"]["ground_truth"]) for r in rows)
+
+
+def test_bad_arguments():
+    task = get_task("arithmetic")
+    with pytest.raises(ValueError, match="split"):
+        task.rows("test")
+    with pytest.raises(ValueError, match="n: expected"):
+        task.rows("val", 1001)
+    with pytest.raises(ValueError, match="n: expected"):
+        task.rows("val", 0)
+    with pytest.raises(ValueError, match="'chess'"):
+        get_task("chess")
+    with pytest.raises(ValueError, match="digits"):
+        ArithmeticTask(digits=9)
+    with pytest.raises(ValueError, match="n_val"):
+        ArithmeticTask(digits=1, n_val=100)
