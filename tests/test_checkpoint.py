@@ -9,6 +9,7 @@ import random
 import numpy as np
 import pytest
 import torch
+import yaml
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
@@ -124,9 +125,13 @@ def test_round_trip_is_exact_and_training_continues_identically(tmp_path, tokeni
         optimizer=optimizer,
         scheduler=scheduler,
         trainer_state=state,
-        config={"actor": {"lr": 1e-3}, "trainer": {"logger": ["jsonl"]}},
+        config={"actor": {"lr": 1e-3}, "trainer": {"logger": ("jsonl",), "out": tmp_path}},
     )
     assert path == tmp_path / "ckpt" / "step_3" and checkpoint_step(path) == 3
+    assert yaml.safe_load((path / "config.yaml").read_text()) == {
+        "actor": {"lr": 1e-3},
+        "trainer": {"logger": ["jsonl"], "out": str(tmp_path)},
+    }
     saved_optimizer = copy.deepcopy(optimizer.state_dict())  # state_dict() aliases live tensors
     # Reference: the uninterrupted run's next two steps and RNG draws.
     expected_losses = [train_step(model, optimizer, scheduler, vocab) for _ in range(2)]
@@ -221,7 +226,7 @@ def test_keep_last_and_resave_same_step(tmp_path, tokenizer):
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_3", "step_4"]
     save_checkpoint(tmp_path, 4, model=model, trainer_state={"v": 40}, keep_last=2)
     assert load_checkpoint(tmp_path / "step_4", model=model) == {"v": 40}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3", "step_4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3", "step_4"]  # no temp dirs
 
 
 def test_load_errors_name_the_problem(tmp_path, tokenizer):

@@ -123,18 +123,31 @@ def test_nonfinite_values_are_null_counted_and_warned_once(tmp_path):
     records = strict_lines(tmp_path / "metrics.jsonl")
     assert records[0] == {"step": 1, "loss": None, "policy/grad_norm": None, "ok": 1.0}
     assert records[1] == {"step": 2, "loss": None, "ok": 2.0}
-    summary = logger.summary({"final_val_accuracy": float("nan"), "adv_estimator": "grpo"})
+    summary = logger.summary(
+        {
+            "final_val_accuracy": float("nan"),
+            "adv_estimator": "grpo",
+            "extra": {
+                "loss": torch.tensor(float("inf")),
+                "acc": np.float32(0.5),
+                "xs": [1.0, math.nan],
+            },
+        }
+    )
     logger.close()
     saved = json.loads((tmp_path / "summary.json").read_text(), parse_constant=float)
     assert saved == summary
     assert saved["final_val_accuracy"] is None
+    assert saved["extra"] == {"loss": None, "acc": 0.5, "xs": [1.0, None]}
     assert saved["nonfinite_metric_counts"] == {"loss": 2, "policy/grad_norm": 1}
     assert "policy/grad_norm" not in saved["last_metrics"]  # never had a finite value
 
 
 def test_progress_bar_and_summary(tmp_path, capsys):
     out = io.StringIO()
-    config = OmegaConf.create({"algorithm": {"adv_estimator": "optimal_token_baseline"}})
+    config = OmegaConf.create(
+        {"algorithm": {"adv_estimator": "optimal_token_baseline"}, "data": {"files": ["a", "b"]}}
+    )
     logger = MetricsLogger(
         tmp_path, backends=("console", "jsonl"), total_steps=4, config=config, stream=out
     )

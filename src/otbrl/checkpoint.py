@@ -185,6 +185,14 @@ def _fsync_tree(root: Path) -> None:
         _fsync_dir(Path(dirpath))
 
 
+def _discard(ckpt: Path, root: Path) -> None:
+    # Rename first: a kill during the slow delete must not leave a torn step_<k> that still
+    # has its marker. The temp name is swept by the next save.
+    grave = Path(tempfile.mkdtemp(dir=root, prefix=f"{_TMP_PREFIX}{ckpt.name}-old-"))
+    os.replace(ckpt, grave / ckpt.name)
+    shutil.rmtree(grave, ignore_errors=True)
+
+
 def save_checkpoint(
     ckpt_root: str | Path,
     step: int,
@@ -241,19 +249,15 @@ def save_checkpoint(
         (tmp / _MARKER).write_text(json.dumps(meta) + "\n")
         _fsync_tree(tmp)
         if final.exists():  # saving the same step again (e.g. after a resume): swap it out
-            old = Path(tempfile.mkdtemp(dir=root, prefix=f"{_TMP_PREFIX}{step}-old-"))
-            os.replace(final, old / final.name)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
+            _discard(final, root)
+        os.replace(tmp, final)
         _fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if keep_last is not None:
         for old_ckpt in list_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(old_ckpt, ignore_errors=True)
+            _discard(old_ckpt, root)
     return final
 
 

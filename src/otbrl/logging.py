@@ -75,19 +75,41 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)  # paths, enums: a config file must hold plain values only
+
+
 def to_plain_dict(config: Any) -> dict[str, Any]:
     """A resolved config (dict, dataclass instance or OmegaConf node) as plain nested dicts."""
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        return dataclasses.asdict(config)
+        return _plain(dataclasses.asdict(config))
     if type(config).__module__.startswith("omegaconf"):
         from omegaconf import OmegaConf
 
-        return OmegaConf.to_container(config, resolve=True)
+        return _plain(OmegaConf.to_container(config, resolve=True))
     if isinstance(config, Mapping):
-        return {str(k): v for k, v in config.items()}
+        return _plain(config)
     raise TypeError(
         f"config: expected a dict, dataclass or OmegaConf config, got {type(config).__name__}"
     )
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no NaN / inf
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    if hasattr(value, "item") and callable(value.item):  # tensors, NumPy scalars
+        return _json_safe(_to_number("final", value))
+    return value
 
 
 def check_backends(backends: Iterable[str]) -> tuple[str, ...]:
@@ -252,6 +274,8 @@ class MetricsLogger:
                 unit="step",
                 dynamic_ncols=True,
                 file=sys.stderr,
+                # Redirected to a file, every refresh is another \r-separated copy of the bar.
+                mininterval=0.1 if sys.stderr.isatty() else 10.0,
             )
         if "tensorboard" in self.backends:
             from torch.utils.tensorboard import SummaryWriter
@@ -361,13 +385,7 @@ class MetricsLogger:
         """
         if not isinstance(final, Mapping):
             raise TypeError(f"final: expected a mapping, got {type(final).__name__}")
-        out: dict[str, Any] = {}
-        for key, value in final.items():
-            if isinstance(value, float) and not math.isfinite(value):
-                value = None  # JSON has no NaN / inf
-            elif hasattr(value, "numel"):
-                value = _to_number(key, value)
-            out[str(key)] = value
+        out: dict[str, Any] = _json_safe(final)
         out.setdefault("steps", self._last_step if self._last_step is not None else 0)
         out.setdefault("wall_seconds", time.monotonic() - self._start)
         out["last_metrics"] = {k: self._last[k] for k, _ in _SUMMARY_KEYS if k in self._last}
