@@ -370,10 +370,10 @@ class MetricsLogger:
         if self._wandb_run is not None:
             self._wandb_run.log(finite, step=step)
         if self._bar is not None:
-            if step > self._bar.n:
-                self._bar.update(min(step, self.total_steps) - self._bar.n)
             live = [f"{label} {self._last[k]:.3g}" for k, label in _BAR_KEYS if k in self._last]
-            self._bar.set_postfix_str(" ".join(live))
+            self._bar.set_postfix_str(" ".join(live), refresh=False)
+            # update() redraws at most every mininterval, so a fast loop does not flood stderr.
+            self._bar.update(max(0, min(step, self.total_steps) - self._bar.n))
 
     def summary(self, final: Mapping[str, Any]) -> dict[str, Any]:
         """Write ``summary.json`` atomically and print a one-screen table (console backend).
