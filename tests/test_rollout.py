@@ -1,0 +1,147 @@
+import pytest
+import torch
+
+from otbrl.data import encode_prompts, get_task
+from otbrl.models import build_tiny_model, load_model_and_tokenizer
+from otbrl.rollout import decode_responses, eos_response_mask, generate
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    path = build_tiny_model(
+        tmp_path_factory.mktemp("tiny"), hidden_size=32, intermediate_size=64, num_hidden_layers=2
+    )
+    model, tok = load_model_and_tokenizer(path)
+    with torch.no_grad():
+        # Random init gives near-uniform logits; spread them so greedy has no near-ties and
+        # EOS is likely enough to show up.
+        model.lm_head.weight.mul_(60.0)
+        model.lm_head.weight[tok.eos_token_id] += 0.5 * model.lm_head.weight.mean(0)
+    rows = get_task("arithmetic").rows("val", 12, seed=0)
+    rows[0] = {**rows[0], "prompt": [{"role": "user", "content": "1+2="}]}  # a shorter prompt
+    enc = encode_prompts(rows, tok, max_prompt_length=16)
+    return model, tok, enc["input_ids"], enc["attention_mask"]
+
+
+def _mask_reference(responses, eos):
+    out = torch.zeros(responses.shape)
+    for i, row in enumerate(responses.tolist()):
+        for j, t in enumerate(row):
+            out[i, j] = 1.0
+            if t in eos:
+                break
+    return out
+
+
+def test_eos_mask_matches_a_plain_loop():
+    g = torch.Generator().manual_seed(0)
+    responses = torch.randint(0, 6, (50, 7), generator=g)
+    for eos in ([2], [2, 5]):
+        assert torch.equal(eos_response_mask(responses, eos), _mask_reference(responses, eos))
+    edge = torch.tensor([[2, 2, 2], [1, 1, 1], [1, 1, 2]])
+    assert eos_response_mask(edge, 2).tolist() == [[1, 0, 0], [1, 1, 1], [1, 1, 1]]
+
+
+def test_greedy_matches_an_uncached_plain_loop(policy):
+    model, tok, ids, mask = policy
+    out = generate(model, tok, ids, mask, n=1, max_new_tokens=6, do_sample=False)
+    seq, att = ids.clone(), mask.clone()
+    steps = []
+    with torch.no_grad():
+        for _ in range(6):
+            pos = (att.cumsum(-1) - 1).clamp(min=0)
+            logits = model(input_ids=seq, attention_mask=att, position_ids=pos).logits[:, -1]
+            nxt = logits.double().argmax(-1, keepdim=True)
+            steps.append(nxt)
+            seq, att = torch.cat([seq, nxt], 1), torch.cat([att, torch.ones_like(nxt)], 1)
+    ref = torch.cat(steps, 1)
+    ref_mask = _mask_reference(ref, [tok.eos_token_id])
+    width = out["responses"].shape[1]
+    assert torch.equal(out["response_mask"], ref_mask[:, :width])
+    assert not ref_mask[:, width:].any()
+    kept = out["response_mask"].bool()
+    assert torch.equal(out["responses"][kept], ref[:, :width][kept])
+    assert (out["responses"][~kept] == tok.pad_token_id).all()
+    assert 0 < ref_mask.sum() < ref_mask.numel()  # some rows end early, the test covers both
+
+
+def test_layout_of_the_returned_batch(policy):
+    model, tok, ids, mask = policy
+    out = generate(model, tok, ids, mask, n=3, max_new_tokens=5, seed=1)
+    b, lp = ids.shape[0] * 3, ids.shape[1]
+    lr = out["responses"].shape[1]
+    assert out["prompts"].shape == (b, lp) and lr <= 5
+    assert torch.equal(out["prompts"], ids.repeat_interleave(3, 0))
+    assert out["uid"].tolist() == [i for i in range(ids.shape[0]) for _ in range(3)]
+    assert out["response_mask"].dtype == torch.float32
+    assert torch.equal(out["input_ids"], torch.cat([out["prompts"], out["responses"]], 1))
+    full_mask = torch.cat([mask.repeat_interleave(3, 0), out["response_mask"].long()], 1)
+    assert torch.equal(out["attention_mask"], full_mask)
+    for i in range(b):  # positions count real tokens only
+        real = full_mask[i].bool()
+        assert out["position_ids"][i][real].tolist() == list(range(int(real.sum())))
+    # Right-padded responses: the mask is a prefix of ones in every row.
+    assert torch.equal(out["response_mask"], out["response_mask"].cummin(1).values)
+    texts = decode_responses(tok, out["responses"], out["response_mask"])
+    assert len(texts) == b and all("<eos>" not in t and "<pad>" not in t for t in texts)
+
+
+def test_sampling_is_deterministic_under_a_seed(policy):
+    model, tok, ids, mask = policy
+    torch.manual_seed(99)
+    expected_global = torch.rand(2)
+    torch.manual_seed(99)
+    model.train()
+    a = generate(model, tok, ids, mask, n=4, max_new_tokens=5, seed=7)
+    assert model.training  # mode restored
+    assert torch.equal(torch.rand(2), expected_global)  # caller's RNG untouched
+    b = generate(model, tok, ids, mask, n=4, max_new_tokens=5, seed=7)
+    c = generate(model, tok, ids, mask, n=4, max_new_tokens=5, seed=8)
+    model.eval()
+    assert torch.equal(a["responses"], b["responses"])
+    assert not torch.equal(a["responses"], c["responses"])
+
+
+def test_first_token_distribution_follows_temperature_and_top_p(policy):
+    model, tok, ids, mask = policy
+    one, one_mask = ids[:1], mask[:1]
+    with torch.no_grad():
+        pos = (one_mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=one, attention_mask=one_mask, position_ids=pos).logits[0, -1]
+    n = 3000
+    for temperature in (0.7, 1.5):
+        probs = torch.softmax(logits.double() / temperature, -1)
+        out = generate(
+            model, tok, one, one_mask, n=n, max_new_tokens=1, temperature=temperature, seed=3
+        )
+        freq = torch.bincount(out["responses"][:, 0], minlength=probs.numel()).double() / n
+        assert (freq - probs).abs().max() < 0.04
+    probs = torch.softmax(logits.double(), -1)
+    sorted_p, order = probs.sort(descending=True)
+    nucleus = set(order[: int((sorted_p.cumsum(0) < 0.6).sum()) + 1].tolist())
+    out = generate(model, tok, one, one_mask, n=500, max_new_tokens=1, top_p=0.6, seed=4)
+    assert set(out["responses"][:, 0].tolist()) <= nucleus
+    top1 = generate(model, tok, one, one_mask, n=50, max_new_tokens=1, top_k=1, seed=5)
+    assert (top1["responses"][:, 0] == logits.argmax()).all()
+
+
+def test_bad_arguments(policy):
+    model, tok, ids, mask = policy
+    cases = [
+        ({"n": 0}, "n"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"temperature": 0.0}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+    ]
+    for kwargs, name in cases:
+        with pytest.raises(ValueError, match=name):
+            generate(model, tok, ids, mask, **{"max_new_tokens": 2, **kwargs})
+    with pytest.raises(ValueError, match="prompt_mask"):
+        generate(model, tok, ids, mask[:, 1:], max_new_tokens=2)
+    with pytest.raises(ValueError, match="prompt_ids"):
+        generate(model, tok, ids[0], mask[0], max_new_tokens=2)
+    with pytest.raises(TypeError, match="prompt_ids"):
+        generate(model, tok, ids.float(), mask, max_new_tokens=2)
+    with pytest.raises(ValueError, match="response_mask"):
+        decode_responses(tok, ids, mask[:, 1:])
