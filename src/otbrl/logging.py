@@ -257,6 +257,13 @@ class MetricsLogger:
         self._wandb_run = None
         self._closed = False
 
+        try:
+            self._start_backends()
+        except BaseException:
+            self.close()  # a failing backend must not leave the file or the bar open
+            raise
+
+    def _start_backends(self) -> None:
         if self.config is not None:
             import yaml  # a dependency of omegaconf
 
@@ -268,8 +275,8 @@ class MetricsLogger:
             self._open_jsonl()
         if "console" in self.backends:
             self._bar = tqdm(
-                total=total_steps,
-                initial=min(initial_step, total_steps),
+                total=self.total_steps,
+                initial=min(self.initial_step, self.total_steps),
                 desc="train",
                 unit="step",
                 dynamic_ncols=True,
@@ -283,7 +290,7 @@ class MetricsLogger:
             # purge_step drops events a killed run wrote past its last checkpoint.
             self._tb = SummaryWriter(
                 log_dir=str(self.output_dir / "tensorboard"),
-                purge_step=initial_step + 1 if initial_step > 0 else None,
+                purge_step=self.initial_step + 1 if self.initial_step > 0 else None,
             )
             if self.config is not None:
                 self._tb.add_text("config", f"```\n{json.dumps(self.config, indent=2)}\n```")
