@@ -33,15 +33,19 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, group) -> Tensor:
         ctx.group = group
-        out = torch.empty_like(x)
-        dist.all_to_all_single(out, x.contiguous(), group=group)
-        return out
+        return _all_to_all(x, group)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        out = torch.empty_like(grad)
-        dist.all_to_all_single(out, grad.contiguous(), group=ctx.group)
-        return out, None
+        return _all_to_all(grad, ctx.group), None
+
+
+def _all_to_all(x: Tensor, group) -> Tensor:
+    x = x.contiguous()
+    # empty_like would copy a permuted stride order; the collective writes row-major memory.
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(out, x, group=group)
+    return out
 
 
 class _GatherSlices(torch.autograd.Function):
@@ -56,8 +60,10 @@ class _GatherSlices(torch.autograd.Function):
     def forward(ctx, x: Tensor, group) -> Tensor:
         ctx.rank = dist.get_rank(group)
         ctx.n = x.shape[0]
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
+        ctx.size = dist.get_world_size(group)
+        x = x.contiguous()
+        parts = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(ctx.size)]
+        dist.all_gather(parts, x, group=group)
         return torch.cat(parts, dim=0)
 
     @staticmethod
