@@ -5,6 +5,8 @@ import json
 import os
 import pickle
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -292,3 +294,37 @@ def test_export_loads_with_auto_classes(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="complete checkpoint"):
         export_checkpoint(tmp_path / "broken", tmp_path / "export2")
     assert json.loads((path / "checkpoint.json").read_text())["step"] == 5
+
+
+KILLED_SAVE = """
+import os, signal, sys
+import torch
+import otbrl.checkpoint as ckpt
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 3)
+ckpt.save_checkpoint(sys.argv[1], 1, model=model, trainer_state={"step": 1})
+real_replace = os.replace
+def replace_then_die(src, dst):
+    if os.path.basename(str(dst)) == "step_2":  # killed right before the publishing rename
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_replace(src, dst)
+ckpt.os.replace = replace_then_die
+ckpt.save_checkpoint(sys.argv[1], 2, model=model, trainer_state={"step": 2})
+"""
+
+
+def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path):
+    cmd = [sys.executable, "-c", KILLED_SAVE, str(tmp_path)]
+    assert subprocess.run(cmd, capture_output=True, timeout=120).returncode == -9
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-step_2")]
+    assert len(leftovers) == 1  # the fully written but unpublished step 2
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_1"
+    torch.manual_seed(0)
+    saved = torch.nn.Linear(4, 3)  # what the child saved
+    model = torch.nn.Linear(4, 3)
+    assert load_checkpoint(tmp_path / "step_1", model=model) == {"step": 1}
+    assert torch.equal(model.weight, saved.weight) and torch.equal(model.bias, saved.bias)
+    with pytest.raises(ValueError, match="no Hugging Face model"):
+        export_checkpoint(tmp_path / "step_1", tmp_path / "out")  # a plain nn.Module
+    save_checkpoint(tmp_path, 2, model=model, trainer_state={"step": 2})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1", "step_2"]
