@@ -1,1 +1,9 @@
-"""otbrl.ops"""
+"""otbrl.ops: per-token statistics of a softmax policy (log π(y), entropy, Σπ²).
+
+Pure tensor math, no config and no I/O; see ``otbrl.ops.token_stats`` for the shared
+policies (ignored labels, NaN rows, output dtypes).
+"""
+
+from otbrl.ops.token_stats import IGNORE_INDEX, TokenStats, sum_pi_squared, token_stats
+
+__all__ = ["IGNORE_INDEX", "TokenStats", "sum_pi_squared", "token_stats"]

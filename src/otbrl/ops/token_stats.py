@@ -1,0 +1,303 @@
+"""Per-token statistics of a softmax policy in one chunked pass: log π(y), entropy and Σπ².
+
+For logits z (already divided by the temperature) of one token and its label y:
+
+    lse      = log Σ_v exp(z_v)
+    log π(y) = z_y − lse
+    H        = lse − Σ_v π_v z_v
+    Σπ²      = Σ_v exp(2 (z_v − lse))
+
+All three come from the same max-shifted exponentials e = exp(z − max z), so one pass over a
+cache-sized chunk of rows yields them, accumulated in float32 (float64 for float64 logits).
+Nothing of size [T, V] is ever written: the backward recomputes each chunk from the logits and
+the per-row scalars (lse and Σπ(z − max)) kept from the forward.
+
+Policies (documented here once, shared by every op in ``otbrl.ops``):
+
+- Labels equal to ``IGNORE_INDEX`` (−100, the Hugging Face convention) mean "no label": their
+  log-prob is 0 and carries no gradient; entropy and Σπ² are still computed for that row.
+  Any other label outside [0, V) raises ``ValueError``.
+- A row with a NaN or +inf logit, or with every logit −inf (no distribution), gives NaN in all
+  three statistics of that row only; other rows are unaffected. −inf entries in a row that also
+  has finite logits are a masked vocabulary and are handled exactly (probability 0).
+- Outputs are float32 for float32/bfloat16/float16 logits and float64 for float64 logits (so
+  float64 references and ``gradcheck`` are exact); gradients have the logits' dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+IGNORE_INDEX = -100
+
+# ~1M elements per chunk (4 MiB in float32): the e/s work buffers of one chunk stay in L2/L3,
+# which is what lets the single pass beat torch.log_softmax's full-size write.
+_CHUNK_ELEMENTS = 1 << 20
+
+
+class TokenStats(NamedTuple):
+    """Per-token statistics; each field has shape ``logits.shape[:-1]``.
+
+    ``log_probs`` and ``entropy`` are differentiable w.r.t. the logits; ``sum_pi_squared`` is a
+    statistic without gradient. A field that was not asked for is ``None``.
+    """
+
+    log_probs: Tensor
+    entropy: Tensor | None
+    sum_pi_squared: Tensor | None
+
+
+def default_chunk_size(vocab_size: int) -> int:
+    """Rows per chunk so that one chunk holds about 2**20 elements (at least 1 row)."""
+    return max(1, _CHUNK_ELEMENTS // max(1, vocab_size))
+
+
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation/output dtype for logits of ``dtype``: float64 stays, the rest use float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_temperature(temperature: float) -> float:
+    """Validate ``temperature`` (a positive finite number) and return it as a float."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature: expected a float, got {type(temperature).__name__}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature: expected a finite number > 0, got {temperature}")
+    return float(temperature)
+
+
+def check_logits_labels(logits: Tensor, labels: Tensor, name: str = "logits") -> None:
+    """Type and shape checks shared by the ops: ``logits`` [..., V] float, ``labels`` [...] int."""
+    if not isinstance(logits, Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(logits).__name__}")
+    if not isinstance(labels, Tensor):
+        raise TypeError(f"labels: expected a torch.Tensor, got {type(labels).__name__}")
+    if logits.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        raise TypeError(f"{name}: expected float32/float64/bfloat16/float16, got {logits.dtype}")
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"labels: expected an int64 tensor, got {labels.dtype}")
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"{name}: expected shape [..., V] with V >= 1, got {tuple(logits.shape)}")
+    if tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"labels: expected shape {tuple(logits.shape[:-1])} ({name}.shape[:-1]), "
+            f"got {tuple(labels.shape)}"
+        )
+    if labels.device != logits.device:
+        raise ValueError(f"labels: expected device {logits.device}, got {labels.device}")
+
+
+def check_label_range(labels: Tensor, vocab_size: int) -> None:
+    """Raise ``ValueError`` if a label is outside [0, vocab_size) and is not ``IGNORE_INDEX``."""
+    bad = ((labels < 0) & (labels != IGNORE_INDEX)) | (labels >= vocab_size)
+    if bool(bad.any()):
+        value = int(labels[bad].flatten()[0])
+        raise ValueError(
+            f"labels: expected ids in [0, {vocab_size}) or {IGNORE_INDEX} (ignored), got {value}"
+        )
+
+
+def chunk_forward(
+    x: Tensor, labels: Tensor, scale: float, want_entropy: bool, want_spp: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Statistics of one chunk of rows.
+
+    Args:
+        x: [n, V] raw logits (any float dtype), not modified.
+        labels: [n] int64 in [0, V) (ignored labels already replaced by 0).
+        scale: 1 / temperature.
+    Returns:
+        (log_probs, entropy, sum_pi_squared, lse, mu), each [n] in ``stats_dtype(x.dtype)``;
+        ``lse`` is log Σ exp(s) and ``mu`` is Σ π s, both for the shifted s = (x − max x)·scale.
+        Entropy/Σπ² are empty tensors when not asked for; ``mu`` is empty without entropy.
+    """
+    acc = stats_dtype(x.dtype)
+    # The max in the accumulation dtype, so that x − max is not rounded to bf16/fp16.
+    m = x.amax(dim=-1, keepdim=True).to(acc)
+    s = torch.empty(x.shape, dtype=acc, device=x.device)
+    torch.sub(x, m, out=s)
+    if scale != 1.0:
+        s.mul_(scale)
+    e = torch.exp(s)
+    total = e.sum(dim=-1)
+    lse = total.log()
+    log_probs = s.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
+    empty = s.new_empty(0)
+    entropy = mu = empty
+    if want_entropy:
+        dot = torch.linalg.vecdot(e, s)
+        # A −inf logit gives 0·(−inf) = NaN in the dot product; redo only the affected rows.
+        broken = dot.isnan() & m.squeeze(-1).isfinite()
+        if bool(broken.any()):
+            rows = broken.nonzero().squeeze(-1)
+            er, sr = e[rows], s[rows]
+            dot[rows] = torch.where(er > 0, er * sr, 0.0).sum(dim=-1)
+        mu = dot / total
+        entropy = lse - mu
+    spp = empty
+    if want_spp:
+        sq = torch.linalg.vecdot(e, e)
+        spp = sq / (total * total)
+    return log_probs, entropy, spp, lse, mu
+
+
+def chunk_grad_logits(
+    x: Tensor,
+    labels: Tensor,
+    lse: Tensor,
+    mu: Tensor | None,
+    g_lp: Tensor | None,
+    g_ent: Tensor | None,
+    scale: float,
+) -> Tensor:
+    """Gradient w.r.t. the raw logits x [n, V] of Σ g_lp·log π(y) + Σ g_ent·H for one chunk.
+
+    With s the shifted scaled logits and π = exp(s − lse):
+    ∂log π(y)/∂z = onehot(y) − π and ∂H/∂z = −π (s − Σπ s); ∂z/∂x = scale.
+    Returns [n, V] in ``stats_dtype(x.dtype)``; rows with ``g_lp`` 0 for ignored labels are
+    the caller's business (pass zeros there).
+    """
+    acc = stats_dtype(x.dtype)
+    # The max in the accumulation dtype, so that x − max is not rounded to bf16/fp16.
+    m = x.amax(dim=-1, keepdim=True).to(acc)
+    s = torch.empty(x.shape, dtype=acc, device=x.device)
+    torch.sub(x, m, out=s)
+    if scale != 1.0:
+        s.mul_(scale)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    if g_ent is not None:
+        # factor = −g_lp − g_ent (s − mu); clamp keeps π·(−inf) = 0 for masked entries.
+        s.clamp_(min=torch.finfo(acc).min)
+        s.sub_(mu.unsqueeze(-1)).mul_(-g_ent.unsqueeze(-1))
+        if g_lp is not None:
+            s.sub_(g_lp.unsqueeze(-1))
+        grad = p.mul_(s)
+    else:
+        grad = p.mul_(-g_lp.unsqueeze(-1))
+    if g_lp is not None:
+        grad.scatter_add_(-1, labels.unsqueeze(-1), g_lp.unsqueeze(-1))
+    if scale != 1.0:
+        grad.mul_(scale)
+    return grad
+
+
+class _TokenStatsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, scale, want_entropy, want_spp, chunk):
+        n = logits.shape[0]
+        acc = stats_dtype(logits.dtype)
+        ignored = labels == IGNORE_INDEX
+        safe_labels = labels.masked_fill(ignored, 0)
+        out_lp = torch.empty(n, dtype=acc, device=logits.device)
+        out_ent = torch.empty(n if want_entropy else 0, dtype=acc, device=logits.device)
+        out_spp = torch.empty(n if want_spp else 0, dtype=acc, device=logits.device)
+        lse = torch.empty(n, dtype=acc, device=logits.device)
+        mu = torch.empty(n if want_entropy else 0, dtype=acc, device=logits.device)
+        for a in range(0, n, chunk):
+            b = min(a + chunk, n)
+            lp, ent, spp, c_lse, c_mu = chunk_forward(
+                logits[a:b], safe_labels[a:b], scale, want_entropy, want_spp
+            )
+            out_lp[a:b] = lp
+            lse[a:b] = c_lse
+            if want_entropy:
+                out_ent[a:b] = ent
+                mu[a:b] = c_mu
+            if want_spp:
+                out_spp[a:b] = spp
+        out_lp.masked_fill_(ignored, 0.0)
+        ctx.save_for_backward(logits, safe_labels, ignored, lse, mu)
+        ctx.scale, ctx.chunk = scale, chunk
+        # Unused outputs then arrive as None in backward instead of zero tensors to multiply.
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(out_spp)
+        return out_lp, out_ent, out_spp
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent, _g_spp):
+        logits, labels, ignored, lse, mu = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None, None
+        acc = lse.dtype
+        if g_lp is not None:
+            g_lp = g_lp.to(acc).masked_fill(ignored, 0.0)
+        if g_ent is not None and g_ent.numel() == 0:
+            g_ent = None
+        if g_ent is not None:
+            g_ent = g_ent.to(acc)
+        grad = torch.empty_like(logits)
+        if g_lp is None and g_ent is None:
+            return grad.zero_(), None, None, None, None, None
+        n = logits.shape[0]
+        for a in range(0, n, ctx.chunk):
+            b = min(a + ctx.chunk, n)
+            grad[a:b] = chunk_grad_logits(
+                logits[a:b],
+                labels[a:b],
+                lse[a:b],
+                None if g_ent is None else mu[a:b],
+                None if g_lp is None else g_lp[a:b],
+                None if g_ent is None else g_ent[a:b],
+                ctx.scale,
+            )
+        return grad, None, None, None, None, None
+
+
+def token_stats(
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    temperature: float = 1.0,
+    entropy: bool = True,
+    sum_pi_squared: bool = True,
+    chunk_size: int | None = None,
+) -> TokenStats:
+    """log π(y), entropy and Σπ² of softmax(logits / temperature), in one chunked pass.
+
+    Args:
+        logits: [..., V] float32/float64/bfloat16/float16; never modified.
+        labels: [...] int64 token ids in [0, V), or −100 for "no label" (log-prob 0).
+        temperature: positive; statistics are those of softmax(logits / temperature).
+        entropy, sum_pi_squared: compute these fields (else they are ``None``).
+        chunk_size: rows per chunk (default: about 2**20 elements per chunk); results do not
+            depend on it.
+    Returns:
+        ``TokenStats`` with fields of shape ``logits.shape[:-1]``, float32 (float64 for float64
+        logits). ``log_probs`` and ``entropy`` are differentiable w.r.t. ``logits``.
+    """
+    check_logits_labels(logits, labels)
+    scale = 1.0 / check_temperature(temperature)
+    vocab = logits.shape[-1]
+    if chunk_size is None:
+        chunk_size = default_chunk_size(vocab)
+    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
+    check_label_range(labels, vocab)
+    batch_shape = logits.shape[:-1]
+    flat = logits.reshape(-1, vocab)
+    lp, ent, spp = _TokenStatsFunction.apply(
+        flat, labels.reshape(-1).long(), scale, bool(entropy), bool(sum_pi_squared), chunk_size
+    )
+    return TokenStats(
+        lp.reshape(batch_shape),
+        ent.reshape(batch_shape) if entropy else None,
+        spp.reshape(batch_shape) if sum_pi_squared else None,
+    )
+
+
+def sum_pi_squared(logits: Tensor, *, temperature: float = 1.0) -> Tensor:
+    """Σ_v π_v² of softmax(logits / temperature): [..., V] → [...] float32, no gradient.
+
+    Lies in [1/V, 1]. With y ~ π, E‖∇_z log π(y)‖² = 1 − Σπ², the per-token weight the
+    Optimal Token Baseline is built on.
+    """
+    if not isinstance(logits, Tensor):
+        raise TypeError(f"logits: expected a torch.Tensor, got {type(logits).__name__}")
+    labels = torch.zeros(logits.shape[:-1], dtype=torch.int64, device=logits.device)
+    with torch.no_grad():
+        stats = token_stats(logits, labels, temperature=temperature, entropy=False)
+    return stats.sum_pi_squared
