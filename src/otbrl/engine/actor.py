@@ -110,14 +110,12 @@ class Actor:
         out = []
         for micro in _split(batch, self.config.micro_batch_size):
             out.append(
-                forward_token_stats(
+                self.forward_stats(
                     self.model,
                     micro,
                     temperature=temperature,
                     entropy="entropy" in needs,
                     sum_pi_squared="sum_pi_squared" in needs,
-                    packed=self.packed,
-                    fused=self.config.use_fused_kernels,
                 )
             )
         return {key: torch.cat([o[key] for o in out]) for key in out[0]}
@@ -129,13 +127,7 @@ class Actor:
             raise ValueError("compute_ref_log_probs needs a ref_model")
         self.ref_model.eval()
         parts = [
-            forward_token_stats(
-                self.ref_model,
-                micro,
-                temperature=self.temperature,
-                packed=self.packed,
-                fused=self.config.use_fused_kernels,
-            )["old_log_probs"]
+            self.forward_stats(self.ref_model, micro, temperature=self.temperature)["old_log_probs"]
             for micro in _split(batch, self.config.micro_batch_size)
         ]
         return torch.cat(parts)
@@ -181,7 +173,7 @@ class Actor:
         cfg = self.config
         mask = mini["response_mask"]
         # normalizers of the whole mini-batch: micro-batch losses then sum to the mini-batch loss
-        norms = {**losses.loss_normalizers(mask), "horizon": mask.shape[1]}
+        norms = self.loss_normalizers(mask)
         agg = {"loss_agg_mode": cfg.loss_agg_mode, **norms}
         self.optimizer.zero_grad(set_to_none=True)
         need_entropy = cfg.entropy_coeff != 0.0
@@ -191,13 +183,8 @@ class Actor:
         tokens = float(mask.sum().clamp(min=1.0))
         for micro in _split(mini, cfg.micro_batch_size):
             m_mask = micro["response_mask"]
-            stats = forward_token_stats(
-                self.model,
-                micro,
-                temperature=self.temperature,
-                entropy=need_entropy,
-                packed=self.packed,
-                fused=cfg.use_fused_kernels,
+            stats = self.forward_stats(
+                self.model, micro, temperature=self.temperature, entropy=need_entropy
             )
             loss, pg = losses.ppo_policy_loss(
                 stats["old_log_probs"],
@@ -230,7 +217,7 @@ class Actor:
     def _optimizer_step(self, mini: dict[str, Tensor]) -> dict[str, float]:
         metrics = self.accumulate_gradients(mini)
         clip = self.config.grad_clip if self.config.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=clip)
+        grad_norm = self.clip_grad_norm(clip)
         # a non-finite gradient skips the step (and shows in the metric) instead of writing
         # NaNs into the weights
         if torch.isfinite(grad_norm):
@@ -238,6 +225,21 @@ class Actor:
         self.scheduler.step()
         metrics["policy/grad_norm"] = float(grad_norm)
         return metrics
+
+    # -- layout hooks: a sharded engine (otbrl.engine.distributed) overrides these three ------
+    def forward_stats(self, model: nn.Module, micro: dict[str, Tensor], **kwargs) -> dict:
+        """One forward -> per-response-token stats [B, Lr] (``forward_token_stats``'s contract)."""
+        return forward_token_stats(
+            model, micro, packed=self.packed, fused=self.config.use_fused_kernels, **kwargs
+        )
+
+    def loss_normalizers(self, mask: Tensor) -> dict:
+        """The mini-batch's loss normalizers (token/sequence counts, horizon) from [B, Lr]."""
+        return {**losses.loss_normalizers(mask), "horizon": mask.shape[1]}
+
+    def clip_grad_norm(self, max_norm: float) -> Tensor:
+        """Clip gradients to a global L2 norm; returns the norm before clipping."""
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=max_norm)
 
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
