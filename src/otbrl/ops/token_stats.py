@@ -185,65 +185,90 @@ def chunk_grad_logits(
     return grad
 
 
+def rows_forward(
+    x: Tensor, safe_labels: Tensor, scale: float, want_entropy: bool, want_spp: bool, chunk: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``chunk_forward`` over all rows of x [n, V], ``chunk`` rows at a time; outputs [n] each."""
+    n = x.shape[0]
+    acc = stats_dtype(x.dtype)
+    outs = [
+        torch.empty(n if want else 0, dtype=acc, device=x.device)
+        for want in (True, want_entropy, want_spp, True, want_entropy)
+    ]
+    for a in range(0, n, chunk):
+        b = min(a + chunk, n)
+        for out, part in zip(
+            outs, chunk_forward(x[a:b], safe_labels[a:b], scale, want_entropy, want_spp)
+        ):
+            if out.numel():
+                out[a:b] = part
+    return tuple(outs)
+
+
+def rows_grad(
+    x: Tensor,
+    safe_labels: Tensor,
+    lse: Tensor,
+    mu: Tensor,
+    g_lp: Tensor | None,
+    g_ent: Tensor | None,
+    scale: float,
+    chunk: int,
+    out: Tensor,
+) -> Tensor:
+    """``chunk_grad_logits`` over all rows of x [n, V], written into ``out`` [n, V] (any dtype).
+
+    ``g_lp`` must already be 0 on ignored labels; a ``None`` gradient is skipped.
+    """
+    for a in range(0, x.shape[0], chunk):
+        b = min(a + chunk, x.shape[0])
+        out[a:b] = chunk_grad_logits(
+            x[a:b],
+            safe_labels[a:b],
+            lse[a:b],
+            None if g_ent is None else mu[a:b],
+            None if g_lp is None else g_lp[a:b],
+            None if g_ent is None else g_ent[a:b],
+            scale,
+        )
+    return out
+
+
+def upstream_grads(
+    g_lp: Tensor | None, g_ent: Tensor | None, ignored: Tensor, acc: torch.dtype
+) -> tuple[Tensor | None, Tensor | None]:
+    """Output gradients in the accumulation dtype; ignored labels get no log-prob gradient."""
+    if g_lp is not None:
+        g_lp = g_lp.to(acc).masked_fill(ignored, 0.0)
+    if g_ent is not None:
+        g_ent = g_ent.to(acc) if g_ent.numel() else None
+    return g_lp, g_ent
+
+
 class _TokenStatsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, scale, want_entropy, want_spp, chunk):
-        n = logits.shape[0]
-        acc = stats_dtype(logits.dtype)
         ignored = labels == IGNORE_INDEX
         safe_labels = labels.masked_fill(ignored, 0)
-        out_lp = torch.empty(n, dtype=acc, device=logits.device)
-        out_ent = torch.empty(n if want_entropy else 0, dtype=acc, device=logits.device)
-        out_spp = torch.empty(n if want_spp else 0, dtype=acc, device=logits.device)
-        lse = torch.empty(n, dtype=acc, device=logits.device)
-        mu = torch.empty(n if want_entropy else 0, dtype=acc, device=logits.device)
-        for a in range(0, n, chunk):
-            b = min(a + chunk, n)
-            lp, ent, spp, c_lse, c_mu = chunk_forward(
-                logits[a:b], safe_labels[a:b], scale, want_entropy, want_spp
-            )
-            out_lp[a:b] = lp
-            lse[a:b] = c_lse
-            if want_entropy:
-                out_ent[a:b] = ent
-                mu[a:b] = c_mu
-            if want_spp:
-                out_spp[a:b] = spp
-        out_lp.masked_fill_(ignored, 0.0)
+        lp, ent, spp, lse, mu = rows_forward(
+            logits, safe_labels, scale, want_entropy, want_spp, chunk
+        )
+        lp.masked_fill_(ignored, 0.0)
         ctx.save_for_backward(logits, safe_labels, ignored, lse, mu)
         ctx.scale, ctx.chunk = scale, chunk
         # Unused outputs then arrive as None in backward instead of zero tensors to multiply.
         ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(out_spp)
-        return out_lp, out_ent, out_spp
+        ctx.mark_non_differentiable(spp)
+        return lp, ent, spp
 
     @staticmethod
     def backward(ctx, g_lp, g_ent, _g_spp):
-        logits, labels, ignored, lse, mu = ctx.saved_tensors
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None, None
-        acc = lse.dtype
-        if g_lp is not None:
-            g_lp = g_lp.to(acc).masked_fill(ignored, 0.0)
-        if g_ent is not None and g_ent.numel() == 0:
-            g_ent = None
-        if g_ent is not None:
-            g_ent = g_ent.to(acc)
-        grad = torch.empty_like(logits)
+        logits, safe_labels, ignored, lse, mu = ctx.saved_tensors
+        g_lp, g_ent = upstream_grads(g_lp, g_ent, ignored, lse.dtype)
         if g_lp is None and g_ent is None:
-            return grad.zero_(), None, None, None, None, None
-        n = logits.shape[0]
-        for a in range(0, n, ctx.chunk):
-            b = min(a + ctx.chunk, n)
-            grad[a:b] = chunk_grad_logits(
-                logits[a:b],
-                labels[a:b],
-                lse[a:b],
-                None if g_ent is None else mu[a:b],
-                None if g_lp is None else g_lp[a:b],
-                None if g_ent is None else g_ent[a:b],
-                ctx.scale,
-            )
+            return torch.zeros_like(logits), None, None, None, None, None
+        grad = torch.empty_like(logits)
+        rows_grad(logits, safe_labels, lse, mu, g_lp, g_ent, ctx.scale, ctx.chunk, grad)
         return grad, None, None, None, None, None
 
 

@@ -1,0 +1,175 @@
+"""Token statistics of an lm_head projection without ever holding the [T, V] logits.
+
+logits = hidden @ weight.T (+ bias) is formed ``chunk_size`` tokens at a time, reduced to the
+per-token statistics of ``token_stats`` and dropped. The backward recomputes each chunk's
+logits from the saved inputs and the per-row scalars (lse, Σπs), turns them into the chunk's
+logit gradient and folds that into the gradients of hidden, weight and bias at once, so memory
+stays at one chunk of [chunk_size, V] in both directions. The price is one extra matmul (the
+recompute) compared with keeping the logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from otbrl.ops.token_stats import (
+    IGNORE_INDEX,
+    TokenStats,
+    check_label_range,
+    check_temperature,
+    default_chunk_size,
+    rows_forward,
+    rows_grad,
+    stats_dtype,
+    upstream_grads,
+)
+
+# ~4M logits per token chunk (16 MiB in float32): big enough for efficient matmuls, small
+# enough that the handful of chunk buffers stays a few percent of the full [T, V] logits.
+_FUSED_CHUNK_ELEMENTS = 1 << 22
+
+
+def default_fused_chunk_size(vocab_size: int) -> int:
+    """Tokens per chunk of ``fused_linear_token_stats`` (about 2**22 logits, at least 1)."""
+    return max(1, _FUSED_CHUNK_ELEMENTS // max(1, vocab_size))
+
+
+def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return hidden @ weight.T if bias is None else torch.addmm(bias, hidden, weight.T)
+
+
+class _FusedLinearTokenStats(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, scale, want_entropy, want_spp, chunk):
+        n, vocab = hidden.shape[0], weight.shape[0]
+        acc = stats_dtype(hidden.dtype)
+        ignored = labels == IGNORE_INDEX
+        safe_labels = labels.masked_fill(ignored, 0)
+        outs = [
+            torch.empty(n if want else 0, dtype=acc, device=hidden.device)
+            for want in (True, want_entropy, want_spp, True, want_entropy)
+        ]
+        inner = default_chunk_size(vocab)
+        for a in range(0, n, chunk):
+            b = min(a + chunk, n)
+            logits = _chunk_logits(hidden[a:b], weight, bias)
+            parts = rows_forward(logits, safe_labels[a:b], scale, want_entropy, want_spp, inner)
+            for out, part in zip(outs, parts):
+                if out.numel():
+                    out[a:b] = part
+        lp, ent, spp, lse, mu = outs
+        lp.masked_fill_(ignored, 0.0)
+        ctx.save_for_backward(hidden, weight, bias, safe_labels, ignored, lse, mu)
+        ctx.scale, ctx.chunk, ctx.inner = scale, chunk, inner
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(spp)
+        return lp, ent, spp
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent, _g_spp):
+        hidden, weight, bias, safe_labels, ignored, lse, mu = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        g_lp, g_ent = upstream_grads(g_lp, g_ent, ignored, lse.dtype)
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        # Low-precision weights: accumulate the chunk sums of the weight gradient in float32.
+        acc = stats_dtype(weight.dtype)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
+        if g_lp is not None or g_ent is not None:
+            n = hidden.shape[0]
+            for a in range(0, n, ctx.chunk):
+                b = min(a + ctx.chunk, n)
+                logits = _chunk_logits(hidden[a:b], weight, bias)
+                # The logit gradient overwrites the recomputed logits' own buffer.
+                dz = rows_grad(
+                    logits,
+                    safe_labels[a:b],
+                    lse[a:b],
+                    mu[a:b] if g_ent is not None else mu,
+                    None if g_lp is None else g_lp[a:b],
+                    None if g_ent is None else g_ent[a:b],
+                    ctx.scale,
+                    ctx.inner,
+                    logits,
+                )
+                if need_h:
+                    torch.mm(dz, weight, out=grad_h[a:b])
+                if need_w:
+                    grad_w.addmm_(dz.T.to(acc), hidden[a:b].to(acc))
+                if need_b:
+                    grad_b += dz.sum(dim=0, dtype=acc)
+        if need_w:
+            grad_w = grad_w.to(weight.dtype)
+        if need_b:
+            grad_b = grad_b.to(bias.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def fused_linear_token_stats(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    entropy: bool = True,
+    sum_pi_squared: bool = True,
+    chunk_size: int | None = None,
+) -> TokenStats:
+    """``token_stats(hidden @ weight.T + bias, labels)`` without materializing the logits.
+
+    Args:
+        hidden: [T, H] float32/float64/bfloat16/float16 final hidden states.
+        weight: [V, H] same dtype, the ``nn.Linear`` / HF ``lm_head.weight`` layout.
+        labels: [T] int64 ids in [0, V), or −100 for "no label".
+        bias: optional [V].
+        temperature, entropy, sum_pi_squared: as in ``token_stats``.
+        chunk_size: tokens per chunk (default about 2**22 / V); results do not depend on it.
+    Returns:
+        ``TokenStats`` of [T] fields (float32; float64 for float64 inputs). ``log_probs`` and
+        ``entropy`` are differentiable w.r.t. hidden, weight and bias.
+    """
+    for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if hidden.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        raise TypeError(f"hidden: expected float32/float64/bfloat16/float16, got {hidden.dtype}")
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden: expected shape [T, H], got {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1] or weight.shape[0] == 0:
+        raise ValueError(
+            f"weight: expected shape [V, H={hidden.shape[1]}] with V >= 1, "
+            f"got {tuple(weight.shape)}"
+        )
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight: expected dtype {hidden.dtype} (hidden's), got {weight.dtype}")
+    if bias is not None and (
+        not isinstance(bias, Tensor)
+        or tuple(bias.shape) != (weight.shape[0],)
+        or bias.dtype != hidden.dtype
+    ):
+        got = tuple(bias.shape) if isinstance(bias, Tensor) else type(bias).__name__
+        raise ValueError(f"bias: expected a [{weight.shape[0]}] {hidden.dtype} tensor, got {got}")
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"labels: expected an int64 tensor, got {labels.dtype}")
+    if tuple(labels.shape) != (hidden.shape[0],):
+        raise ValueError(f"labels: expected shape ({hidden.shape[0]},), got {tuple(labels.shape)}")
+    scale = 1.0 / check_temperature(temperature)
+    vocab = weight.shape[0]
+    if chunk_size is None:
+        chunk_size = default_fused_chunk_size(vocab)
+    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
+    check_label_range(labels, vocab)
+    lp, ent, spp = _FusedLinearTokenStats.apply(
+        hidden,
+        weight,
+        bias,
+        labels.long(),
+        scale,
+        bool(entropy),
+        bool(sum_pi_squared),
+        chunk_size,
+    )
+    return TokenStats(lp, ent if entropy else None, spp if sum_pi_squared else None)
