@@ -26,6 +26,7 @@ _PRELOAD = [
     "otbrl.engine.parallel",
     "otbrl.engine.ulysses",
     "otbrl.engine.dist",
+    "otbrl.engine.distributed",
 ]
 _CTX = None
 
