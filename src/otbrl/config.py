@@ -73,6 +73,10 @@ class ActorConfig:
     grad_clip: float = 1.0
     use_fused_kernels: bool = False
     calculate_sum_pi_squared: Any = "auto"  # "auto" | "true" | "false" (YAML booleans accepted)
+    # "single": one process; "fsdp" / "tp": one process per device under torchrun (issue 5)
+    engine: str = "single"
+    tensor_parallel_size: int = 1  # engine=tp: ranks sharing one model's heads and vocabulary
+    ulysses_sequence_parallel_size: int = 1  # ranks splitting each packed sequence
 
 
 @dataclass
@@ -147,6 +151,7 @@ _CHOICES = {
     ),
     "actor.kl_loss_type": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
     "actor.calculate_sum_pi_squared": ("auto", "true", "false"),
+    "actor.engine": ("single", "fsdp", "tp"),
     "algorithm.otb.energy": ("logit_gradient", "uniform"),
     "reward.on_error": ("raise", "zero"),
 }
@@ -161,6 +166,8 @@ _POSITIVE = (
     "actor.ppo_epochs",
     "actor.ppo_mini_batch_size",
     "actor.micro_batch_size",
+    "actor.tensor_parallel_size",
+    "actor.ulysses_sequence_parallel_size",
     "trainer.total_steps",
     "trainer.val_batch_size",
     "sft.batch_size",
