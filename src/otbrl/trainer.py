@@ -188,15 +188,7 @@ class Trainer:
         if "ref_log_probs" in self.needs:
             ref_model, _ = load_model_and_tokenizer(path, dtype=cfg.model.dtype)
             ref_model.requires_grad_(False)
-        self.actor = Actor(
-            self.model,
-            cfg.actor,
-            ppo_mini_batch_size=cfg.actor.ppo_mini_batch_size * cfg.rollout.n,
-            temperature=cfg.rollout.temperature,
-            use_remove_padding=cfg.model.use_remove_padding,
-            ref_model=ref_model,
-            seed=cfg.trainer.seed,
-        )
+        self.actor = self.build_actor(ref_model)
         self.reward_fn = resolve_reward_function(cfg.reward.function)
         train_rows, self.val_rows = load_rows(cfg)
         self.dataset = PromptDataset(
@@ -209,6 +201,19 @@ class Trainer:
         self.step = 0
         self.initial_val_accuracy: float | None = None
         self.last_val_accuracy: float | None = None
+
+    def build_actor(self, ref_model) -> Actor:
+        """The policy engine for ``self.model`` (the distributed trainer returns a sharded one)."""
+        cfg = self.cfg
+        return Actor(
+            self.model,
+            cfg.actor,
+            ppo_mini_batch_size=cfg.actor.ppo_mini_batch_size * cfg.rollout.n,
+            temperature=cfg.rollout.temperature,
+            use_remove_padding=cfg.model.use_remove_padding,
+            ref_model=ref_model,
+            seed=cfg.trainer.seed,
+        )
 
     # -- checkpoints -----------------------------------------------------------------------------
     def _resume(self) -> None:
