@@ -5,42 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_utils import VOCAB, check_ok, launch, tiny_llama
+from dist_utils import NEEDS, actor_config, check_ok, launch, ppo_batch, tiny_llama
 
 pytestmark = pytest.mark.distributed
-
-NEEDS = frozenset({"old_log_probs", "entropy", "sum_pi_squared"})
-
-
-def actor_config(**overrides):
-    from otbrl.config import ActorConfig
-
-    kwargs = dict(lr=1e-3, warmup_steps=0, micro_batch_size=4, grad_clip=0.5, ppo_epochs=1)
-    kwargs.update(overrides)
-    return ActorConfig(**kwargs)
-
-
-def ppo_batch(groups: int = 4, n: int = 2, seed: int = 7) -> dict[str, torch.Tensor]:
-    """`groups` prompts × `n` responses: left-padded prompts, right-padded responses, uids."""
-    from otbrl.engine.forward import sequence_inputs
-
-    g = torch.Generator().manual_seed(seed)
-    b, lp, lr = groups * n, 4, 5
-    prompts = torch.randint(1, VOCAB, (groups, lp), generator=g).repeat_interleave(n, 0)
-    prompt_lens = torch.tensor([4, 2, 3, 4]).repeat_interleave(n)[:b]
-    prompt_mask = (torch.arange(lp)[None] >= lp - prompt_lens[:, None]).long()
-    responses = torch.randint(1, VOCAB, (b, lr), generator=g)
-    resp_lens = torch.tensor([5, 1, 3, 4, 2, 5, 4, 3])[:b]
-    response_mask = (torch.arange(lr)[None] < resp_lens[:, None]).float()
-    responses = responses * response_mask.long()
-    batch = sequence_inputs(prompts * prompt_mask, prompt_mask, responses, response_mask)
-    batch.update(
-        responses=responses,
-        response_mask=response_mask,
-        uid=torch.arange(groups).repeat_interleave(n),
-        advantages=torch.randn(b, lr, generator=g) * response_mask,
-    )
-    return batch
 
 
 def full_grads(model) -> dict[str, torch.Tensor]:

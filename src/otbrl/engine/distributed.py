@@ -23,10 +23,13 @@ import copy
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -233,6 +236,32 @@ class ShardedActor(Actor):
         full = [None if t is None else ulysses.gather_and_unpad(t, group, pad) for t in local]
         picked = type(local)(*[None if t is None else t[index] for t in full])
         return _scatter_stats(picked, rows.valid, entropy, sum_pi_squared)
+
+
+def save_sharded_state(actor: ShardedActor, directory) -> None:
+    """Write model and optimizer shards with torch.distributed.checkpoint (collective).
+
+    Every rank writes only its shards; the metadata records global shapes and placements, so
+    ``load_sharded_state`` can read the directory back with any mesh (other world size, FSDP
+    or TP). Scheduler, RNG and data position are small and saved by the trainer.
+    """
+    model_state, optim_state = get_state_dict(actor.model, actor.optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory))
+
+
+def load_sharded_state(actor: ShardedActor, directory) -> None:
+    """Read what ``save_sharded_state`` wrote into `actor`'s current layout, then refresh the
+    rollout copy (collective)."""
+    model_state, optim_state = get_state_dict(actor.model, actor.optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(directory))
+    set_state_dict(
+        actor.model,
+        actor.optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+    )
+    actor.refresh_inference_model()
 
 
 class _Rows:
