@@ -33,7 +33,11 @@ def single_process_reference(batch, **config):
     return stats, tally, grads, float(actor.clip_grad_norm(0.5))
 
 
-def _engine_worker(rank, world_size, port, engine, sp, tp, packed):
+def _gloo_ops(prof) -> list[str]:
+    return [e.name for e in prof.events() if e.name.startswith("gloo:")]
+
+
+def _engine_worker(rank, world_size, port, engine, sp, tp, packed, extra_steps=0):
     from otbrl.engine.dist import init_distributed
     from otbrl.engine.distributed import ShardedActor, split_by_groups
     from otbrl.engine.parallel import build_mesh
@@ -51,13 +55,20 @@ def _engine_worker(rank, world_size, port, engine, sp, tp, packed):
         ppo_mini_batch_size=batch["uid"].numel(),
         use_remove_padding=packed,
     )
-    stats = actor.compute_stats(local, NEEDS, 1.0)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        stats = actor.compute_stats(local, NEEDS, 1.0)
+    collectives = _gloo_ops(prof)
     logits_shape = actor.last_logits_shape
     mini = {**local, "old_log_probs": stats["old_log_probs"]}
     tally = actor.accumulate_gradients(mini)
     grads = full_grads(actor.model)
     norm = float(actor.clip_grad_norm(0.5))
     metrics = actor.update(mini)  # a real PPO step: AdamW, then the rollout copy is refreshed
+    for _ in range(extra_steps):
+        later = actor.update(mini)
+        assert all(torch.isfinite(torch.tensor(v)) for v in later.values()), later
     inference = {k: v.clone() for k, v in actor.inference_model.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -72,6 +83,7 @@ def _engine_worker(rank, world_size, port, engine, sp, tp, packed):
         "metrics": metrics,
         "synced": synced,
         "logits_shape": logits_shape,
+        "collectives": collectives,
     }
 
 
