@@ -139,6 +139,7 @@ def test_nonfinite_values_are_null_counted_and_warned_once(tmp_path):
     assert saved == summary
     assert saved["final_val_accuracy"] is None
     assert saved["extra"] == {"loss": None, "acc": 0.5, "xs": [1.0, None]}
+    assert "n/a -> n/a" in out.getvalue() and "non-finite values  3" in out.getvalue()
     assert saved["nonfinite_metric_counts"] == {"loss": 2, "policy/grad_norm": 1}
     assert "policy/grad_norm" not in saved["last_metrics"]  # never had a finite value
 

@@ -414,7 +414,9 @@ class MetricsLogger:
             ("wall time", _format_duration(wall) if isinstance(wall, int | float) else "n/a")
         )
         first, last = out.get("initial_val_accuracy"), out.get("final_val_accuracy")
-        accuracy = f"{_format_value(first)} -> {_format_value(last)}"
+        accuracy = " -> ".join(
+            f"{v:.3f}" if isinstance(v, int | float) else "n/a" for v in (first, last)
+        )
         if isinstance(first, int | float) and isinstance(last, int | float):
             accuracy += f"  ({last - first:+.3f})"
         rows.append(("val accuracy", accuracy))
