@@ -1,0 +1,133 @@
+import json
+
+import pytest
+import torch
+
+import otbrl.sft as sft
+from otbrl.data import encode_prompts, get_task
+from otbrl.models import build_tiny_model, load_model_and_tokenizer
+from otbrl.rollout import decode_responses, generate
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny models gain nothing from a second thread, and on a busy 2-core machine two threads
+    # spin against each other (measured 25x slower); restore the suite's setting afterwards.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    path = build_tiny_model(tmp_path / "m", seed=1, **SMALL)
+    return load_model_and_tokenizer(path)
+
+
+def _data(n=64, seed=0):
+    task = get_task("arithmetic")
+    rows = task.rows("train", n, seed=seed)
+    return rows, [task.demonstration(r) for r in rows]
+
+
+def test_labels_cover_the_response_and_eos_only(tiny):
+    _, tok = tiny
+    rows, demos = _data(5)
+    data = sft.tokenize_demonstrations(rows, demos, tok)
+    prompts = encode_prompts(rows, tok, max_prompt_length=32)
+    for i in range(5):
+        prompt = prompts["input_ids"][i][prompts["attention_mask"][i].bool()].tolist()
+        answer = tok(demos[i], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        length = len(prompt) + len(answer)
+        assert data["input_ids"][i, :length].tolist() == prompt + answer
+        assert data["attention_mask"][i].tolist() == [1] * length + [0] * (
+            data["input_ids"].shape[1] - length
+        )
+        labels = data["labels"][i].tolist()
+        assert labels == [sft.IGNORE] * len(prompt) + answer + [sft.IGNORE] * (len(labels) - length)
+
+
+def test_model_loss_is_response_token_cross_entropy(tiny):
+    model, tok = tiny
+    rows, demos = _data(8)
+    data = sft.tokenize_demonstrations(rows, demos, tok)
+    with torch.no_grad():
+        out = model(**data)
+    # Reference: float64 log-softmax, logits at t-1 score token t, response tokens only.
+    logp = torch.log_softmax(out.logits[:, :-1].double(), -1)
+    target = data["input_ids"][:, 1:]
+    keep = data["labels"][:, 1:] != sft.IGNORE
+    nll = -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    assert torch.allclose(out.loss.double(), nll[keep].mean(), atol=1e-5)
+
+
+def test_sft_reduces_the_loss(tiny):
+    model, tok = tiny
+    rows, demos = _data(256)
+    result = sft.run_sft(model, tok, rows, demos, lr=1e-2, batch_size=16, max_steps=25, seed=0)
+    losses = result["losses"]
+    assert result["steps"] == 25 and len(losses) == 25 and result["accuracy"] is None
+    assert sum(losses[-5:]) / 5 < 0.75 * sum(losses[:5]) / 5
+
+
+def test_sft_stops_at_the_accuracy_target(tiny):
+    model, tok = tiny
+    rows, demos = _data(32)
+    result = sft.run_sft(
+        model, tok, rows, demos, batch_size=8, max_steps=50, target_accuracy=0.0,
+        eval_rows=rows[:8], eval_every=3, max_new_tokens=4,
+    )  # fmt: skip
+    assert result["reached_target"] and result["steps"] == 3
+    assert result["evaluations"] == [[3, result["accuracy"]]]
+
+
+def test_evaluate_accuracy_counts_exact_greedy_answers(tiny):
+    model, tok = tiny
+    rows, _ = _data(10)
+    enc = encode_prompts(rows, tok, max_prompt_length=32)
+    out = generate(
+        model, tok, enc["input_ids"], enc["attention_mask"], max_new_tokens=4, do_sample=False
+    )
+    greedy = decode_responses(tok, out["responses"], out["response_mask"])
+    # Make rows 0, 2, 4, ... correct by construction and the others wrong.
+    for i, row in enumerate(rows):
+        truth = greedy[i] if i % 2 == 0 else greedy[i] + "0"
+        row["reward_model"] = {"ground_truth": truth}
+    for batch_size in (3, 512):
+        acc = sft.evaluate_accuracy(model, tok, rows, max_new_tokens=4, batch_size=batch_size)
+        assert acc == 0.5
+
+
+def test_warm_start_is_cached_and_keyed_by_settings(tmp_path, monkeypatch):
+    kwargs = {"size": SMALL, "max_steps": 2, "eval_every": 2, "target_accuracy": 1.0, "n_eval": 8}
+    first = sft.ensure_warm_start(tmp_path, seed=0, **kwargs)
+    meta = json.loads((first / sft.WARM_START_FILE).read_text())
+    assert meta["result"]["steps"] == 2 and not meta["result"]["reached_target"]
+    model, tok = load_model_and_tokenizer(first)
+    assert model.config.hidden_size == 32 and tok.padding_side == "left"
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temp directory left
+
+    def must_not_train(*args, **kw):
+        raise AssertionError("the cached warm start should have been reused")
+
+    monkeypatch.setattr(sft, "run_sft", must_not_train)
+    assert sft.ensure_warm_start(tmp_path, seed=0, **kwargs) == first
+    with pytest.raises(AssertionError, match="reused"):
+        sft.ensure_warm_start(tmp_path, seed=0, **{**kwargs, "lr": 1e-3})
+
+
+def test_bad_arguments(tiny):
+    model, tok = tiny
+    rows, demos = _data(4)
+    with pytest.raises(ValueError, match="demonstrations"):
+        sft.run_sft(model, tok, rows, demos[:3], max_steps=1)
+    with pytest.raises(ValueError, match="eval_rows"):
+        sft.run_sft(model, tok, rows, demos, max_steps=1, target_accuracy=0.5)
+    with pytest.raises(ValueError, match="max_steps"):
+        sft.run_sft(model, tok, rows, demos, max_steps=0)
+    with pytest.raises(ValueError, match="rows"):
+        sft.evaluate_accuracy(model, tok, [], max_new_tokens=2)
