@@ -302,3 +302,40 @@ def test_w_matches_autograd_logit_gradient_norm():
         torch.zeros(B, T), mask, log_probs.detach(), sum_pi_squared, energy="logit_gradient"
     )
     torch.testing.assert_close(W, W_autograd, atol=1e-5, rtol=1e-5)
+
+
+def test_tir_layouts_rows_mixed_flat_agree_with_reference():
+    # TIR-OTB takes three internal paths: no row has holes, a few rows have holes (only those
+    # go through the flat k index), most rows have holes (every row does). All match the loop.
+    for n_holes in (0, 2, 12):
+        b = random_batch(7, B=16, L=9, holes=False, is_weights=True, n_ids=4)
+        b["response_mask"][:, 0] = 1.0
+        b["response_mask"][:n_holes, 1] = 0.0  # a hole (or a 1-token response)
+        b["response_mask"][:n_holes, 2] = 1.0
+        for zero_tail in (True, False):
+            for loo in (False, True):
+                adv = tir_optimal_token_baseline(**b, handle_zero_tail=zero_tail, leave_one_out=loo)
+                ref = reference(b, tir=True, zero_tail=zero_tail, loo=loo)
+                assert_adv_close(adv[0], ref[0])
+
+
+def test_flat_index_int64_path_and_long_row_hole_check():
+    from otbrl.algos.otb import _flat_positions, rows_with_holes
+
+    g = torch.Generator().manual_seed(3)
+    m = (torch.rand(6, 10, generator=g) > 0.3).float()
+    gid = torch.tensor([0, 2, 1, 2, 0, 1])
+    small = _flat_positions(m.clone(), gid, 3)  # float32 path, converted in place
+    large = _flat_positions(m.clone(), gid, 2**24)  # num_groups·L ≥ 2^24: int64 path
+    assert small.dtype == torch.int32 and large.dtype == torch.int64
+    assert torch.equal(small.long(), large)
+    k = (m.cumsum(-1) - 1).clamp(min=0).long()
+    assert torch.equal(large.view(6, 10), k + gid[:, None] * 10)
+    # Rows of 6,000 positions exceed float32's exact position sums: the neighbour test is used.
+    long = torch.zeros(4, 6000)
+    long[0, :100] = 1  # prefix
+    long[1, 1:100] = 1  # leading padding
+    long[2, :50] = 1
+    long[2, 5000:5100] = 1  # a hole
+    assert rows_with_holes(long).tolist() == [False, True, True, False]
+    assert rows_with_holes(long[:, :5000]).tolist() == [False, True, False, False]

@@ -124,33 +124,145 @@ def zero_tail_mask(response_mask: Tensor, index, *, response_space: bool = False
     return (m > 0) & (pos >= row_start[:, None])
 
 
-def _group_table(
-    sum_num: Tensor, sum_den: Tensor, n_members: Tensor, group_start: Tensor | None
+def row_lengths(response_mask: Tensor) -> Tensor:
+    """Σ_t m per row, ``[B, L]`` -> ``[B]`` float32 (a mat-vec: exact integer counts < 2^24)."""
+    ones = torch.ones(response_mask.shape[1], device=response_mask.device)
+    return torch.mv(response_mask, ones)
+
+
+def rows_with_holes(response_mask: Tensor, lengths: Tensor | None = None) -> Tensor:
+    """``[B]`` bool: rows whose trained tokens are not the prefix 0..ℓ−1 (tool-output holes,
+    or leading padding). Assumes a 0/1 mask.
+
+    A row's positions sum to ℓ(ℓ−1)/2 exactly when they are 0..ℓ−1 (any other set of ℓ distinct
+    positions sums higher); a float32 mat-vec is exact while L(L−1)/2 < 2^24.
+    """
+    L = response_mask.shape[1]
+    if L * (L - 1) // 2 >= 2**24:  # long rows: look for a 0 -> 1 step instead
+        return (response_mask[:, 1:] > response_mask[:, :-1]).any(-1)
+    if lengths is None:
+        lengths = row_lengths(response_mask)
+    positions = torch.arange(L, device=response_mask.device, dtype=response_mask.dtype)
+    return torch.mv(response_mask, positions) != lengths * (lengths - 1) / 2
+
+
+def _flat_positions(mask_rows: Tensor, gid_rows: Tensor, num_groups: int) -> Tensor:
+    """Flat group-space index gid·L + k of every position of the given rows, ``[R, L]`` ->
+    ``[R·L]`` (``mask_rows`` is a scratch copy and is overwritten).
+
+    k = (number of trained tokens up to t) − 1: the response-token index. Unmasked positions
+    carry num = den = 0, so where they land (their clamped k) adds nothing, and what they read
+    back is multiplied by m = 0.
+    """
+    L = mask_rows.shape[1]
+    kpos = mask_rows.cumsum_(-1).sub_(1).clamp_(min=0)
+    if num_groups * L < 2**24:  # float32 holds the index exactly: convert in place
+        kpos.add_((gid_rows.to(kpos.dtype) * L)[:, None])
+        flat = kpos.view(torch.int32)  # same 4-byte slots, elementwise conversion
+        flat.copy_(kpos)
+        return flat.view(-1)
+    return (kpos.to(torch.int64) + (gid_rows * L)[:, None]).view(-1)
+
+
+class _GroupLayout:
+    """Where each row's values sit in group space ``[num_groups, L]``.
+
+    A row without holes puts position t at group column t: one row-wise ``index_add_`` and
+    ``index_select`` (OTB uses only this). TIR-OTB puts a row's k-th response token at column k:
+    rows with holes go through a flat ``index_add_`` / ``index_select`` with index gid·L + k;
+    when most rows (≥ 3/4) have holes, every row does (cheaper than splitting).
+    """
+
+    def __init__(
+        self, gid: Tensor, num_groups: int, seq_len: int, response_mask: Tensor | None = None
+    ):
+        self.gid, self.ng, self.L = gid, num_groups, seq_len
+        self.mode, self.row_gid = "rows", gid
+        if response_mask is None:
+            return
+        # Rows without holes already have k = t; only the others need their k computed.
+        holes = rows_with_holes(response_mask).nonzero()[:, 0]  # one host sync per batch
+        if 4 * holes.numel() >= 3 * gid.numel():
+            self.mode = "flat"
+            self.flat = _flat_positions(response_mask.clone(), gid, num_groups)
+        elif holes.numel():
+            self.mode, self.holes = "mixed", holes
+            self.row_gid = gid.index_fill(0, holes, num_groups)  # a dump row for hole rows
+            rows = response_mask.index_select(0, holes)
+            self.flat = _flat_positions(rows, gid.index_select(0, holes), num_groups)
+
+    def sums(self, x: Tensor) -> Tensor:
+        """Per-group column sums of ``x`` ``[B, L]`` -> ``[num_groups, L]``."""
+        if self.mode == "flat":
+            out = torch.zeros(self.ng * self.L, device=x.device)
+            return out.index_add_(0, self.flat, x.view(-1)).view(self.ng, self.L)
+        rows = self.ng + (self.mode == "mixed")
+        out = torch.zeros((rows, self.L), device=x.device).index_add_(0, self.row_gid, x)
+        out = out[: self.ng]
+        if self.mode == "mixed":
+            out.view(-1).index_add_(0, self.flat, x.index_select(0, self.holes).view(-1))
+        return out
+
+    def gather(self, table: Tensor, out: Tensor) -> Tensor:
+        """Each row's entries of a group table ``[num_groups, L]`` -> ``out`` ``[B, L]``."""
+        if self.mode == "flat":
+            torch.index_select(table.reshape(-1), 0, self.flat, out=out.view(-1))
+            return out
+        torch.index_select(table, 0, self.gid, out=out)
+        if self.mode == "mixed":
+            picked = table.reshape(-1).index_select(0, self.flat).view(-1, self.L)
+            out.index_copy_(0, self.holes, picked)
+        return out
+
+
+def _baseline(
+    G: Tensor,
+    den: Tensor,
+    layout: _GroupLayout,
+    n_members: Tensor,
+    leave_one_out: bool,
+    group_start: Tensor | None = None,
+    uncut_rows: Tensor | None = None,
 ) -> Tensor:
-    """Per-group baselines ``[ng, K]``; with a zero tail, ``[2·ng, K]`` where row ng+g is row g
-    cut to 0 from ``group_start[g]`` on (the slot the group's unique longest row reads)."""
-    ng, K = sum_num.shape
+    """Per-row baselines ``[B, L]`` from den = W·m ``[B, L]`` (its buffer is reused).
+
+    Group baseline: Σ G·den / (Σ den + ε), 0 for groups of one member; with ``group_start``,
+    cut to 0 from ``group_start[g]`` on, except for ``uncut_rows`` (row ids), which read the
+    uncut values. Leave-one-out: (Σ_g G·den − G_i·den_i) / (Σ_g den − den_i + ε).
+    """
+    sum_den = layout.sums(den)
+    if leave_one_out:
+        num = den * G
+        sum_num = layout.sums(num)
+        loo_den = layout.gather(sum_den, torch.empty_like(den)).sub_(den).add_(OTB_EPS)
+        baseline = layout.gather(sum_num, den).sub_(num).div_(loo_den)
+        return baseline.mul_((n_members[layout.gid] > 1).to(den.dtype)[:, None])
+    num = den.mul_(G)
+    sum_num = layout.sums(num)
     base = sum_num.div_(sum_den.add_(OTB_EPS))
     base.mul_((n_members > 1).to(base.dtype)[:, None])  # groups of one get B = 0
     if group_start is None:
-        return base
-    table = torch.empty((2 * ng, K), dtype=base.dtype, device=base.device)
-    table[:ng] = base
-    keep = torch.arange(K, device=base.device)[None] < group_start[:, None]
-    torch.mul(base, keep, out=table[ng:])
-    return table
+        return layout.gather(base, num)
+    saved = None
+    if uncut_rows is not None and uncut_rows.numel():
+        saved = base.index_select(0, layout.gid.index_select(0, uncut_rows))
+    positions = torch.arange(base.shape[1], device=base.device)
+    base.masked_fill_(positions[None] >= group_start[:, None], 0.0)
+    baseline = layout.gather(base, num)
+    if saved is not None:
+        baseline.index_copy_(0, uncut_rows, saved)
+    return baseline
 
 
-def _loo_baseline(gather, sum_num, sum_den, num, den, n_members_row) -> Tensor:
-    """Leave-one-out: (Σ_g num − num_i) / (Σ_g den − den_i + ε); groups of one get 0.
-
-    ``gather(table, dst)`` reads each row's group entries of ``table`` into ``dst``. The result
-    is written into ``den``'s buffer (``num`` is left intact for the caller).
-    """
-    loo_den = gather(sum_den, torch.empty_like(den)).sub_(den)
-    loo_num = gather(sum_num, den).sub_(num)
-    loo_num.div_(loo_den.add_(OTB_EPS))
-    return loo_num.mul_((n_members_row > 1).to(loo_num.dtype)[:, None])
+def _row_ends(response_mask: Tensor, lengths: Tensor) -> Tensor:
+    """``[B]`` one past each row's last trained position (ℓ for a row without holes)."""
+    holes = rows_with_holes(response_mask, lengths).nonzero()[:, 0]
+    ends = lengths.clone()
+    if holes.numel():
+        positions = torch.arange(1, response_mask.shape[1] + 1, device=response_mask.device)
+        last = response_mask.index_select(0, holes).mul_(positions).amax(-1)
+        ends.index_copy_(0, holes, last.to(ends.dtype))
+    return ends
 
 
 def optimal_token_baseline(
@@ -188,27 +300,27 @@ def optimal_token_baseline(
     B, L = G.shape
     gid, ng = group_ids(index, B, G.device)
     n_members = torch.bincount(gid, minlength=ng)
+    layout = _GroupLayout(gid, ng, L)
     den = W.mul_(m)
-    num = torch.mul(G, den)  # becomes the advantages buffer at the end
-    sum_den = torch.zeros((ng, L), device=G.device).index_add_(0, gid, den)
-    sum_num = torch.zeros((ng, L), device=G.device).index_add_(0, gid, num)
-    row_start = has_tail = group_start = None
-    if handle_zero_tail:
-        row_start, has_tail, group_start = zero_tail_start(m.sum(-1), gid, ng, L)
-    if leave_one_out:
-
-        def gather(table, out):
-            return torch.index_select(table, 0, gid, out=out)
-
-        baseline = _loo_baseline(gather, sum_num, sum_den, num, den, n_members[gid])
-        if row_start is not None:
-            tail = torch.arange(L, device=G.device)[None] >= row_start[:, None]
-            baseline.masked_fill_(tail, 0.0)
+    if not handle_zero_tail:
+        baseline = _baseline(G, den, layout, n_members, leave_one_out)
     else:
-        table = _group_table(sum_num, sum_den, n_members, group_start)
-        slot = gid if has_tail is None else gid + ng * has_tail.long()
-        baseline = torch.index_select(table, 0, slot, out=den)
-    advantages = torch.sub(G, baseline, out=num).mul_(m)
+        lengths = row_lengths(m)
+        row_start, has_tail, group_start = zero_tail_start(lengths, gid, ng, L)
+        if leave_one_out:  # per-row baselines: cut the (at most one per group) tail rows
+            baseline = _baseline(G, den, layout, n_members, leave_one_out)
+            rows = has_tail.nonzero()[:, 0]  # one host sync per batch
+            cut = baseline.index_select(0, rows)
+            positions = torch.arange(L, device=G.device)
+            cut.masked_fill_(positions[None] >= row_start.index_select(0, rows)[:, None], 0.0)
+            baseline.index_copy_(0, rows, cut)
+        else:
+            # Cut the group's baseline from ℓ_2 on: that reaches only the tail row, except for
+            # rows whose holes carry them past ℓ_2; those read the uncut values.
+            ends = _row_ends(m, lengths)
+            uncut = ((~has_tail) & (ends > group_start[gid])).nonzero()[:, 0]
+            baseline = _baseline(G, den, layout, n_members, False, group_start, uncut)
+    advantages = torch.sub(G, baseline, out=baseline).mul_(m)
     return advantages, G
 
 
@@ -231,7 +343,7 @@ def tir_optimal_token_baseline(
     baseline B_k = Σ_i G_{i,k} W_{i,k} / (Σ_i W_{i,k} + 1e-8) sums over the members that have a
     k-th token. Rows with an empty response are not members; groups of n = 1 member get B = 0;
     the zero tail (``handle_zero_tail``) applies in k space; ``leave_one_out`` and ``energy``
-    as in :func:`optimal_token_baseline`.
+    as in :func:`optimal_token_baseline`. The mask must be 0/1.
 
     Shapes: ``[B, L]`` tensors, ``index`` ``[B]`` -> ``(advantages, returns)`` ``[B, L]``;
     advantages are (G − B)·m at the masked positions, 0 elsewhere; returns = G (not masked).
@@ -247,41 +359,18 @@ def tir_optimal_token_baseline(
     m = response_mask.float()
     B, L = G.shape
     gid, ng = group_ids(index, B, G.device)
-    lengths = m.sum(-1)
+    lengths = row_lengths(m)
     member = lengths > 0
     n_members = torch.zeros(ng, dtype=torch.int64, device=G.device).index_add_(
         0, gid, member.long()
     )
-    # Flat index of (group, k) for every position: k = (# masked tokens up to t) − 1. Unmasked
-    # positions carry num = den = 0, so where they land (clamped k) adds nothing, and what
-    # they read back is multiplied by m = 0. float32 counts are exact up to 2^24 > L.
-    out = torch.cumsum(m, -1)
-    itype = torch.int32 if 2 * ng * L < 2**31 else torch.int64
-    flat = out.to(itype).sub_(1).clamp_(min=0)
-    flat.add_((gid * L).to(itype)[:, None])
-    flat = flat.view(-1)
-    den = W.mul_(m)
-    num = torch.mul(G, den, out=out)
-    sum_den = torch.zeros(ng * L, device=G.device).index_add_(0, flat, den.view(-1))
-    sum_num = torch.zeros(ng * L, device=G.device).index_add_(0, flat, num.view(-1))
-    sum_den, sum_num = sum_den.view(ng, L), sum_num.view(ng, L)
-    has_tail = group_start = None
-    if handle_zero_tail:
-        _, has_tail, group_start = zero_tail_start(lengths, gid, ng, L, member)
-
-    if leave_one_out:
-
-        def gather(table, dst):
-            torch.index_select(table.view(-1), 0, flat, out=dst.view(-1))
-            return dst
-
-        # In k space no other member has a token at k ≥ ℓ_2, so the leave-one-out baseline of
-        # the unique longest row is already exactly 0 there: the zero tail needs no extra step.
-        baseline = _loo_baseline(gather, sum_num, sum_den, num, den, n_members[gid])
-    else:
-        table = _group_table(sum_num, sum_den, n_members, group_start)
-        if has_tail is not None:  # the unique longest row reads its group's cut copy
-            flat.view(B, L).add_((has_tail.to(itype) * (ng * L))[:, None])
-        baseline = torch.index_select(table.view(-1), 0, flat, out=den.view(-1)).view(B, L)
-    advantages = torch.sub(G, baseline, out=num).mul_(m)
+    layout = _GroupLayout(gid, ng, L, m)
+    group_start = None
+    if handle_zero_tail and not leave_one_out:
+        # In k space no other member has a token at k ≥ ℓ_2, so cutting the group's baseline
+        # there touches only the unique longest row. Leave-one-out needs no cut at all: that
+        # row's "others" have nothing at k ≥ ℓ_2, so its baseline is already exactly 0.
+        _, _, group_start = zero_tail_start(lengths, gid, ng, L, member)
+    baseline = _baseline(G, W.mul_(m), layout, n_members, leave_one_out, group_start)
+    advantages = torch.sub(G, baseline, out=baseline).mul_(m)
     return advantages, G
