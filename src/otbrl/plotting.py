@@ -123,6 +123,7 @@ def _figure(runs: Sequence[Run], title: str) -> Figure:
         ax.set_title(panel_title, fontsize=10)
         ax.set_xlabel("step", fontsize=9)
         ax.tick_params(labelsize=8)
+        ax.ticklabel_format(axis="y", useOffset=False)  # "+2.937" offsets are hard to read
         ax.grid(alpha=0.3)
     if len(runs) > 1:
         by_label = {}  # one entry per run, whichever panels it appears in
