@@ -103,7 +103,14 @@ def test_evaluate_accuracy_counts_exact_greedy_answers(tiny):
 
 
 def test_warm_start_is_cached_and_keyed_by_settings(tmp_path, monkeypatch):
-    kwargs = {"size": SMALL, "max_steps": 2, "eval_every": 2, "target_accuracy": 1.0, "n_eval": 8}
+    kwargs = {
+        "size": SMALL,
+        "max_steps": 2,
+        "eval_every": 2,
+        "target_accuracy": 1.0,
+        "n_eval": 8,
+        "n_train": 64,
+    }
     first = sft.ensure_warm_start(tmp_path, seed=0, **kwargs)
     meta = json.loads((first / sft.WARM_START_FILE).read_text())
     assert meta["result"]["steps"] == 2 and not meta["result"]["reached_target"]

@@ -205,13 +205,15 @@ def ensure_warm_start(
     target_accuracy: float = 0.2,
     eval_every: int = 10,
     n_eval: int = 500,
+    n_train: int | None = None,
 ) -> Path:
     """Path of a tiny model SFT-ed on ``task`` to ``target_accuracy``: cached, built if missing.
 
     The directory (HF layout plus ``warm_start.json`` with the settings and SFT result) is
     ``cache_dir/<task>-<key>``, ``key`` hashing every setting; it is written under a temp name
     and renamed, so it is complete or absent. Evaluation uses ``n_eval`` rows of the task's
-    ``val`` split (the split RL validates on); SFT trains on the ``train`` split.
+    ``val`` split (the split RL validates on); SFT trains on ``n_train`` rows of the ``train``
+    split (all of it when ``None``).
     """
     settings = {
         "task": task,
@@ -224,6 +226,7 @@ def ensure_warm_start(
         "target_accuracy": target_accuracy,
         "eval_every": eval_every,
         "n_eval": n_eval,
+        "n_train": n_train,
     }
     cache_dir = Path(cache_dir)
     final = cache_dir / f"{task}-{warm_start_key(settings)}"
@@ -235,7 +238,7 @@ def ensure_warm_start(
     task_obj = get_task(task)
     build_tiny_model(tmp, task=task, arch=arch, seed=seed, **(size or {}))
     model, tokenizer = load_model_and_tokenizer(tmp)
-    rows = task_obj.rows("train", seed=seed)
+    rows = task_obj.rows("train", n_train, seed=seed)
     with torch.random.fork_rng(devices=[]):
         result = run_sft(
             model,
