@@ -213,3 +213,40 @@ def test_bad_inputs_name_the_argument():
         rloo(**{**grpo_case(), "token_level_rewards": [[1.0, 2.0]]})
     with pytest.raises(ValueError, match="token_level_rewards"):
         rloo(**{**grpo_case(), "token_level_rewards": torch.zeros(4)})
+
+
+def loop_returns(r, m, v, gamma, lam):
+    """REINFORCE++ returns and GAE's A from the recursions, one row and position at a time."""
+    B, L = r.shape
+    R, A = torch.zeros(B, L, dtype=torch.float64), torch.zeros(B, L, dtype=torch.float64)
+    for i in range(B):
+        carry_r = carry_a = next_v = 0.0
+        for t in reversed(range(L)):
+            if m[i, t] == 0:
+                continue
+            carry_r = float(r[i, t]) + gamma * carry_r
+            delta = float(r[i, t]) + gamma * next_v - float(v[i, t])
+            carry_a = delta + gamma * lam * carry_a
+            next_v = float(v[i, t])
+            R[i, t], A[i, t] = carry_r, carry_a
+    return R, A
+
+
+def loop_whiten(x, m):
+    sel = x[m > 0]
+    return (x - sel.mean()) / torch.sqrt(sel.var() + 1e-8) * m
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (0.9, 0.95), (0.5, 0.0)])
+def test_reinforce_plus_plus_and_gae_match_loops(gamma, lam):
+    g = torch.Generator().manual_seed(int(gamma * 100 + lam * 10))
+    r = torch.randn(6, 9, generator=g)
+    m = (torch.rand(6, 9, generator=g) < 0.7).float()
+    v = torch.randn(6, 9, generator=g)
+    R, A = loop_returns(r, m, v, gamma, lam)
+    adv, ret = reinforce_plus_plus(token_level_rewards=r, response_mask=m, gamma=gamma)
+    close(ret, R.float())
+    close(adv, loop_whiten(R, m).float())
+    adv, ret = gae(token_level_rewards=r, response_mask=m, values=v, gamma=gamma, lam=lam)
+    close(ret, ((A + v) * m).float())
+    close(adv, loop_whiten(A, m).float())

@@ -115,6 +115,7 @@ def whiten(x: Tensor, mask: Tensor) -> Tensor:
     """(x − μ)/sqrt(σ² + 1e-8) with the masked mean μ and unbiased masked variance σ².
 
     Shapes: ``x``, ``mask`` ``[B, L]`` -> ``[B, L]`` (not multiplied by the mask; callers do).
+    ``mask`` may also hold non-negative counts: an entry c stands for c tokens of value x.
     With fewer than two masked tokens the result is 0 (there is nothing to whiten against).
     """
     mean = masked_mean(x, mask)

@@ -155,32 +155,28 @@ def reinforce_plus_plus_baseline(
     score, m, gid, n = _scores_and_groups(token_level_rewards, response_mask, index)
     mean = group_sum(score, gid, n.numel()) / n
     a = torch.where(n[gid] > 1, score - mean[gid], score)
-    adv = whiten(a[:, None].expand_as(m), m) * m
+    # a is constant along each row, so whitening's token sums are a_i weighted by ℓ_i.
+    lengths = m.sum(-1)
+    adv = whiten(a[:, None], lengths[:, None])[:, 0, None] * m
     return adv, adv.clone()
 
 
-def _reverse_scan(r: Tensor, m: Tensor, values: Tensor | None, gamma: float, lam: float):
-    """Backward recursion over L, skipping masked positions; vectorized over rows.
+def _reverse_linear_scan(u: Tensor, d: Tensor) -> Tensor:
+    """R_t = u_t + d_t·R_{t+1} with R_L = 0, along the last dim: ``[B, L]`` -> ``[B, L]``.
 
-    Without ``values``: R_t = r_t + γ·R_{t+1} at m_t = 1 (R carried through m_t = 0).
-    With ``values``: δ_t = r_t + γ·V_next − V_t, A_t = δ_t + γλ·A_next, V_next/A_next carried
-    through m_t = 0. Returns the per-position R (or A), 0 where m = 0.
+    A loop over L (the recursion is sequential in t), vectorized over rows: one fused
+    multiply-add per step on time-major contiguous rows.
     """
-    # Time-major contiguous copies: each step then reads and writes one contiguous row.
-    rT, mT = r.t().contiguous(), (m > 0).t().contiguous()
-    vT = values.t().contiguous() if values is not None else None
-    out = torch.zeros_like(rT)
-    carry = torch.zeros_like(rT[0])
-    next_v = torch.zeros_like(rT[0])
-    for t in range(rT.shape[0] - 1, -1, -1):
-        if vT is None:
-            new = rT[t] + gamma * carry
-        else:
-            new = rT[t] + gamma * next_v - vT[t] + (gamma * lam) * carry
-            next_v = torch.where(mT[t], vT[t], next_v)
-        carry = torch.where(mT[t], new, carry)
-        out[t] = new * mT[t]
+    uT, dT = u.t().contiguous(), d.t().contiguous()
+    out = torch.empty_like(uT)
+    out[-1] = uT[-1]
+    for t in range(uT.shape[0] - 2, -1, -1):
+        torch.addcmul(uT[t], dT[t], out[t + 1], out=out[t])
     return out.t().contiguous()
+
+
+def _reverse_cumsum(x: Tensor) -> Tensor:
+    return x.flip(-1).cumsum(-1).flip(-1)
 
 
 @register_estimator("reinforce_plus_plus")
@@ -190,10 +186,15 @@ def reinforce_plus_plus(
     """REINFORCE++: discounted returns R_t = r_t + γ·R_{t+1} that skip masked positions (at
     m_t = 0, R passes through unchanged and the output is 0); advantages = whiten(R)·m.
 
-    Shapes: ``[B, L]`` -> ``(advantages, returns = R)`` ``[B, L]``.
+    Shapes: ``[B, L]`` -> ``(advantages, returns = R·m)`` ``[B, L]``.
     """
     r, m = check_batch(token_level_rewards, response_mask)
-    R = _reverse_scan(r, m, None, float(gamma), 1.0)
+    u = r * m
+    if gamma == 1.0:  # undiscounted: a plain reverse cumulative sum
+        R = _reverse_cumsum(u)
+    else:  # the carry through m = 0 is a discount of 1 there
+        R = _reverse_linear_scan(u, torch.where(m > 0, float(gamma), 1.0))
+    R = R * m
     return whiten(R, m) * m, R
 
 
@@ -208,5 +209,9 @@ def gae(
     """
     r, m = check_batch(token_level_rewards, response_mask)
     v = check_tensor("values", values, r.shape)
-    A = _reverse_scan(r, m, v, float(gamma), float(lam))
+    # V at the first trained position ≥ t, then shifted by one: V at the next one after t.
+    v_here = _reverse_linear_scan(v * m, 1.0 - m)
+    v_next = torch.nn.functional.pad(v_here[:, 1:], (0, 1))
+    delta = (r + float(gamma) * v_next - v) * m
+    A = _reverse_linear_scan(delta, torch.where(m > 0, float(gamma) * float(lam), 1.0)) * m
     return whiten(A, m) * m, (A + v) * m
