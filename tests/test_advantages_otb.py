@@ -13,6 +13,7 @@ from otbrl.algos.otb import (
     tir_optimal_token_baseline,
     zero_tail_mask,
 )
+from otbrl.ops import token_stats
 
 FNS = {"otb": optimal_token_baseline, "tir": tir_optimal_token_baseline}
 ESTIMATOR_NAMES = [
@@ -283,25 +284,27 @@ def test_zero_tail_mask_marks_where_zero_tail_changes_the_baseline(seed, kind):
 
 def test_w_matches_autograd_logit_gradient_norm():
     # w_t = 1 − 2π_y + Σπ² is ‖∂ log π(y_t)/∂z_t‖²; W is its masked running sum. A tiny causal
-    # model (embedding -> causal running mean -> linear head) gives the logits.
+    # model (embedding -> causal running mean -> linear head) gives the logits; the statistics
+    # come from otbrl.ops.token_stats (at a temperature, as the engine computes them), the
+    # reference from autograd through a float64 log-softmax.
     torch.manual_seed(0)
-    B, T, V, H = 3, 7, 11, 8
+    B, T, V, H, temp = 3, 7, 11, 8, 0.7
     emb, head = torch.nn.Embedding(V, H), torch.nn.Linear(H, V)
     tokens = torch.randint(0, V, (B, T + 1))
     x = emb(tokens[:, :-1])
     x = x.cumsum(1) / torch.arange(1, T + 1)[None, :, None]
-    logits = head(torch.tanh(x)).detach().requires_grad_(True)
+    logits = head(torch.tanh(x)).detach()
     labels = tokens[:, 1:]
-    log_probs = torch.log_softmax(logits, -1).gather(-1, labels[..., None])[..., 0]
-    (grad,) = torch.autograd.grad(log_probs.sum(), logits)
+    z = (logits.double() / temp).requires_grad_(True)
+    log_probs = torch.log_softmax(z, -1).gather(-1, labels[..., None])[..., 0]
+    (grad,) = torch.autograd.grad(log_probs.sum(), z)
     mask = (torch.rand(B, T) > 0.3).float()
-    W_autograd = ((grad**2).sum(-1) * mask).cumsum(-1)
-    p64 = torch.softmax(logits.detach().double(), -1)
-    sum_pi_squared = (p64**2).sum(-1).float()
+    W_autograd = ((grad**2).sum(-1) * mask.double()).cumsum(-1)
+    stats = token_stats(logits, labels, temperature=temp, entropy=False)
     _, W = reward_to_go_and_energy(
-        torch.zeros(B, T), mask, log_probs.detach(), sum_pi_squared, energy="logit_gradient"
+        torch.zeros(B, T), mask, stats.log_probs.detach(), stats.sum_pi_squared
     )
-    torch.testing.assert_close(W, W_autograd, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(W.double(), W_autograd, atol=1e-5, rtol=1e-5)
 
 
 def test_tir_layouts_rows_mixed_flat_agree_with_reference():
