@@ -1,0 +1,82 @@
+"""otbrl.cli: user errors exit 2 with one line naming the key, before any model loads."""
+
+import subprocess
+import sys
+
+import pytest
+
+from otbrl import cli
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Any attempt to build a trainer or warm-start a model fails the test."""
+    import otbrl.trainer as trainer_mod
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a model was loaded before the config was validated")
+
+    monkeypatch.setattr(trainer_mod, "load_model_and_tokenizer", forbidden)
+    monkeypatch.setattr(trainer_mod, "ensure_warm_start", forbidden)
+
+
+@pytest.mark.parametrize(
+    ("argv", "key"),
+    [
+        (["train", "actor.lrr=1e-4"], "actor.lrr"),
+        (["train", "actor.lr=fast"], "actor.lr"),
+        (["train", "actor.loss_agg_mode=mean"], "actor.loss_agg_mode"),
+        (["train", "data.train_batch_size=7"], "actor.ppo_mini_batch_size"),
+        (["train", "actor.calculate_sum_pi_squared=false"], "actor.calculate_sum_pi_squared"),
+        (["train", "algorithm.adv_estimator=gpro"], "algorithm.adv_estimator"),
+        (["train", "data.train_files=/no/such.parquet"], "data.train_files"),
+        (["train", "model.path=/no/such/model"], "model.path"),
+        (["train", "data.task=chess"], "data.task"),
+        (["demo", "trainer.total_step=3"], "trainer.total_step"),
+        (["eval", "rollout.top_p=0"], "rollout.top_p"),
+        (["sft", "sft.target_accuracy=2"], "sft.target_accuracy"),
+    ],
+)
+def test_config_errors_exit_2_with_one_line(argv, key, capsys, no_model_loading):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and key in err and "Traceback" not in err
+
+
+def test_missing_config_file_and_bad_override(tmp_path, capsys, no_model_loading):
+    assert cli.main(["train", "--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "nope.yaml" in capsys.readouterr().err
+    assert cli.main(["train", "actor.lr"]) == 2
+    assert "key=value" in capsys.readouterr().err
+
+
+def test_sum_pi_squared_false_is_fine_when_nobody_needs_it(capsys, monkeypatch):
+    import otbrl.trainer as trainer_mod
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(trainer_mod, "Trainer", stop)
+    with pytest.raises(Stop):  # validation passed, the trainer was about to be built
+        cli.main(["train", "algorithm.adv_estimator=grpo", "actor.calculate_sum_pi_squared=false"])
+
+
+def test_usage_errors():
+    assert cli.main([]) == 2
+    assert cli.main(["fly"]) == 2
+    assert cli.main(["--help"]) == 0
+
+
+def test_subprocess_exit_code_and_no_traceback():
+    proc = subprocess.run(
+        [sys.executable, "-m", "otbrl", "train", "actor.lrr=1e-4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "did you mean 'actor.lr'" in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1

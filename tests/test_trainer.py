@@ -1,0 +1,216 @@
+"""otbrl.trainer end to end on a tiny random-init model (CPU, seconds per run)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+import otbrl.trainer as trainer_mod
+from otbrl.config import ConfigError, load_config
+from otbrl.data import get_task, write_parquet_rows
+from otbrl.models import build_tiny_model
+
+TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
+REQUIRED = (
+    "train/reward_mean",
+    "train/response_length_mean",
+    "policy/entropy_mean",
+    "policy/sum_pi_squared_mean",
+    "policy/grad_norm",
+    "policy/clip_frac",
+    "policy/approx_kl",
+    "throughput/tokens_per_s",
+    "timing/rollout",
+    "timing/reward",
+    "timing/old_stats",
+    "timing/adv",
+    "timing/update",
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"), task="arithmetic", seed=0, **TINY)
+
+
+@pytest.fixture(scope="module")
+def parquet_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    task = get_task("arithmetic")
+    train = task.rows("train", 64, seed=0)
+    for i, row in enumerate(train):  # the data_source picks the reward per row
+        if i % 2:
+            row["data_source"] = "openai/gsm8k"
+            row["reward_model"]["ground_truth"] = row["reward_model"]["ground_truth"]
+    return (
+        write_parquet_rows(train, root / "train.parquet"),
+        write_parquet_rows(task.rows("val", 16, seed=0), root / "val.parquet"),
+    )
+
+
+def tiny_overrides(model_dir, out_dir, *extra):
+    return [
+        f"model.path={model_dir}",
+        f"trainer.output_dir={out_dir}",
+        "trainer.total_steps=3",
+        "trainer.val_every=2",
+        "trainer.logger=[jsonl]",
+        "data.train_batch_size=4",
+        "data.val_size=16",
+        "data.max_response_length=4",
+        "rollout.n=4",
+        "actor.ppo_mini_batch_size=2",
+        "actor.micro_batch_size=4",
+        *extra,
+    ]
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_smoke_run_metrics_and_outputs(tiny_dir, tmp_path):
+    cfg = load_config(None, tiny_overrides(tiny_dir, tmp_path / "run"))
+    summary = trainer_mod.Trainer(cfg).fit()
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    steps = [r for r in records if r["step"] > 0]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for record in steps:
+        for key in REQUIRED:
+            assert key in record, key
+        assert any(k.startswith("variance_proxy/") for k in record)
+        for key, value in record.items():
+            assert value is not None and math.isfinite(value), key
+    assert "val/accuracy" in steps[1] and "val/accuracy" in steps[2]
+    assert records[0]["step"] == 0 and "val/accuracy" in records[0]
+    on_disk = json.loads((tmp_path / "run" / "summary.json").read_text())
+    for key in ("initial_val_accuracy", "final_val_accuracy", "steps", "wall_seconds"):
+        assert key in on_disk
+    assert on_disk["adv_estimator"] == "optimal_token_baseline" == summary["adv_estimator"]
+    assert on_disk["steps"] == 3
+    assert (tmp_path / "run" / "curves.png").stat().st_size > 0
+
+
+def test_sum_pi_squared_reaches_the_estimator(tiny_dir, tmp_path, monkeypatch):
+    seen = []
+    real = trainer_mod.compute_advantage
+
+    def spy(name, **kwargs):
+        seen.append((name, kwargs))
+        return real(name, **kwargs)
+
+    monkeypatch.setattr(trainer_mod, "compute_advantage", spy)
+    cfg = load_config(None, tiny_overrides(tiny_dir, tmp_path / "otb", "trainer.total_steps=1"))
+    trainer = trainer_mod.Trainer(cfg)
+    assert "sum_pi_squared" in trainer.needs
+    stats_seen = []
+    compute_stats = trainer.actor.compute_stats
+
+    def stats_spy(batch, needs, temperature=None):
+        stats_seen.append(compute_stats(batch, needs, temperature))
+        return stats_seen[-1]
+
+    monkeypatch.setattr(trainer.actor, "compute_stats", stats_spy)
+    trainer.fit()
+    name, kwargs = seen[-1]
+    assert name == "optimal_token_baseline"
+    # the estimator got the very tensor the actor's forward produced
+    assert kwargs["sum_pi_squared"] is stats_seen[-1]["sum_pi_squared"]
+    spp, mask = kwargs["sum_pi_squared"], kwargs["response_mask"].bool()
+    assert ((spp[mask] > 0) & (spp[mask] <= 1 + 1e-6)).all()
+    # and the advantages depend on it: rewards that differ inside each group, then two Σπ²
+    rewards = torch.zeros_like(kwargs["token_level_rewards"])
+    last = kwargs["response_mask"].sum(-1).long() - 1
+    rewards[torch.arange(rewards.shape[0]), last] = (torch.arange(rewards.shape[0]) % 2).float()
+    args = dict(kwargs, token_level_rewards=rewards)
+    with_real, _ = real(name, **args)
+    with_ones, _ = real(name, **dict(args, sum_pi_squared=torch.ones_like(spp)))
+    assert (with_real - with_ones).abs().max() > 1e-3
+
+
+def test_auto_skips_sum_pi_squared_when_nobody_needs_it(tiny_dir):
+    base = [f"model.path={tiny_dir}"]
+    cfg = load_config(None, [*base, "algorithm.adv_estimator=grpo"])
+    assert "sum_pi_squared" not in trainer_mod.validate_config(cfg)
+    cfg = load_config(
+        None, [*base, "algorithm.adv_estimator=grpo", "actor.calculate_sum_pi_squared=true"]
+    )
+    assert "sum_pi_squared" in trainer_mod.validate_config(cfg)
+    cfg = load_config(None, [*base, "actor.calculate_sum_pi_squared=false"])
+    with pytest.raises(ConfigError, match=r"actor\.calculate_sum_pi_squared"):
+        trainer_mod.validate_config(cfg)
+    cfg = load_config(None, [*base, "algorithm.adv_estimator=optimal_token_baselin"])
+    with pytest.raises(ConfigError, match="did you mean 'optimal_token_baseline'"):
+        trainer_mod.validate_config(cfg)
+
+
+def test_hf_dir_and_parquet_two_steps(tiny_dir, parquet_files, tmp_path):
+    train, val = parquet_files
+    overrides = tiny_overrides(
+        tiny_dir,
+        tmp_path / "pq",
+        f"data.train_files=[{train}]",
+        f"data.val_files=[{val}]",
+        "trainer.total_steps=2",
+        "model.use_remove_padding=true",
+        "actor.use_fused_kernels=true",
+        "actor.use_kl_loss=true",
+    )
+    summary = trainer_mod.Trainer(load_config(None, overrides)).fit()
+    records = read_jsonl(tmp_path / "pq" / "metrics.jsonl")
+    assert records[-1]["step"] == 2 and "policy/kl_loss" in records[-1]
+    assert 0.0 <= summary["final_val_accuracy"] <= 1.0
+
+
+def test_unknown_data_source_without_reward_function(tiny_dir, tmp_path):
+    rows = get_task("arithmetic").rows("train", 8, seed=0)
+    for row in rows:
+        row["data_source"] = "my/unknown_source"
+    path = write_parquet_rows(rows, tmp_path / "u.parquet")
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tiny_dir, tmp_path / "u", f"data.train_files=[{path}]", "trainer.total_steps=1"
+        ),
+    )
+    with pytest.raises(Exception, match="my/unknown_source"):
+        trainer_mod.Trainer(cfg).fit()
+
+
+RAISING = """
+def score(data_source, solution_str, ground_truth, extra_info):
+    if solution_str.endswith("1"):
+        raise RuntimeError("boom")
+    return float(solution_str == ground_truth)
+
+def always(data_source, solution_str, ground_truth, extra_info):
+    raise RuntimeError("boom")
+"""
+
+
+@pytest.mark.parametrize("policy", ["raise", "zero"])
+def test_reward_function_that_raises(tiny_dir, tmp_path, policy):
+    path = tmp_path / "my_reward.py"
+    path.write_text(RAISING)
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tiny_dir,
+            tmp_path / policy,
+            f"reward.function={path}:always",
+            f"reward.on_error={policy}",
+            "trainer.total_steps=1",
+            "trainer.val_every=0",
+        ),
+    )
+    trainer = trainer_mod.Trainer(cfg)
+    if policy == "raise":
+        with pytest.raises(Exception, match="always") as info:
+            trainer.fit()
+        assert "boom" in str(info.value) or "boom" in str(info.value.__cause__)
+    else:
+        trainer.fit()
+        record = read_jsonl(tmp_path / policy / "metrics.jsonl")[-1]
+        assert record["reward/errors"] == 16  # every sample of the step failed and scored 0
+        assert record["train/reward_mean"] == 0.0
