@@ -70,7 +70,9 @@ def check_temperature(temperature: float) -> float:
     return float(temperature)
 
 
-def check_logits_labels(logits: Tensor, labels: Tensor, name: str = "logits") -> None:
+def check_logits_labels(
+    logits: Tensor, labels: Tensor, name: str = "logits", min_vocab: int = 1
+) -> None:
     """Type and shape checks shared by the ops: ``logits`` [..., V] float, ``labels`` [...] int."""
     if not isinstance(logits, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(logits).__name__}")
@@ -80,8 +82,10 @@ def check_logits_labels(logits: Tensor, labels: Tensor, name: str = "logits") ->
         raise TypeError(f"{name}: expected float32/float64/bfloat16/float16, got {logits.dtype}")
     if labels.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"labels: expected an int64 tensor, got {labels.dtype}")
-    if logits.dim() < 1 or logits.shape[-1] == 0:
-        raise ValueError(f"{name}: expected shape [..., V] with V >= 1, got {tuple(logits.shape)}")
+    if logits.dim() < 1 or logits.shape[-1] < min_vocab:
+        raise ValueError(
+            f"{name}: expected shape [..., V] with V >= {min_vocab}, got {tuple(logits.shape)}"
+        )
     if tuple(labels.shape) != tuple(logits.shape[:-1]):
         raise ValueError(
             f"labels: expected shape {tuple(logits.shape[:-1])} ({name}.shape[:-1]), "
@@ -101,6 +105,49 @@ def check_label_range(labels: Tensor, vocab_size: int) -> None:
         )
 
 
+def row_max(x: Tensor) -> Tensor:
+    """Max over the last dim of x [n, V] as [n, 1] in the accumulation dtype (−inf if V = 0).
+
+    Kept in float32 so that x − max is not rounded back to bf16/fp16.
+    """
+    acc = stats_dtype(x.dtype)
+    if x.shape[-1] == 0:
+        return torch.full((x.shape[0], 1), float("-inf"), dtype=acc, device=x.device)
+    return x.amax(dim=-1, keepdim=True).to(acc)
+
+
+def shifted(x: Tensor, m: Tensor, scale: float) -> Tensor:
+    """s = (x − m)·scale in a fresh accumulation-dtype buffer: x [n, V], m [n, 1] → [n, V]."""
+    s = torch.empty(x.shape, dtype=stats_dtype(x.dtype), device=x.device)
+    torch.sub(x, m, out=s)
+    if scale != 1.0:
+        s.mul_(scale)
+    return s
+
+
+def shifted_sums(
+    s: Tensor, m: Tensor, want_entropy: bool, want_spp: bool
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Row sums of e = exp(s): (Σe, Σe·s or None, Σe² or None), each [n].
+
+    ``m`` [n, 1] is the shift s was made with; rows where it is finite but Σe·s is NaN hold
+    −inf logits (0·(−inf)), and only those rows are summed again with the zeros kept exact.
+    """
+    e = torch.exp(s)
+    total = e.sum(dim=-1)
+    dot = sq = None
+    if want_entropy:
+        dot = torch.linalg.vecdot(e, s)
+        broken = dot.isnan() & m.squeeze(-1).isfinite()
+        if bool(broken.any()):
+            rows = broken.nonzero().squeeze(-1)
+            er, sr = e[rows], s[rows]
+            dot[rows] = torch.where(er > 0, er * sr, 0.0).sum(dim=-1)
+    if want_spp:
+        sq = torch.linalg.vecdot(e, e)
+    return total, dot, sq
+
+
 def chunk_forward(
     x: Tensor, labels: Tensor, scale: float, want_entropy: bool, want_spp: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -115,32 +162,16 @@ def chunk_forward(
         ``lse`` is log Σ exp(s) and ``mu`` is Σ π s, both for the shifted s = (x − max x)·scale.
         Entropy/Σπ² are empty tensors when not asked for; ``mu`` is empty without entropy.
     """
-    acc = stats_dtype(x.dtype)
-    # The max in the accumulation dtype, so that x − max is not rounded to bf16/fp16.
-    m = x.amax(dim=-1, keepdim=True).to(acc)
-    s = torch.empty(x.shape, dtype=acc, device=x.device)
-    torch.sub(x, m, out=s)
-    if scale != 1.0:
-        s.mul_(scale)
-    e = torch.exp(s)
-    total = e.sum(dim=-1)
+    m = row_max(x)
+    s = shifted(x, m, scale)
+    total, dot, sq = shifted_sums(s, m, want_entropy, want_spp)
     lse = total.log()
     log_probs = s.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
-    empty = s.new_empty(0)
-    entropy = mu = empty
+    entropy = mu = spp = s.new_empty(0)
     if want_entropy:
-        dot = torch.linalg.vecdot(e, s)
-        # A −inf logit gives 0·(−inf) = NaN in the dot product; redo only the affected rows.
-        broken = dot.isnan() & m.squeeze(-1).isfinite()
-        if bool(broken.any()):
-            rows = broken.nonzero().squeeze(-1)
-            er, sr = e[rows], s[rows]
-            dot[rows] = torch.where(er > 0, er * sr, 0.0).sum(dim=-1)
         mu = dot / total
         entropy = lse - mu
-    spp = empty
     if want_spp:
-        sq = torch.linalg.vecdot(e, e)
         spp = sq / (total * total)
     return log_probs, entropy, spp, lse, mu
 
@@ -153,33 +184,32 @@ def chunk_grad_logits(
     g_lp: Tensor | None,
     g_ent: Tensor | None,
     scale: float,
+    m: Tensor | None = None,
+    g_label: Tensor | None = None,
 ) -> Tensor:
     """Gradient w.r.t. the raw logits x [n, V] of Σ g_lp·log π(y) + Σ g_ent·H for one chunk.
 
     With s the shifted scaled logits and π = exp(s − lse):
     ∂log π(y)/∂z = onehot(y) − π and ∂H/∂z = −π (s − Σπ s); ∂z/∂x = scale.
-    Returns [n, V] in ``stats_dtype(x.dtype)``; rows with ``g_lp`` 0 for ignored labels are
-    the caller's business (pass zeros there).
+    ``m`` [n, 1] is the shift (default: the row max of x); ``g_label`` [n] is what the onehot
+    term adds at ``labels`` (default ``g_lp``; the vocab-parallel op zeroes it for labels held
+    by another rank). Returns [n, V] in ``stats_dtype(x.dtype)``.
     """
-    acc = stats_dtype(x.dtype)
-    # The max in the accumulation dtype, so that x − max is not rounded to bf16/fp16.
-    m = x.amax(dim=-1, keepdim=True).to(acc)
-    s = torch.empty(x.shape, dtype=acc, device=x.device)
-    torch.sub(x, m, out=s)
-    if scale != 1.0:
-        s.mul_(scale)
+    s = shifted(x, row_max(x) if m is None else m, scale)
     p = torch.exp(s - lse.unsqueeze(-1))
     if g_ent is not None:
-        # factor = −g_lp − g_ent (s − mu); clamp keeps π·(−inf) = 0 for masked entries.
-        s.clamp_(min=torch.finfo(acc).min)
+        # factor = −g_lp − g_ent (s − mu). π underflows to exactly 0 below s = −1e4 even in
+        # float64, so clamping there changes nothing but keeps 0·(−inf) = NaN out.
+        s.clamp_(min=-1e4)
         s.sub_(mu.unsqueeze(-1)).mul_(-g_ent.unsqueeze(-1))
         if g_lp is not None:
             s.sub_(g_lp.unsqueeze(-1))
         grad = p.mul_(s)
     else:
         grad = p.mul_(-g_lp.unsqueeze(-1))
-    if g_lp is not None:
-        grad.scatter_add_(-1, labels.unsqueeze(-1), g_lp.unsqueeze(-1))
+    if g_lp is not None and x.shape[-1] > 0:
+        g_label = g_lp if g_label is None else g_label
+        grad.scatter_add_(-1, labels.unsqueeze(-1), g_label.unsqueeze(-1))
     if scale != 1.0:
         grad.mul_(scale)
     return grad
