@@ -55,6 +55,10 @@ def _config(args: argparse.Namespace, extra: list[str] | None = None) -> tuple[C
 
 def _train(args: argparse.Namespace) -> int:
     cfg, _ = _config(args)
+    from otbrl.dist_trainer import is_distributed_run, run_distributed
+
+    if is_distributed_run(cfg):  # actor.engine=fsdp|tp, one process per device (torchrun)
+        return run_distributed(cfg)
     from otbrl.trainer import Trainer
 
     Trainer(cfg).fit()
