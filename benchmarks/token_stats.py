@@ -1,0 +1,180 @@
+"""Benchmark: per-token statistics (log π(y), entropy, Σπ²) side by side on this machine.
+
+Times, in one process, warm, median of --repeats runs:
+  log_softmax      torch.log_softmax alone (the floor: it writes a full [T, V] output)
+  separate         the usual separate passes: log_softmax + gather for log π(y),
+                   softmax and logsumexp for entropy, exp(lse(2z) − 2 lse(z)) for Σπ²
+  token_stats      otbrl.ops.token_stats (one chunked pass)
+  compiled         otbrl.ops.compiled_token_stats (with --compile; compile time excluded)
+and, forward + backward through an lm_head of [V, H]:
+  materialized     logits = hidden @ weight.T, then token_stats
+  fused            otbrl.ops.fused_linear_token_stats
+Peak extra memory of the last two (beyond inputs and their gradients) is measured in a fresh
+subprocess each: reset the peak-RSS mark (/proc/self/clear_refs), run, read VmHWM.
+
+Last line: token_stats/log_softmax, separate/token_stats, fused_mem/materialized_mem ratios.
+Run: python benchmarks/token_stats.py [--tokens 2048 --vocab 32768 --dtype float32 --compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from otbrl.ops import compiled_token_stats, fused_linear_token_stats, token_stats
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def median_seconds(fn, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def separate_passes(logits, labels):
+    """The field's usual code: one full-size pass (or more) per statistic."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    log_probs = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    probs = torch.softmax(logits.float(), dim=-1)
+    lse = torch.logsumexp(logits.float(), dim=-1)
+    entropy = lse - (probs * logits.float()).sum(-1)
+    spp = torch.exp(torch.logsumexp(2 * logits.float(), dim=-1) - 2 * lse)
+    return log_probs, entropy, spp
+
+
+def lm_head_problem(tokens, vocab, hidden_size, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, hidden_size, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(vocab, hidden_size, generator=g) / hidden_size**0.5).to(dtype)
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    return hidden, weight.requires_grad_(), labels
+
+
+def lm_head_step(kind, hidden, weight, labels):
+    """Forward + backward of Σ log π(y) + Σ H through the lm_head, fused or materialized."""
+    if kind == "fused":
+        stats = fused_linear_token_stats(hidden, weight, labels)
+    else:
+        stats = token_stats(hidden @ weight.T, labels)
+    (stats.log_probs.sum() + stats.entropy.sum()).backward()
+    hidden.grad = weight.grad = None
+
+
+def rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def memory_probe(kind: str, args) -> dict:
+    """Run in a fresh process: peak RSS of one lm_head step above inputs and their grads."""
+    dtype = DTYPES[args.dtype]
+    # Warm up kernels, thread pools and the allocator on a tiny problem first.
+    lm_head_step(kind, *lm_head_problem(64, 512, 64, dtype))
+    hidden, weight, labels = lm_head_problem(args.fused_tokens, args.vocab, args.hidden, dtype)
+    grads_bytes = (hidden.numel() + weight.numel()) * hidden.element_size()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap back, so RSS is what is live
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = rss_bytes("VmRSS")
+    start = time.perf_counter()
+    lm_head_step(kind, hidden, weight, labels)
+    seconds = time.perf_counter() - start
+    extra = rss_bytes("VmHWM") - base - grads_bytes
+    return {"extra_bytes": extra, "seconds": seconds}
+
+
+def run_probe(kind: str, args) -> dict:
+    cmd = [sys.executable, __file__, "--probe", kind, "--vocab", str(args.vocab)]
+    cmd += ["--hidden", str(args.hidden), "--fused-tokens", str(args.fused_tokens)]
+    cmd += ["--dtype", args.dtype, "--threads", str(torch.get_num_threads())]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--compile", action="store_true", help="also time the compiled path")
+    parser.add_argument("--fused-tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--fused-repeats", type=int, default=3)
+    parser.add_argument("--skip-fused", action="store_true")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--probe", choices=["fused", "materialized"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.probe:
+        print(json.dumps(memory_probe(args.probe, args)))
+        return
+
+    dtype = DTYPES[args.dtype]
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(args.tokens, args.vocab, generator=g) * 3).to(dtype)
+    labels = torch.randint(0, args.vocab, (args.tokens,), generator=g)
+    rows = []
+    with torch.no_grad():
+        t_floor = median_seconds(lambda: torch.log_softmax(logits, -1), args.repeats)
+        t_sep = median_seconds(lambda: separate_passes(logits, labels), args.repeats)
+        t_ours = median_seconds(lambda: token_stats(logits, labels), args.repeats)
+        rows += [("log_softmax", t_floor), ("separate", t_sep), ("token_stats", t_ours)]
+        if args.compile:
+            start = time.perf_counter()
+            compiled_token_stats(logits, labels)
+            compile_s = time.perf_counter() - start
+            t_comp = median_seconds(lambda: compiled_token_stats(logits, labels), args.repeats)
+            rows.append((f"compiled (compile {compile_s:.1f} s)", t_comp))
+    shape = f"T={args.tokens} V={args.vocab} {args.dtype}, {torch.get_num_threads()} threads"
+    print(f"per-token stats, forward, {shape}, median of {args.repeats}")
+    print(f"{'path':<32} {'ms':>10} {'× log_softmax':>14}")
+    for name, t in rows:
+        print(f"{name:<32} {t * 1e3:>10.1f} {t / t_floor:>14.2f}")
+
+    mem_ratio = float("nan")
+    if not args.skip_fused:
+        problem = lm_head_problem(args.fused_tokens, args.vocab, args.hidden, dtype)
+        times = {
+            kind: median_seconds(lambda k=kind: lm_head_step(k, *problem), args.fused_repeats, 1)
+            for kind in ("materialized", "fused")
+        }
+        del problem
+        mem = {kind: run_probe(kind, args) for kind in ("materialized", "fused")}
+        print(
+            f"\nlm_head forward+backward, T={args.fused_tokens} V={args.vocab} H={args.hidden} "
+            f"{args.dtype}, median of {args.fused_repeats}; memory: one run in a fresh process"
+        )
+        print(f"{'path':<32} {'s':>10} {'extra peak MiB':>16}")
+        for kind in ("materialized", "fused"):
+            extra = mem[kind]["extra_bytes"] / 2**20
+            print(f"{kind:<32} {times[kind]:>10.2f} {extra:>16.1f}")
+        print(f"fused/materialized time = {times['fused'] / times['materialized']:.2f}")
+        mem_ratio = mem["fused"]["extra_bytes"] / mem["materialized"]["extra_bytes"]
+    summary = f"token_stats/log_softmax = {t_ours / t_floor:.2f}  "
+    summary += f"separate/token_stats = {t_sep / t_ours:.2f}  "
+    summary += f"fused_mem/materialized_mem = {mem_ratio:.2f}"
+    if args.compile:
+        print(f"compiled/log_softmax = {t_comp / t_floor:.2f}")
+    print(summary)
+
+
+if __name__ == "__main__":
+    main()
