@@ -1,4 +1,4 @@
-"""Command line: ``otbrl train | sft | eval | export | plot | demo``.
+"""Command line: ``otbrl train | sft | eval | export | plot | demo | variance``.
 
 Configuration problems print one line naming the key and exit with status 2, before any model is
 loaded; heavy modules are imported only once the configuration has been checked.
@@ -43,7 +43,28 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="PNG to write (default: <run>/curves.png)")
     p = sub.add_parser("demo", help="warm start + RL with the defaults; prints accuracy gain")
     _add_config_args(p)
+    p = sub.add_parser("variance", help="empirical gradient variance per estimator, with CIs")
+    _add_config_args(p)
+    _add_variance_args(p)
     return parser
+
+
+def _add_variance_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--estimators",
+        default=None,
+        help="comma-separated (default grpo,drgrpo,rloo,otb,otb_notail)",
+    )
+    p.add_argument("--n", default="16", help="group sizes, comma-separated (e.g. 4,16)")
+    p.add_argument("--repeats", type=int, default=200, help="K repeats per group size")
+    p.add_argument("--prompts", type=int, default=8, help="P prompts from the configured data")
+    p.add_argument("--reference-samples", type=int, default=512, help="RLOO reference samples")
+    p.add_argument("--base", default="grpo", help="estimator the ratios divide by")
+    p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
+    p.add_argument("--sketch-dim", type=int, default=None, help="0 = exact Gram; default auto")
+    p.add_argument("--method", default="loop", choices=("loop", "batched"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="variance.json", help="JSON to write (PNG beside it)")
 
 
 def _config(args: argparse.Namespace, extra: list[str] | None = None) -> tuple[Config, frozenset]:
@@ -124,6 +145,35 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _variance(args: argparse.Namespace) -> int:
+    cfg, _ = _config(args)
+    from otbrl.variance import DEFAULT_ESTIMATORS, check_variance_args, run_variance
+
+    try:
+        ns = [int(x) for x in args.n.split(",")]
+        kwargs = {
+            "estimators": args.estimators or DEFAULT_ESTIMATORS,
+            "ns": ns,
+            "repeats": args.repeats,
+            "prompts": args.prompts,
+            "reference_samples": args.reference_samples,
+            "base": args.base or None,
+        }
+        check_variance_args(**kwargs)
+    except ValueError as err:  # bad flags: one line, before any model loads
+        raise ConfigError(f"otbrl variance: {err}", "variance") from None
+    run_variance(
+        cfg,
+        **kwargs,
+        out=args.out,
+        num_bootstrap=args.bootstrap,
+        sketch_dim=args.sketch_dim,
+        method=args.method,
+        seed=args.seed,
+    )
+    return 0
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": _train,
     "sft": _sft,
@@ -131,6 +181,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "export": _export,
     "plot": _plot,
     "demo": _demo,
+    "variance": _variance,
 }
 
 

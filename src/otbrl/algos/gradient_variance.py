@@ -246,8 +246,9 @@ def variance_summary(
          "ratios_per_signal": {"<a>/<base>": {"value", "ci95": [lo, hi]}}}
 
     The bootstrap resamples repeat indices with replacement, the same indices for every
-    estimator (paired), and reports BCa intervals (``bca_interval``); the key is "ci95" at the
-    default confidence and "ci" otherwise. ``num_bootstrap=0`` gives point estimates only (no
+    estimator (paired), and reports BCa intervals (``bca_intervals``); the key is "ci95" at the
+    default confidence and "ci" otherwise. With K = 2 the jackknife is undefined and the
+    intervals are NaN. ``num_bootstrap=0`` gives point estimates only (no
     Gram matrix needed) and omits the intervals.
     """
     num_est, k = moments.norm_sq.shape
@@ -257,8 +258,8 @@ def variance_summary(
         raise ValueError(f"names: expected distinct names, got {names!r}")
     if base is not None and base not in names:
         raise ValueError(f"base: expected one of {list(names)}, got {base!r}")
-    if k < 3:
-        raise ValueError(f"moments: expected >= 3 repeats, got {k}")
+    if k < 2:
+        raise ValueError(f"moments: expected >= 2 repeats, got {k}")
     if not 0 < confidence < 1:
         raise ValueError(f"confidence: expected a value in (0, 1), got {confidence!r}")
     if num_bootstrap < 0 or (num_bootstrap > 0 and moments.gram is None):

@@ -1,0 +1,578 @@
+"""``otbrl variance``: empirical policy-gradient variance of several advantage estimators.
+
+For a fixed policy and a fixed set of P prompts, each of K repeats samples N responses per
+prompt once, runs one forward (log-probs with their graph, Σπ², entropy), computes every
+estimator's advantages on those same samples and takes the parameter gradient of the configured
+policy loss at ratio = 1 for each. The loss is linear in the advantages, so estimator e's
+gradient is the vector-Jacobian product Jᵀ c_e of the one log-prob graph with the cotangent
+c_e = ∂loss(A_e)/∂log π; only the backward is repeated per estimator. The statistics (variance,
+signal scale along an unbiased high-sample RLOO reference, paired bootstrap CIs) live in
+``otbrl.algos.gradient_variance``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from otbrl.algos import losses
+from otbrl.algos.advantages import compute_advantage, get_estimator
+from otbrl.algos.gradient_variance import GradientVarianceAccumulator, variance_summary
+from otbrl.algos.metrics import trajectory_w, variance_proxy
+from otbrl.algos.otb import zero_tail_mask
+from otbrl.engine.forward import forward_token_stats
+from otbrl.ops import token_stats
+from otbrl.rewards import score_responses
+from otbrl.rollout import decode_responses, generate
+
+# short names for the variants the issue compares; "name:key=value:..." reaches any other
+ALIASES: dict[str, tuple[str, dict]] = {
+    "otb": ("optimal_token_baseline", {}),
+    "otb_notail": ("optimal_token_baseline", {"handle_zero_tail": False}),
+    "otb_uniform": ("optimal_token_baseline", {"energy": "uniform"}),
+    "otb_loo": ("optimal_token_baseline", {"leave_one_out": True}),
+    "drgrpo": ("grpo", {"norm_adv_by_std_in_grpo": False}),
+}
+DEFAULT_ESTIMATORS = "grpo,drgrpo,rloo,otb,otb_notail"
+# exact Gram matrices keep E·K·P float32 gradients; above this the CountSketch takes over
+EXACT_GRAM_BYTES = 1 << 30
+DEFAULT_SKETCH_DIM = 8192
+
+
+@dataclass(frozen=True)
+class EstimatorSpec:
+    """One estimator to measure: its label, registry name and option overrides."""
+
+    label: str
+    name: str
+    options: dict = field(default_factory=dict)
+
+
+def _parse_value(text: str):
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_estimators(text: str) -> list[EstimatorSpec]:
+    """``"grpo,otb,optimal_token_baseline:energy=uniform"`` -> specs (aliases in ``ALIASES``).
+
+    Raises ``ValueError`` naming the bad entry (unknown estimator, malformed option, duplicate).
+    """
+    specs = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            raise ValueError(f"estimators: empty entry in {text!r}")
+        name, *opts = item.split(":")
+        if name in ALIASES:
+            name, options = ALIASES[name][0], dict(ALIASES[name][1])
+        else:
+            options = {}
+        get_estimator(name)  # ValueError listing the valid names
+        for opt in opts:
+            key, sep, value = opt.partition("=")
+            if not sep or not key:
+                raise ValueError(f"estimators: option {opt!r} of {item!r} is not key=value")
+            options[key] = _parse_value(value)
+        specs.append(EstimatorSpec(item, name, options))
+    labels = [s.label for s in specs]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"estimators: expected distinct entries, got {labels}")
+    return specs
+
+
+def flat_grad(params: list[nn.Parameter], grads) -> Tensor:
+    """Concatenate per-parameter gradients (None -> zeros) into one [P] float32 vector."""
+    return torch.cat(
+        [
+            (torch.zeros_like(p) if g is None else g).reshape(-1).float()
+            for p, g in zip(params, grads)
+        ]
+    )
+
+
+class GradientProbe:
+    """Per-estimator policy gradients of one model on freshly sampled batches.
+
+    ``options``: the configured estimator options (``trainer.estimator_options``), each spec's
+    own options override them. ``loss_kwargs``: ``loss_agg_mode`` and clip settings of the
+    configured policy loss. ``method``: ``"loop"`` (one backward per estimator, graph
+    retained) or ``"batched"`` (one batched vector-Jacobian product, ``is_grads_batched``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        *,
+        temperature: float,
+        max_new_tokens: int,
+        options: dict,
+        loss_kwargs: dict,
+        reward_fn: Callable | None = None,
+        on_error: str = "raise",
+        method: str = "loop",
+    ):
+        if method not in ("loop", "batched"):
+            raise ValueError(f"method: expected 'loop' or 'batched', got {method!r}")
+        self.model, self.tokenizer = model, tokenizer
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.num_params = sum(p.numel() for p in self.params)
+        self.temperature, self.max_new_tokens = temperature, max_new_tokens
+        self.options, self.loss_kwargs = options, loss_kwargs
+        self.reward_fn, self.on_error, self.method = reward_fn, on_error, method
+
+    def sample(self, enc: dict[str, Tensor], rows: list[dict], n: int, seed: int) -> dict:
+        """One rollout of ``n`` responses per prompt, scored; reward on the last token."""
+        batch = generate(
+            self.model,
+            self.tokenizer,
+            enc["input_ids"],
+            enc["attention_mask"],
+            n=n,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            seed=seed,
+        )
+        mask = batch["response_mask"]
+        texts = decode_responses(self.tokenizer, batch["responses"], mask)
+        repeated = [row for row in rows for _ in range(n)]
+        scores, _ = score_responses(
+            texts, repeated, function=self.reward_fn, on_error=self.on_error
+        )
+        lengths = mask.sum(1).long()
+        rewards = torch.zeros_like(mask)
+        has = lengths > 0
+        rewards[has.nonzero().squeeze(1), lengths[has] - 1] = torch.tensor(scores)[has]
+        batch["token_level_rewards"] = rewards
+        return batch
+
+    def gradients(self, batch: dict, specs: list[EstimatorSpec]) -> tuple[Tensor, dict]:
+        """[E, P] gradients of the policy loss at ratio 1, one per spec, on ``batch``.
+
+        Also returns per-spec online variance-proxy power and the zero-tail token counts.
+        """
+        self.model.eval()  # no dropout: the gradient of the policy that sampled
+        if self.method == "batched":
+            stats = self._vmappable_stats(batch)
+        else:
+            stats = forward_token_stats(
+                self.model,
+                batch,
+                temperature=self.temperature,
+                entropy=True,
+                sum_pi_squared=True,
+            )
+        log_probs, mask = stats["old_log_probs"], batch["response_mask"]
+        old = log_probs.detach()
+        common = {
+            "token_level_rewards": batch["token_level_rewards"],
+            "response_mask": mask,
+            "index": batch["uid"],
+            "old_log_probs": old,
+            "sum_pi_squared": stats["sum_pi_squared"],
+        }
+        w_score = trajectory_w(mask, old, stats["sum_pi_squared"])
+        cotangents, power = [], {}
+        for spec in specs:
+            adv, _ = compute_advantage(spec.name, **common, **{**self.options, **spec.options})
+            # ∂loss/∂log π at ratio 1 from the configured loss itself, on a cheap leaf
+            leaf = old.clone().requires_grad_()
+            loss, _ = losses.ppo_policy_loss(leaf, old, adv.detach(), mask, **self.loss_kwargs)
+            cotangents.append(torch.autograd.grad(loss, leaf)[0])
+            proxy = variance_proxy(adv.detach(), mask, w_score)
+            power[spec.label] = float(proxy["variance_proxy/total_power"])
+        if self.method == "batched":
+            grads = torch.autograd.grad(
+                log_probs,
+                self.params,
+                grad_outputs=torch.stack(cotangents),
+                is_grads_batched=True,
+                allow_unused=True,
+            )
+            out = torch.cat(
+                [
+                    (torch.zeros(len(specs), p.numel()) if g is None else g.reshape(len(specs), -1))
+                    for p, g in zip(self.params, grads)
+                ],
+                dim=1,
+            )
+        else:
+            rows = []
+            for i, c in enumerate(cotangents):
+                g = torch.autograd.grad(
+                    log_probs,
+                    self.params,
+                    grad_outputs=c,
+                    retain_graph=i < len(cotangents) - 1,
+                    allow_unused=True,
+                )
+                rows.append(flat_grad(self.params, g))
+            out = torch.stack(rows)
+        tail = zero_tail_mask(mask, batch["uid"])
+        extras = {
+            "power": power,
+            "tail_tokens": float(tail.sum()),
+            "tokens": float(mask.sum()),
+        }
+        return out, extras
+
+    def _vmappable_stats(self, batch: dict) -> dict[str, Tensor]:
+        """The padded-layout stats of ``forward_token_stats`` with log-probs from plain
+        ``log_softmax``: the fused op's backward writes in place, which ``is_grads_batched``
+        (vmap over the backward) rejects. Σπ² and entropy carry no gradient here."""
+        resp_len = batch["responses"].shape[1]
+        logits = (
+            self.model(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                position_ids=batch["position_ids"],
+                use_cache=False,
+                logits_to_keep=resp_len + 1,
+            )
+            .logits[:, :-1]
+            .float()
+            / self.temperature
+        )
+        valid = batch["response_mask"] > 0
+        labels = batch["responses"].masked_fill(~valid, 0)
+        log_probs = torch.log_softmax(logits, -1).gather(-1, labels[..., None])[..., 0]
+        extra = token_stats(logits.detach(), labels, temperature=1.0)
+        return {
+            "old_log_probs": log_probs * valid,
+            "entropy": extra.entropy * valid,
+            "sum_pi_squared": extra.sum_pi_squared * valid,
+        }
+
+    def reference(
+        self, enc: dict[str, Tensor], rows: list[dict], samples: int, chunk: int, seed: int
+    ) -> Tensor:
+        """[P] RLOO gradient averaged over ``samples`` responses per prompt (in chunks of
+        ``chunk`` per prompt): an unbiased, low-noise direction for the signal scale."""
+        spec = [EstimatorSpec("rloo", "rloo")]
+        total = torch.zeros(self.num_params, dtype=torch.float64)
+        num_chunks = max(1, math.ceil(samples / chunk))
+        for i in range(num_chunks):
+            batch = self.sample(enc, rows, chunk, seed + i)
+            total += self.gradients(batch, spec)[0][0].double()
+        return total / num_chunks
+
+
+def pearson(x: list[float], y: list[float]) -> float:
+    """Pearson correlation of two equal-length lists (nan when either is constant)."""
+    a, b = torch.tensor(x, dtype=torch.float64), torch.tensor(y, dtype=torch.float64)
+    a, b = a - a.mean(), b - b.mean()
+    denom = (a.norm() * b.norm()).item()
+    return (a @ b).item() / denom if denom > 0 else float("nan")
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    """Spearman rank correlation (no tie correction: values here are continuous)."""
+
+    def ranks(v):
+        return torch.tensor(v).argsort().argsort().double().tolist()
+
+    return pearson(ranks(x), ranks(y))
+
+
+def measure(
+    probe: GradientProbe,
+    enc: dict[str, Tensor],
+    rows: list[dict],
+    specs: list[EstimatorSpec],
+    *,
+    n: int,
+    repeats: int,
+    reference: Tensor,
+    base: str | None,
+    num_bootstrap: int = 2000,
+    sketch_dim: int | None = None,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """Run ``repeats`` repeats at group size ``n``; returns the ``variance_summary`` dict plus
+    ``zero_tail_token_share``, ``variance_proxy`` (mean total power per estimator), the proxy's
+    ``proxy_calibration`` (measured variance / proxy power) and its correlation with the
+    measured per-repeat deviation ‖g_k − ḡ‖² (``proxy_repeat_correlation``)."""
+    acc = GradientVarianceAccumulator(len(specs), reference, sketch_dim=sketch_dim, seed=seed)
+    power = {s.label: [] for s in specs}
+    tail = tokens = 0.0
+    start = time.perf_counter()
+    for k in range(repeats):
+        batch = probe.sample(enc, rows, n, seed=seed * 1_000_003 + n * 10_007 + k)
+        grads, extras = probe.gradients(batch, specs)
+        acc.add(grads)
+        for label, value in extras["power"].items():
+            power[label].append(value)
+        tail += extras["tail_tokens"]
+        tokens += extras["tokens"]
+        if progress is not None and ((k + 1) % max(1, repeats // 10) == 0 or k + 1 == repeats):
+            progress(f"n={n}: {k + 1}/{repeats} repeats, {time.perf_counter() - start:.0f} s")
+    moments = acc.moments()
+    labels = [s.label for s in specs]
+    out = variance_summary(moments, labels, base=base, num_bootstrap=num_bootstrap, seed=seed)
+    out["n"] = n
+    out["zero_tail_token_share"] = tail / max(tokens, 1.0)
+    out["variance_proxy"] = {label: sum(v) / len(v) for label, v in power.items()}
+    out["proxy_calibration"] = {
+        label: out["estimators"][label]["variance"] / max(out["variance_proxy"][label], 1e-30)
+        for label in labels
+    }
+    # per-repeat squared deviation from the mean gradient, from the Gram matrix
+    gram = moments.gram
+    deviation = (
+        gram.diagonal(dim1=1, dim2=2) - 2 * gram.mean(2) + gram.mean((1, 2))[:, None]
+    ).tolist()
+    out["proxy_repeat_correlation"] = {
+        label: pearson(power[label], deviation[e]) for e, label in enumerate(labels)
+    }
+    out["seconds"] = time.perf_counter() - start
+    return out
+
+
+def proxy_correlation(results: dict) -> dict:
+    """Across all (estimator, n) points: Pearson and Spearman correlation of the mean online
+    proxy power with the measured variance."""
+    proxy, measured = [], []
+    for res in results.values():
+        for label, row in res["estimators"].items():
+            proxy.append(res["variance_proxy"][label])
+            measured.append(row["variance"])
+    return {
+        "points": len(proxy),
+        "pearson": pearson(proxy, measured),
+        "spearman": spearman(proxy, measured),
+    }
+
+
+def choose_sketch_dim(num_estimators: int, repeats: int, num_params: int, requested) -> int | None:
+    """``requested`` None -> exact when E·K·P float32 fit in ``EXACT_GRAM_BYTES``, else the
+    default sketch; 0 -> exact; D > 0 -> sketch of dimension D."""
+    if requested is None:
+        exact_bytes = 4 * num_estimators * repeats * num_params
+        return None if exact_bytes <= EXACT_GRAM_BYTES else DEFAULT_SKETCH_DIM
+    if requested < 0:
+        raise ValueError(f"sketch_dim: expected None or an int >= 0, got {requested}")
+    return None if requested == 0 else requested
+
+
+# -- the command ---------------------------------------------------------------------------------
+def format_table(result: dict) -> str:
+    """Console table: one block per group size, one line per estimator."""
+    lines = []
+    base = result["base"]
+    for res in result["results"].values():
+        lines.append(
+            f"n={res['n']}  K={res['num_repeats']}  zero-tail token share "
+            f"{res['zero_tail_token_share']:.3f}  ({res['seconds']:.0f} s)"
+        )
+        lines.append(
+            f"  {'estimator':<28}{'variance':>11}{'scale':>11}{'var/scale²':>12}"
+            f"  {'variance / ' + str(base) + ' [95% CI]':<30}{'per signal [95% CI]':<28}"
+        )
+        for label, row in res["estimators"].items():
+            text = (
+                f"  {label:<28}{row['variance']:>11.4g}{row['signal_scale']:>11.4g}"
+                f"{row['variance_per_signal']:>12.4g}"
+            )
+            pair = f"{label}/{base}"
+            for key in ("ratios", "ratios_per_signal"):
+                ratio = res.get(key, {}).get(pair)
+                cell = "(base)" if label == base else ""
+                if ratio is not None:
+                    lo, hi = ratio.get("ci95", [math.nan, math.nan])
+                    cell = f"{ratio['value']:.3f} [{lo:.3f}, {hi:.3f}]"
+                text += f"  {cell:<28}"
+            lines.append(text.rstrip())
+    corr = result.get("proxy_correlation")
+    if corr:
+        lines.append(
+            f"online proxy vs measured variance over {corr['points']} points: "
+            f"pearson {corr['pearson']:.3f}, spearman {corr['spearman']:.3f}"
+        )
+    return "\n".join(lines)
+
+
+def plot_variance(result: dict, out_png) -> None:
+    """Bar chart per group size: variance and variance-per-signal ratios to the base, 95 % CIs."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    runs = list(result["results"].values())
+    fig = Figure(figsize=(6 * len(runs), 4), constrained_layout=True)
+    FigureCanvasAgg(fig)
+    base = result["base"]
+    for i, res in enumerate(runs):
+        ax = fig.add_subplot(1, len(runs), i + 1)
+        pairs = list(res.get("ratios", {}))
+        for j, (key, name) in enumerate(
+            (("ratios", "variance"), ("ratios_per_signal", "per signal"))
+        ):
+            values = [res[key][p]["value"] for p in pairs]
+            cis = [res[key][p].get("ci95", [v, v]) for p, v in zip(pairs, values)]
+            err = [[v - c[0] for v, c in zip(values, cis)], [c[1] - v for v, c in zip(values, cis)]]
+            x = [k + 0.4 * j for k in range(len(pairs))]
+            ax.bar(x, values, width=0.4, yerr=err, capsize=3, label=name)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_xticks([k + 0.2 for k in range(len(pairs))])
+        ax.set_xticklabels([p.split("/")[0] for p in pairs], rotation=20, fontsize=8)
+        ax.set_title(f"n={res['n']}: ratio to {base} (95% CI)")
+        ax.legend(fontsize=8)
+    fig.savefig(out_png, dpi=110)
+
+
+def _finite_or_none(obj):
+    """JSON has no NaN/inf: undefined values (e.g. CIs at K = 2) become null."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite_or_none(v) for v in obj]
+    return obj
+
+
+def check_variance_args(
+    estimators: str, ns: list[int], repeats: int, prompts: int, reference_samples: int, base
+) -> list[EstimatorSpec]:
+    """Validate the command's arguments (``ValueError`` naming the argument); returns specs."""
+    specs = parse_estimators(estimators)
+    labels = [s.label for s in specs]
+    if base is not None and base not in labels:
+        raise ValueError(f"base: expected one of the estimators {labels}, got {base!r}")
+    if repeats < 2:
+        raise ValueError(f"repeats: expected >= 2, got {repeats}")
+    if prompts < 1:
+        raise ValueError(f"prompts: expected >= 1, got {prompts}")
+    if reference_samples < 2:
+        raise ValueError(f"reference_samples: expected >= 2, got {reference_samples}")
+    if not ns or any(n < 2 for n in ns):
+        raise ValueError(f"n: expected group sizes >= 2, got {ns}")
+    return specs
+
+
+def run_variance(
+    cfg,
+    *,
+    estimators: str = DEFAULT_ESTIMATORS,
+    ns: list[int],
+    repeats: int,
+    prompts: int,
+    reference_samples: int,
+    base: str | None,
+    out: str,
+    num_bootstrap: int = 2000,
+    sketch_dim: int | None = None,
+    method: str = "loop",
+    seed: int = 0,
+    echo: Callable[[str], None] = print,
+) -> dict:
+    """``otbrl variance``: measure, print the table, write ``out`` (JSON) and a PNG beside it.
+
+    ``cfg``: a validated ``Config`` (model, data, rollout temperature and length, loss
+    aggregation, estimator options). Returns the result dict written to ``out``.
+    """
+    from pathlib import Path
+
+    from otbrl.data import encode_prompts
+    from otbrl.logging import atomic_write_text
+    from otbrl.models import load_model_and_tokenizer
+    from otbrl.rewards import resolve_reward_function
+    from otbrl.trainer import estimator_options, load_rows, model_path, seed_everything
+
+    specs = check_variance_args(estimators, ns, repeats, prompts, reference_samples, base)
+    labels = [s.label for s in specs]
+    start = time.perf_counter()
+    seed_everything(seed)
+    path = model_path(cfg)
+    model, tokenizer = load_model_and_tokenizer(path, dtype=cfg.model.dtype)
+    train_rows, _ = load_rows(cfg)
+    if len(train_rows) < prompts:
+        raise ValueError(f"prompts: expected <= {len(train_rows)} (the data size), got {prompts}")
+    order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(seed))
+    rows = [train_rows[i] for i in order[:prompts].tolist()]
+    enc = encode_prompts(rows, tokenizer, cfg.data.max_prompt_length)
+    actor = cfg.actor
+    probe = GradientProbe(
+        model,
+        tokenizer,
+        temperature=cfg.rollout.temperature,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        options=estimator_options(cfg),
+        loss_kwargs={
+            "loss_agg_mode": actor.loss_agg_mode,
+            "clip_ratio_low": actor.clip_ratio_low,
+            "clip_ratio_high": actor.clip_ratio_high,
+            "clip_ratio_c": actor.clip_ratio_c,
+            "horizon": cfg.rollout.max_new_tokens,
+        },
+        reward_fn=resolve_reward_function(cfg.reward.function),
+        on_error=cfg.reward.on_error,
+        method=method,
+    )
+    sketch = choose_sketch_dim(len(specs), repeats, probe.num_params, sketch_dim)
+    echo(
+        f"otbrl variance: {path}, {probe.num_params} parameters, {prompts} prompts, "
+        f"K={repeats}, n={ns}, estimators={labels}, Gram "
+        f"{'exact' if sketch is None else f'CountSketch D={sketch}'}"
+    )
+    ref_start = time.perf_counter()
+    chunk = min(reference_samples, 64)
+    reference = probe.reference(enc, rows, reference_samples, chunk, seed=seed + 99_991)
+    if not torch.isfinite(reference).all() or reference.norm() == 0:
+        raise ValueError(
+            "reference: the RLOO reference gradient is zero or not finite (every sampled group "
+            "had equal rewards?); use a stronger policy, more --reference-samples or a reward "
+            "that varies"
+        )
+    ref_seconds = time.perf_counter() - ref_start
+    echo(f"reference: RLOO, {reference_samples} samples/prompt, {ref_seconds:.0f} s")
+    results = {}
+    for n in ns:
+        results[str(n)] = measure(
+            probe,
+            enc,
+            rows,
+            specs,
+            n=n,
+            repeats=repeats,
+            reference=reference.float(),
+            base=base,
+            num_bootstrap=num_bootstrap,
+            sketch_dim=sketch,
+            seed=seed,
+            progress=echo,
+        )
+    result = {
+        "model": str(path),
+        "num_params": probe.num_params,
+        "prompts": prompts,
+        "repeats": repeats,
+        "reference_samples": reference_samples,
+        "base": base,
+        "estimators": {s.label: {"name": s.name, "options": s.options} for s in specs},
+        "gram": "exact" if sketch is None else f"countsketch-{sketch}",
+        "results": results,
+        "proxy_correlation": proxy_correlation(results),
+        "seconds": time.perf_counter() - start,
+    }
+    echo(format_table(result))
+    out_path = Path(out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out_path, json.dumps(_finite_or_none(result), indent=2) + "\n")
+    png = out_path.with_suffix(".png")
+    plot_variance(result, png)
+    echo(f"wrote {out_path} and {png}; total {result['seconds']:.0f} s")
+    return result

@@ -1,0 +1,153 @@
+"""``otbrl variance``: per-estimator gradients against autograd, a 2-repeat smoke run, errors."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from otbrl import cli
+from otbrl.algos import losses
+from otbrl.algos.advantages import compute_advantage
+from otbrl.data import encode_prompts, get_task
+from otbrl.engine.forward import forward_token_stats
+from otbrl.models import build_tiny_model, load_model_and_tokenizer
+from otbrl.variance import EstimatorSpec, GradientProbe, parse_estimators
+
+SMALL = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0, **SMALL)
+
+
+def _probe(path, method, agg):
+    model, tokenizer = load_model_and_tokenizer(path)
+    loss_kwargs = {"loss_agg_mode": agg, "horizon": 4}
+    probe = GradientProbe(
+        model,
+        tokenizer,
+        temperature=1.0,
+        max_new_tokens=4,
+        options={"handle_zero_tail": True, "norm_adv_by_std_in_grpo": True},
+        loss_kwargs=loss_kwargs,
+        method=method,
+    )
+    rows = get_task("arithmetic").rows("train", 3, seed=0)
+    enc = encode_prompts(rows, tokenizer, 16)
+    return probe, enc, rows, loss_kwargs
+
+
+def test_probe_gradients_match_autograd_of_each_loss(tiny_model):
+    probe, enc, rows, loss_kwargs = _probe(tiny_model, "loop", "seq-mean-token-sum-norm")
+    batch = probe.sample(enc, rows, n=4, seed=3)
+    # a random reward makes every group informative whatever the tiny model answers
+    gen = torch.Generator().manual_seed(0)
+    batch["token_level_rewards"] = batch["token_level_rewards"] + torch.rand(
+        batch["response_mask"].shape, generator=gen
+    ) * (batch["response_mask"] > 0)
+    specs = parse_estimators("grpo,rloo,otb")
+    grads, extras = probe.gradients(batch, specs)
+    assert grads.shape == (3, probe.num_params)
+    probe.method = "batched"
+    torch.testing.assert_close(probe.gradients(batch, specs)[0], grads, rtol=1e-4, atol=1e-7)
+    for e, spec in enumerate(specs):
+        # independent reference: a fresh forward, the configured loss, one plain backward
+        probe.model.zero_grad(set_to_none=True)
+        stats = forward_token_stats(probe.model, batch, sum_pi_squared=True)
+        old = stats["old_log_probs"].detach()
+        adv, _ = compute_advantage(
+            spec.name,
+            token_level_rewards=batch["token_level_rewards"],
+            response_mask=batch["response_mask"],
+            index=batch["uid"],
+            old_log_probs=old,
+            sum_pi_squared=stats["sum_pi_squared"],
+            **{**probe.options, **spec.options},
+        )
+        loss, _ = losses.ppo_policy_loss(
+            stats["old_log_probs"], old, adv, batch["response_mask"], **loss_kwargs
+        )
+        loss.backward()
+        want = torch.cat([p.grad.reshape(-1) for p in probe.params])
+        torch.testing.assert_close(grads[e], want, rtol=1e-4, atol=1e-7)
+    assert 0 <= extras["tail_tokens"] <= extras["tokens"]
+    assert set(extras["power"]) == {"grpo", "rloo", "otb"}
+
+
+def test_parse_estimators_aliases_and_options():
+    specs = parse_estimators("otb_notail,drgrpo,optimal_token_baseline:energy=uniform:x=1.5")
+    assert specs[0] == EstimatorSpec(
+        "otb_notail", "optimal_token_baseline", {"handle_zero_tail": False}
+    )
+    assert specs[1].name == "grpo" and specs[1].options == {"norm_adv_by_std_in_grpo": False}
+    assert specs[2].options == {"energy": "uniform", "x": 1.5}
+    with pytest.raises(ValueError, match="unknown advantage estimator"):
+        parse_estimators("grpo,gpro")
+    with pytest.raises(ValueError, match="key=value"):
+        parse_estimators("otb:energy")
+    with pytest.raises(ValueError, match="distinct"):
+        parse_estimators("otb,otb")
+
+
+def test_two_repeat_smoke_run(tiny_model, tmp_path, capsys):
+    out = tmp_path / "v.json"
+    # the random-init model never answers right: a length reward gives the groups signal
+    reward = tmp_path / "reward.py"
+    reward.write_text("def length(source, text, truth, extra):\n    return float(len(text))\n")
+    argv = [
+        "variance",
+        f"model.path={tiny_model}",
+        f"reward.function={reward}:length",
+        "data.max_response_length=4",
+        "--estimators=grpo,rloo,otb",
+        "--n=3",
+        "--repeats=2",
+        "--prompts=2",
+        "--reference-samples=4",
+        "--bootstrap=50",
+        f"--out={out}",
+    ]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "otb" in printed and "wrote" in printed
+    result = json.loads(out.read_text())
+    res = result["results"]["3"]
+    for label in ("grpo", "rloo", "otb"):
+        row = res["estimators"][label]
+        for key in ("variance", "signal_scale", "variance_per_signal"):
+            assert math.isfinite(row[key])
+        assert row["variance"] >= 0
+    assert set(res["ratios"]) == {"rloo/grpo", "otb/grpo"}
+    for ratio in res["ratios"].values():
+        assert ratio["value"] > 0 and len(ratio["ci95"]) == 2
+    assert 0 <= res["zero_tail_token_share"] <= 1
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "word"),
+    [
+        (["--estimators=grpo,gpro"], "gpro"),
+        (["--base=otb", "--estimators=grpo,rloo"], "base"),
+        (["--repeats=1"], "repeats"),
+        (["--n=4,x"], "invalid literal"),
+    ],
+)
+def test_bad_flags_exit_2_before_loading(flags, word, capsys, monkeypatch):
+    import otbrl.trainer as trainer_mod
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a model was loaded before the flags were checked")
+
+    monkeypatch.setattr(trainer_mod, "ensure_warm_start", forbidden)
+    assert cli.main(["variance", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert word in err and "\n" not in err
