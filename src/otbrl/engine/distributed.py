@@ -109,9 +109,8 @@ class ShardedActor(Actor):
         if ref_model is not None:
             shard_model(ref_model, mesh, engine=engine, device=device)
         # The vocabulary shard held by this rank's lm_head output (all of it without TP).
-        vocab = model.get_output_embeddings().weight.shape[0]
-        self.vocab_start = mesh["tp"].get_local_rank() * (vocab // self.tp)
-        self.vocab_local = vocab // self.tp
+        start, end = parallel.vocab_shard_range(model, mesh["tp"])
+        self.vocab_start, self.vocab_local = start, end - start
         self.last_logits_shape: tuple[int, ...] | None = None  # for tests: the V dim seen
         super().__init__(
             model,

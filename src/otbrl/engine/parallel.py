@@ -92,7 +92,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     intermediate/tp channels), o/down row-wise (output all-reduced). The embedding is split
     over the vocabulary (row-wise, output replicated). The lm_head is column-wise with its
     output *left sharded*: `model(...).logits` is a plain local tensor [..., V/tp] holding
-    vocabulary ids `vocab_shard_range(model, tp_mesh)`, ready for `vocab_parallel_token_stats`.
+    vocabulary ids `vocab_shard_range(model, tp_mesh)`, ready for `vocab_parallel_token_stats`
+    (the vocabulary need not divide by the TP size: shards are then uneven).
     Tied embeddings stay tied (both shard the same [V, H] weight on dim 0).
     """
     tp = tp_mesh.size()
@@ -104,7 +105,6 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": getattr(config, "num_key_value_heads", config.num_attention_heads),
         "intermediate_size": config.intermediate_size,
-        "vocab_size (lm_head rows)": head.weight.shape[0],
     }
     for name, size in sizes.items():
         if size % tp:
@@ -141,12 +141,15 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
 
 
 def vocab_shard_range(model: nn.Module, tp_mesh: DeviceMesh) -> tuple[int, int]:
-    """[start, end) of the vocabulary ids whose logits this rank holds after `apply_tp`."""
-    weight = model.lm_head.weight
-    vocab = weight.shape[0]  # a DTensor reports the global shape
-    local = vocab // tp_mesh.size()
-    start = tp_mesh.get_local_rank() * local
-    return start, start + local
+    """[start, end) of the vocabulary ids whose logits this rank holds after `apply_tp`.
+
+    DTensor shards like `torch.chunk`: ceil(V / tp) rows per rank, the last ranks get fewer
+    when V does not divide (V = 63, tp = 2 -> [0, 32) and [32, 63)).
+    """
+    vocab = model.lm_head.weight.shape[0]  # a DTensor reports the global shape
+    per_rank = -(-vocab // tp_mesh.size())
+    start = min(vocab, tp_mesh.get_local_rank() * per_rank)
+    return start, min(vocab, start + per_rank)
 
 
 def mixed_precision_policy(device: torch.device | str) -> MixedPrecisionPolicy:
