@@ -237,12 +237,17 @@ def loop_whiten(x, m):
     return (x - sel.mean()) / torch.sqrt(sel.var() + 1e-8) * m
 
 
-@pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (0.9, 0.95), (0.5, 0.0)])
-def test_reinforce_plus_plus_and_gae_match_loops(gamma, lam):
+@pytest.mark.parametrize(
+    "gamma, lam, B, L", [(1.0, 1.0, 6, 9), (0.9, 0.95, 6, 9), (0.5, 0.0, 1, 9), (0.99, 0.9, 3, 300)]
+)
+def test_reinforce_plus_plus_and_gae_match_loops(gamma, lam, B, L):
+    # L = 300 spans several of the scans' time blocks; B = 1 makes row slices look contiguous.
     g = torch.Generator().manual_seed(int(gamma * 100 + lam * 10))
-    r = torch.randn(6, 9, generator=g)
-    m = (torch.rand(6, 9, generator=g) < 0.7).float()
-    v = torch.randn(6, 9, generator=g)
+    r = torch.randn(B, L, generator=g)
+    m = (torch.rand(B, L, generator=g) < 0.7).float()
+    m[:, 127:130] = 0.0  # a hole across a block boundary
+    v = torch.randn(B, L, generator=g)
+    before = (r.clone(), m.clone(), v.clone())
     R, A = loop_returns(r, m, v, gamma, lam)
     adv, ret = reinforce_plus_plus(token_level_rewards=r, response_mask=m, gamma=gamma)
     close(ret, R.float())
@@ -250,3 +255,5 @@ def test_reinforce_plus_plus_and_gae_match_loops(gamma, lam):
     adv, ret = gae(token_level_rewards=r, response_mask=m, values=v, gamma=gamma, lam=lam)
     close(ret, ((A + v) * m).float())
     close(adv, loop_whiten(A, m).float())
+    for x, y in zip((r, m, v), before):  # inputs are never written to
+        assert torch.equal(x, y)

@@ -122,3 +122,17 @@ def whiten(x: Tensor, mask: Tensor) -> Tensor:
     var = masked_var(x, mask)
     out = (x - mean) * torch.rsqrt(var + WHITEN_EPS)
     return torch.where(mask.sum() > 1, out, torch.zeros_like(out))
+
+
+def whiten_masked(x: Tensor, mask: Tensor) -> Tensor:
+    """``whiten(x, mask) * mask`` for a 0/1 mask, with one ``[B, L]`` allocation.
+
+    Shapes: ``x``, ``mask`` ``[B, L]`` -> ``[B, L]``.
+    """
+    n = mask.sum()
+    mean = torch.dot(x.reshape(-1), mask.reshape(-1)) / (n + WHITEN_EPS)
+    out = (x - mean).mul_(mask)
+    var = torch.dot(out.view(-1), out.view(-1)) / (n + WHITEN_EPS)  # m² = m for a 0/1 mask
+    bessel = torch.where(n > 1, n / (n - 1).clamp(min=1.0), torch.zeros_like(n))
+    scale = torch.where(n > 1, torch.rsqrt(var * bessel + WHITEN_EPS), torch.zeros_like(n))
+    return out.mul_(scale)

@@ -19,8 +19,19 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from otbrl.algos._common import check_batch, check_tensor, group_ids, group_sum, whiten
-from otbrl.algos.otb import optimal_token_baseline, tir_optimal_token_baseline
+from otbrl.algos._common import (
+    check_batch,
+    check_tensor,
+    group_ids,
+    group_sum,
+    whiten,
+    whiten_masked,
+)
+from otbrl.algos.otb import (
+    optimal_token_baseline,
+    reward_to_go_and_energy,
+    tir_optimal_token_baseline,
+)
 
 GRPO_EPS = 1e-6
 
@@ -161,22 +172,61 @@ def reinforce_plus_plus_baseline(
     return adv, adv.clone()
 
 
-def _reverse_linear_scan(u: Tensor, d: Tensor) -> Tensor:
-    """R_t = u_t + d_t·R_{t+1} with R_L = 0, along the last dim: ``[B, L]`` -> ``[B, L]``.
+SCAN_BLOCK = 128  # positions per time-major block: small enough to stay in cache
 
-    A loop over L (the recursion is sequential in t), vectorized over rows: one fused
-    multiply-add per step on time-major contiguous rows.
+
+def _time_major(x: Tensor, start: int, stop: int) -> Tensor:
+    """A fresh ``[stop − start, B]`` copy (never a view: callers write into it)."""
+    return x[:, start:stop].t().clone(memory_format=torch.contiguous_format)
+
+
+def _reinforce_scan(r: Tensor, m: Tensor, gamma: float) -> Tensor:
+    """R_t = r_t + γ·R_{t+1} at m_t = 1, R carried through m_t = 0; returns R·m ``[B, L]``.
+
+    A loop over L (the recursion is sequential in t), vectorized over rows, one fused
+    multiply-add per step on time-major blocks of ``SCAN_BLOCK`` positions.
     """
-    uT, dT = u.t().contiguous(), d.t().contiguous()
-    out = torch.empty_like(uT)
-    out[-1] = uT[-1]
-    for t in range(uT.shape[0] - 2, -1, -1):
-        torch.addcmul(uT[t], dT[t], out[t + 1], out=out[t])
-    return out.t().contiguous()
+    B, L = r.shape
+    out = torch.empty_like(r)
+    carry = r.new_zeros(B)
+    for start in range(((L - 1) // SCAN_BLOCK) * SCAN_BLOCK, -1, -SCAN_BLOCK):
+        stop = min(start + SCAN_BLOCK, L)
+        mT = _time_major(m, start, stop)
+        uT = _time_major(r, start, stop).mul_(mT)
+        dT = mT * (gamma - 1.0) + 1.0  # γ where trained, 1 (carry through) elsewhere
+        for t in range(stop - start - 1, -1, -1):
+            carry = torch.addcmul(uT[t], dT[t], carry, out=uT[t])
+        carry = carry.clone()  # it is a row of uT, which the next line masks
+        out[:, start:stop] = uT.mul_(mT).t()
+    return out
 
 
-def _reverse_cumsum(x: Tensor) -> Tensor:
-    return x.flip(-1).cumsum(-1).flip(-1)
+def _gae_scan(r: Tensor, m: Tensor, v: Tensor, gamma: float, lam: float) -> Tensor:
+    """GAE's A ``[B, L]`` (0 where m = 0), same blocked loop as :func:`_reinforce_scan`.
+
+    Per step: δ_t = r_t − V_t + γ·V_next; A_t = m_t·δ_t + (γλ·m_t + 1 − m_t)·A_next;
+    V_next ← m_t·V_t + (1 − m_t)·V_next.
+    """
+    B, L = r.shape
+    out = torch.empty_like(r)
+    a_next, v_next = r.new_zeros(B), r.new_zeros(B)
+    delta, v_new = r.new_empty(B), r.new_empty(B)
+    for start in range(((L - 1) // SCAN_BLOCK) * SCAN_BLOCK, -1, -SCAN_BLOCK):
+        stop = min(start + SCAN_BLOCK, L)
+        mT, vT = _time_major(m, start, stop), _time_major(v, start, stop)
+        rvT = _time_major(r, start, stop).sub_(vT)
+        keepT = 1.0 - mT
+        cT = mT * (gamma * lam) + keepT
+        mvT = vT.mul_(mT)
+        aT = torch.empty_like(mT)
+        for t in range(stop - start - 1, -1, -1):
+            torch.add(rvT[t], v_next, alpha=gamma, out=delta)
+            a_next = torch.mul(mT[t], delta, out=aT[t]).addcmul_(cT[t], a_next)
+            torch.addcmul(mvT[t], keepT[t], v_next, out=v_new)
+            v_next, v_new = v_new, v_next
+        a_next = a_next.clone()  # it is a row of aT, which the next line masks
+        out[:, start:stop] = aT.mul_(mT).t()
+    return out
 
 
 @register_estimator("reinforce_plus_plus")
@@ -189,13 +239,11 @@ def reinforce_plus_plus(
     Shapes: ``[B, L]`` -> ``(advantages, returns = R·m)`` ``[B, L]``.
     """
     r, m = check_batch(token_level_rewards, response_mask)
-    u = r * m
-    if gamma == 1.0:  # undiscounted: a plain reverse cumulative sum
-        R = _reverse_cumsum(u)
-    else:  # the carry through m = 0 is a discount of 1 there
-        R = _reverse_linear_scan(u, torch.where(m > 0, float(gamma), 1.0))
-    R = R * m
-    return whiten(R, m) * m, R
+    if gamma == 1.0:  # undiscounted: R is OTB's reward-to-go G
+        R = reward_to_go_and_energy(r, m, energy="uniform")[0].mul_(m)
+    else:
+        R = _reinforce_scan(r, m, float(gamma))
+    return whiten_masked(R, m), R
 
 
 @register_estimator("gae", needs={"values"})
@@ -209,9 +257,6 @@ def gae(
     """
     r, m = check_batch(token_level_rewards, response_mask)
     v = check_tensor("values", values, r.shape)
-    # V at the first trained position ≥ t, then shifted by one: V at the next one after t.
-    v_here = _reverse_linear_scan(v * m, 1.0 - m)
-    v_next = torch.nn.functional.pad(v_here[:, 1:], (0, 1))
-    delta = (r + float(gamma) * v_next - v) * m
-    A = _reverse_linear_scan(delta, torch.where(m > 0, float(gamma) * float(lam), 1.0)) * m
-    return whiten(A, m) * m, (A + v) * m
+    A = _gae_scan(r, m, v, float(gamma), float(lam))
+    returns = torch.addcmul(A, v, m)
+    return whiten_masked(A, m), returns
