@@ -52,9 +52,14 @@ def test_eos_mask_matches_a_plain_loop():
     assert eos_response_mask(edge, 2).tolist() == [[1, 0, 0], [1, 1, 1], [1, 1, 1]]
 
 
-def test_greedy_matches_an_uncached_plain_loop(policy):
+@pytest.mark.parametrize("use_hf_generate", [False, True])
+def test_greedy_matches_an_uncached_plain_loop(policy, use_hf_generate):
     model, tok, ids, mask = policy
-    out = generate(model, tok, ids, mask, n=1, max_new_tokens=6, do_sample=False)
+    out = generate(
+        model, tok, ids, mask, n=2, max_new_tokens=6, do_sample=False,
+        use_hf_generate=use_hf_generate,
+    )  # fmt: skip
+    ids, mask = ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0)
     seq, att = ids.clone(), mask.clone()
     steps = []
     with torch.no_grad():
@@ -75,9 +80,12 @@ def test_greedy_matches_an_uncached_plain_loop(policy):
     assert 0 < ref_mask.sum() < ref_mask.numel()  # some rows end early, the test covers both
 
 
-def test_layout_of_the_returned_batch(policy):
+@pytest.mark.parametrize("use_hf_generate", [False, True])
+def test_layout_of_the_returned_batch(policy, use_hf_generate):
     model, tok, ids, mask = policy
-    out = generate(model, tok, ids, mask, n=3, max_new_tokens=5, seed=1)
+    out = generate(
+        model, tok, ids, mask, n=3, max_new_tokens=5, seed=1, use_hf_generate=use_hf_generate
+    )
     b, lp = ids.shape[0] * 3, ids.shape[1]
     lr = out["responses"].shape[1]
     assert out["prompts"].shape == (b, lp) and lr <= 5
