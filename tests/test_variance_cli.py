@@ -11,8 +11,8 @@ from otbrl.algos import losses
 from otbrl.algos.advantages import compute_advantage
 from otbrl.data import encode_prompts, get_task
 from otbrl.engine.forward import forward_token_stats
+from otbrl.gradient_probe import EstimatorSpec, GradientProbe, parse_estimators
 from otbrl.models import build_tiny_model, load_model_and_tokenizer
-from otbrl.variance import EstimatorSpec, GradientProbe, parse_estimators
 
 SMALL = {
     "hidden_size": 32,

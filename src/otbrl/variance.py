@@ -3,11 +3,9 @@
 For a fixed policy and a fixed set of P prompts, each of K repeats samples N responses per
 prompt once, runs one forward (log-probs with their graph, Σπ², entropy), computes every
 estimator's advantages on those same samples and takes the parameter gradient of the configured
-policy loss at ratio = 1 for each. The loss is linear in the advantages, so estimator e's
-gradient is the vector-Jacobian product Jᵀ c_e of the one log-prob graph with the cotangent
-c_e = ∂loss(A_e)/∂log π; only the backward is repeated per estimator. The statistics (variance,
-signal scale along an unbiased high-sample RLOO reference, paired bootstrap CIs) live in
-``otbrl.algos.gradient_variance``.
+policy loss at ratio = 1 for each (``otbrl.gradient_probe``: one vector-Jacobian product per
+estimator on one graph). The statistics (variance, signal scale along an unbiased high-sample
+RLOO reference, paired bootstrap CIs) live in ``otbrl.algos.gradient_variance``.
 """
 
 from __future__ import annotations
@@ -16,258 +14,17 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from otbrl.algos import losses
-from otbrl.algos.advantages import compute_advantage, get_estimator
 from otbrl.algos.gradient_variance import GradientVarianceAccumulator, variance_summary
-from otbrl.algos.metrics import trajectory_w, variance_proxy
-from otbrl.algos.otb import zero_tail_mask
-from otbrl.engine.forward import forward_token_stats
-from otbrl.ops import token_stats
-from otbrl.rewards import score_responses
-from otbrl.rollout import decode_responses, generate
+from otbrl.gradient_probe import EstimatorSpec, GradientProbe, parse_estimators
 
-# short names for the variants the issue compares; "name:key=value:..." reaches any other
-ALIASES: dict[str, tuple[str, dict]] = {
-    "otb": ("optimal_token_baseline", {}),
-    "otb_notail": ("optimal_token_baseline", {"handle_zero_tail": False}),
-    "otb_uniform": ("optimal_token_baseline", {"energy": "uniform"}),
-    "otb_loo": ("optimal_token_baseline", {"leave_one_out": True}),
-    "drgrpo": ("grpo", {"norm_adv_by_std_in_grpo": False}),
-}
 DEFAULT_ESTIMATORS = "grpo,drgrpo,rloo,otb,otb_notail"
 # exact Gram matrices keep E·K·P float32 gradients; above this the CountSketch takes over
 EXACT_GRAM_BYTES = 1 << 30
 DEFAULT_SKETCH_DIM = 8192
-
-
-@dataclass(frozen=True)
-class EstimatorSpec:
-    """One estimator to measure: its label, registry name and option overrides."""
-
-    label: str
-    name: str
-    options: dict = field(default_factory=dict)
-
-
-def _parse_value(text: str):
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
-
-
-def parse_estimators(text: str) -> list[EstimatorSpec]:
-    """``"grpo,otb,optimal_token_baseline:energy=uniform"`` -> specs (aliases in ``ALIASES``).
-
-    Raises ``ValueError`` naming the bad entry (unknown estimator, malformed option, duplicate).
-    """
-    specs = []
-    for item in (part.strip() for part in text.split(",")):
-        if not item:
-            raise ValueError(f"estimators: empty entry in {text!r}")
-        name, *opts = item.split(":")
-        if name in ALIASES:
-            name, options = ALIASES[name][0], dict(ALIASES[name][1])
-        else:
-            options = {}
-        get_estimator(name)  # ValueError listing the valid names
-        for opt in opts:
-            key, sep, value = opt.partition("=")
-            if not sep or not key:
-                raise ValueError(f"estimators: option {opt!r} of {item!r} is not key=value")
-            options[key] = _parse_value(value)
-        specs.append(EstimatorSpec(item, name, options))
-    labels = [s.label for s in specs]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"estimators: expected distinct entries, got {labels}")
-    return specs
-
-
-def flat_grad(params: list[nn.Parameter], grads) -> Tensor:
-    """Concatenate per-parameter gradients (None -> zeros) into one [P] float32 vector."""
-    return torch.cat(
-        [
-            (torch.zeros_like(p) if g is None else g).reshape(-1).float()
-            for p, g in zip(params, grads)
-        ]
-    )
-
-
-class GradientProbe:
-    """Per-estimator policy gradients of one model on freshly sampled batches.
-
-    ``options``: the configured estimator options (``trainer.estimator_options``), each spec's
-    own options override them. ``loss_kwargs``: ``loss_agg_mode`` and clip settings of the
-    configured policy loss. ``method``: ``"loop"`` (one backward per estimator, graph
-    retained) or ``"batched"`` (one batched vector-Jacobian product, ``is_grads_batched``).
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        tokenizer,
-        *,
-        temperature: float,
-        max_new_tokens: int,
-        options: dict,
-        loss_kwargs: dict,
-        reward_fn: Callable | None = None,
-        on_error: str = "raise",
-        method: str = "loop",
-    ):
-        if method not in ("loop", "batched"):
-            raise ValueError(f"method: expected 'loop' or 'batched', got {method!r}")
-        self.model, self.tokenizer = model, tokenizer
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.num_params = sum(p.numel() for p in self.params)
-        self.temperature, self.max_new_tokens = temperature, max_new_tokens
-        self.options, self.loss_kwargs = options, loss_kwargs
-        self.reward_fn, self.on_error, self.method = reward_fn, on_error, method
-
-    def sample(self, enc: dict[str, Tensor], rows: list[dict], n: int, seed: int) -> dict:
-        """One rollout of ``n`` responses per prompt, scored; reward on the last token."""
-        batch = generate(
-            self.model,
-            self.tokenizer,
-            enc["input_ids"],
-            enc["attention_mask"],
-            n=n,
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            seed=seed,
-        )
-        mask = batch["response_mask"]
-        texts = decode_responses(self.tokenizer, batch["responses"], mask)
-        repeated = [row for row in rows for _ in range(n)]
-        scores, _ = score_responses(
-            texts, repeated, function=self.reward_fn, on_error=self.on_error
-        )
-        lengths = mask.sum(1).long()
-        rewards = torch.zeros_like(mask)
-        has = lengths > 0
-        rewards[has.nonzero().squeeze(1), lengths[has] - 1] = torch.tensor(scores)[has]
-        batch["token_level_rewards"] = rewards
-        return batch
-
-    def gradients(self, batch: dict, specs: list[EstimatorSpec]) -> tuple[Tensor, dict]:
-        """[E, P] gradients of the policy loss at ratio 1, one per spec, on ``batch``.
-
-        Also returns per-spec online variance-proxy power and the zero-tail token counts.
-        """
-        self.model.eval()  # no dropout: the gradient of the policy that sampled
-        if self.method == "batched":
-            stats = self._vmappable_stats(batch)
-        else:
-            stats = forward_token_stats(
-                self.model,
-                batch,
-                temperature=self.temperature,
-                entropy=True,
-                sum_pi_squared=True,
-            )
-        log_probs, mask = stats["old_log_probs"], batch["response_mask"]
-        old = log_probs.detach()
-        common = {
-            "token_level_rewards": batch["token_level_rewards"],
-            "response_mask": mask,
-            "index": batch["uid"],
-            "old_log_probs": old,
-            "sum_pi_squared": stats["sum_pi_squared"],
-        }
-        w_score = trajectory_w(mask, old, stats["sum_pi_squared"])
-        cotangents, power = [], {}
-        for spec in specs:
-            adv, _ = compute_advantage(spec.name, **common, **{**self.options, **spec.options})
-            # ∂loss/∂log π at ratio 1 from the configured loss itself, on a cheap leaf
-            leaf = old.clone().requires_grad_()
-            loss, _ = losses.ppo_policy_loss(leaf, old, adv.detach(), mask, **self.loss_kwargs)
-            cotangents.append(torch.autograd.grad(loss, leaf)[0])
-            proxy = variance_proxy(adv.detach(), mask, w_score)
-            power[spec.label] = float(proxy["variance_proxy/total_power"])
-        if self.method == "batched":
-            grads = torch.autograd.grad(
-                log_probs,
-                self.params,
-                grad_outputs=torch.stack(cotangents),
-                is_grads_batched=True,
-                allow_unused=True,
-            )
-            out = torch.cat(
-                [
-                    (torch.zeros(len(specs), p.numel()) if g is None else g.reshape(len(specs), -1))
-                    for p, g in zip(self.params, grads)
-                ],
-                dim=1,
-            )
-        else:
-            rows = []
-            for i, c in enumerate(cotangents):
-                g = torch.autograd.grad(
-                    log_probs,
-                    self.params,
-                    grad_outputs=c,
-                    retain_graph=i < len(cotangents) - 1,
-                    allow_unused=True,
-                )
-                rows.append(flat_grad(self.params, g))
-            out = torch.stack(rows)
-        tail = zero_tail_mask(mask, batch["uid"])
-        extras = {
-            "power": power,
-            "tail_tokens": float(tail.sum()),
-            "tokens": float(mask.sum()),
-        }
-        return out, extras
-
-    def _vmappable_stats(self, batch: dict) -> dict[str, Tensor]:
-        """The padded-layout stats of ``forward_token_stats`` with log-probs from plain
-        ``log_softmax``: the fused op's backward writes in place, which ``is_grads_batched``
-        (vmap over the backward) rejects. Σπ² and entropy carry no gradient here."""
-        resp_len = batch["responses"].shape[1]
-        logits = (
-            self.model(
-                input_ids=batch["input_ids"],
-                attention_mask=batch["attention_mask"],
-                position_ids=batch["position_ids"],
-                use_cache=False,
-                logits_to_keep=resp_len + 1,
-            )
-            .logits[:, :-1]
-            .float()
-            / self.temperature
-        )
-        valid = batch["response_mask"] > 0
-        labels = batch["responses"].masked_fill(~valid, 0)
-        log_probs = torch.log_softmax(logits, -1).gather(-1, labels[..., None])[..., 0]
-        extra = token_stats(logits.detach(), labels, temperature=1.0)
-        return {
-            "old_log_probs": log_probs * valid,
-            "entropy": extra.entropy * valid,
-            "sum_pi_squared": extra.sum_pi_squared * valid,
-        }
-
-    def reference(
-        self, enc: dict[str, Tensor], rows: list[dict], samples: int, chunk: int, seed: int
-    ) -> Tensor:
-        """[P] RLOO gradient averaged over ``samples`` responses per prompt (in chunks of
-        ``chunk`` per prompt): an unbiased, low-noise direction for the signal scale."""
-        spec = [EstimatorSpec("rloo", "rloo")]
-        total = torch.zeros(self.num_params, dtype=torch.float64)
-        num_chunks = max(1, math.ceil(samples / chunk))
-        for i in range(num_chunks):
-            batch = self.sample(enc, rows, chunk, seed + i)
-            total += self.gradients(batch, spec)[0][0].double()
-        return total / num_chunks
 
 
 def pearson(x: list[float], y: list[float]) -> float:
