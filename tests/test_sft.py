@@ -85,6 +85,36 @@ def test_sft_stops_at_the_accuracy_target(tiny):
     assert result["evaluations"] == [[3, result["accuracy"]]]
 
 
+def test_trigger_evaluates_between_periodic_evaluations(tiny):
+    model, tok = tiny
+    rows, demos = _data(32)
+    result = sft.run_sft(
+        model, tok, rows, demos, batch_size=8, max_steps=50, target_accuracy=0.0,
+        eval_rows=rows[:8], eval_every=100, trigger_window=2, max_new_tokens=4,
+    )  # fmt: skip
+    assert result["reached_target"] and result["steps"] == 2
+    assert len(result["train_accuracies"]) == 2
+
+
+def test_teacher_forced_accuracy_equals_greedy_exact_match(tiny):
+    model, tok = tiny
+    rows, _ = _data(12)
+    enc = encode_prompts(rows, tok, max_prompt_length=32)
+    out = generate(
+        model, tok, enc["input_ids"], enc["attention_mask"], max_new_tokens=8, do_sample=False
+    )
+    greedy = decode_responses(tok, out["responses"], out["response_mask"])
+    ended = (out["responses"] == tok.eos_token_id).any(dim=1).tolist()
+    # Even rows: the demonstration is what greedy decoding says; odd rows: something else.
+    demos = [g if i % 2 == 0 else g + "1" for i, g in enumerate(greedy)]
+    expected = sum(ended[i] for i in range(0, 12, 2)) / 12
+    assert expected > 0  # the comparison below is not vacuous
+    data = sft.tokenize_demonstrations(rows, demos, tok)
+    with torch.no_grad():
+        logits = model(input_ids=data["input_ids"], attention_mask=data["attention_mask"]).logits
+    assert sft.teacher_forced_accuracy(logits, data["labels"]) == pytest.approx(expected)
+
+
 def test_evaluate_accuracy_counts_exact_greedy_answers(tiny):
     model, tok = tiny
     rows, _ = _data(10)

@@ -124,6 +124,7 @@ def run_sft(
     eval_every: int = 10,
     max_new_tokens: int = 8,
     seed: int = 0,
+    trigger_window: int = 5,
 ) -> dict:
     """Teacher-forced SFT with AdamW on response tokens only; stops at ``target_accuracy``.
 
@@ -132,13 +133,22 @@ def run_sft(
         lr, batch_size: AdamW learning rate (constant) and sequences per step (sampled with
             replacement from a ``seed``-ed generator).
         max_steps: hard cap on optimizer steps.
-        target_accuracy: stop as soon as greedy accuracy on ``eval_rows`` reaches it
-            (checked every ``eval_every`` steps); ``None`` trains ``max_steps`` steps.
+        target_accuracy: stop as soon as greedy accuracy on ``eval_rows`` reaches it;
+            ``None`` trains ``max_steps`` steps.
+        eval_every: greedy evaluation period (steps). Between those, an evaluation also runs
+            as soon as the teacher-forced accuracy of the last ``trigger_window`` training
+            batches reaches the target (at most every ``trigger_window`` steps).
         max_new_tokens: response cap when evaluating.
+
+    Teacher-forced accuracy is free (the training forward's own argmax) and exact: a prompt
+    whose every response token (EOS included) is the argmax given the true prefix is a
+    prompt greedy decoding answers exactly. It lets the accuracy jump be caught within a few
+    steps without paying for a greedy evaluation every few steps.
 
     Returns:
         ``{"steps", "accuracy" (last evaluation, None if never), "reached_target",
-        "losses" (per step), "evaluations" ([step, accuracy] pairs), "seconds"}``.
+        "losses" and "train_accuracies" (teacher-forced, per step), "evaluations" ([step,
+        accuracy] pairs), "seconds"}``.
     """
     if target_accuracy is not None and not eval_rows:
         raise ValueError("eval_rows: expected rows to evaluate target_accuracy on, got none")
@@ -146,6 +156,8 @@ def run_sft(
         raise ValueError(f"max_steps: expected an int ≥ 1, got {max_steps!r}")
     if not isinstance(eval_every, int) or eval_every < 1:
         raise ValueError(f"eval_every: expected an int ≥ 1, got {eval_every!r}")
+    if not isinstance(trigger_window, int) or trigger_window < 1:
+        raise ValueError(f"trigger_window: expected an int ≥ 1, got {trigger_window!r}")
     data = tokenize_demonstrations(rows, demonstrations, tokenizer)
     n = data["input_ids"].shape[0]
     generator = torch.Generator().manual_seed(seed)
@@ -155,8 +167,10 @@ def run_sft(
         "accuracy": None,
         "reached_target": False,
         "losses": [],
+        "train_accuracies": [],
         "evaluations": [],
     }
+    last_eval = 0
     start_time = time.perf_counter()
     was_training = model.training
     for step in range(1, max_steps + 1):
@@ -164,17 +178,27 @@ def run_sft(
         idx = torch.randint(n, (batch_size,), generator=generator)
         mask = data["attention_mask"][idx]
         width = int(mask.sum(dim=1).max())  # right-padded: trim the all-padding tail
+        labels = data["labels"][idx, :width].to(model.device)
         out = model(
             input_ids=data["input_ids"][idx, :width].to(model.device),
             attention_mask=mask[:, :width].to(model.device),
-            labels=data["labels"][idx, :width].to(model.device),
+            labels=labels,
         )
         optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         optimizer.step()
         result["losses"].append(out.loss.detach().item())
+        result["train_accuracies"].append(teacher_forced_accuracy(out.logits.detach(), labels))
         result["steps"] = step
-        if eval_rows and (step % eval_every == 0 or step == max_steps):
+        recent = result["train_accuracies"][-trigger_window:]
+        triggered = (
+            target_accuracy is not None
+            and len(recent) == trigger_window
+            and sum(recent) / trigger_window >= target_accuracy
+            and step - last_eval >= trigger_window
+        )
+        if eval_rows and (step % eval_every == 0 or step == max_steps or triggered):
+            last_eval = step
             accuracy = evaluate_accuracy(model, tokenizer, eval_rows, max_new_tokens=max_new_tokens)
             result["accuracy"] = accuracy
             result["evaluations"].append([step, accuracy])
@@ -184,6 +208,19 @@ def run_sft(
     model.train(was_training)
     result["seconds"] = time.perf_counter() - start_time
     return result
+
+
+def teacher_forced_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """Fraction of sequences whose every labelled token is the argmax of the previous position.
+
+    Args:
+        logits: [B, L, V]. labels: [B, L] long, ``IGNORE`` where not scored.
+    """
+    predicted = logits[:, :-1].argmax(dim=-1)
+    target = labels[:, 1:]
+    scored = target != IGNORE
+    correct = ((predicted == target) | ~scored).all(dim=1) & scored.any(dim=1)
+    return correct.float().mean().item()
 
 
 def warm_start_key(settings: dict) -> str:
@@ -263,7 +300,7 @@ def ensure_warm_start(
         )
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    summary = {k: v for k, v in result.items() if k != "losses"}
+    summary = {k: v for k, v in result.items() if k not in ("losses", "train_accuracies")}
     summary["final_loss"] = result["losses"][-1]
     _write_json(tmp / WARM_START_FILE, {"settings": settings, "result": summary})
     try:
