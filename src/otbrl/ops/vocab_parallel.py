@@ -9,7 +9,8 @@ a column-parallel lm_head left sharded). The forward makes exactly two collectiv
    this rank's V_local (so every rank learns the global V and can check the labels).
 
 From the global sums every rank derives the same log π(y) = s_y − log Σe, entropy
-log Σe − Σe·s/Σe and Σπ² = Σe²/(Σe)². Shards may be uneven (or empty).
+log Σe − Σe·s/Σe and Σπ² = Σe²/(Σe)² (``finish_stats``; the code works in base 2 like
+``token_stats``). Shards may be uneven (or empty).
 
 The backward needs no collective: for the local columns, ∂log π(y)/∂z = onehot_local − π_local
 and ∂H/∂z = −π_local (s − Σπ s), where Σπ s and log Σe are the global values already kept.
@@ -28,6 +29,7 @@ from otbrl.ops.token_stats import (
     check_temperature,
     chunk_grad_logits,
     default_chunk_size,
+    finish_stats,
     row_max,
     shifted,
     shifted_sums,
@@ -79,12 +81,10 @@ class _VocabParallelTokenStats(torch.autograd.Function):
                 f"labels: expected global ids in [0, {vocab}) or {IGNORE_INDEX} (ignored), got "
                 f"{value} (held by {int(hits[bad][0])} ranks; shards must tile the vocabulary)"
             )
-        total, dot, sq, s_y = rows[0], rows[1], rows[2], rows[3]
-        lse = total.log()
-        log_probs = (s_y - lse).masked_fill(ignored, 0.0)
-        mu = dot / total if want_entropy else lse.new_empty(0)
-        entropy = lse - mu if want_entropy else lse.new_empty(0)
-        spp = sq / (total * total) if want_spp else lse.new_empty(0)
+        log_probs, entropy, spp, lse, mu = finish_stats(
+            rows[0], rows[1] if want_entropy else None, rows[2] if want_spp else None, rows[3]
+        )
+        log_probs.masked_fill_(ignored, 0.0)
 
         ctx.save_for_backward(x, local, on_shard, ignored, m, lse, mu)
         ctx.scale = scale
