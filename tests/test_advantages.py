@@ -178,6 +178,26 @@ def test_registry_needs_and_dispatch():
     close(compute_advantage("optimal_token_baseline", **common)[0][0], [-1.2, -1.2, 0.0])
 
 
+def test_custom_estimator_registration():
+    from otbrl.algos.advantages import ESTIMATORS as registry
+    from otbrl.algos.advantages import register_estimator
+
+    @register_estimator("test_zero_baseline", needs={"values"})
+    def zero_baseline(*, token_level_rewards, response_mask, **rest):
+        return token_level_rewards * response_mask, rest["values"]
+
+    try:
+        values = torch.ones(3, 3)
+        adv, ret = compute_advantage("test_zero_baseline", **otb_case(), values=values)
+        close(adv, otb_case()["token_level_rewards"] * otb_case()["response_mask"])
+        assert ret is values  # **kwargs estimators receive every argument
+        assert get_estimator("test_zero_baseline").needs_for(energy="uniform") == {"values"}
+        with pytest.raises(ValueError, match="already registered"):
+            register_estimator("test_zero_baseline")(zero_baseline)
+    finally:
+        del registry["test_zero_baseline"]
+
+
 def test_index_forms_agree():
     case = grpo_case()
     ref = rloo(**case)[0]

@@ -49,17 +49,26 @@ class Estimator:
     fn: Callable[..., tuple[Tensor, Tensor]]
     needs: frozenset[str]
     options_needs: Callable[..., frozenset[str]] | None = None
-    params: frozenset[str] = field(init=False)
+    params: frozenset[str] = field(init=False)  # keyword arguments fn takes
+    takes_any: bool = field(init=False)  # fn has **kwargs: it is handed everything
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "params", frozenset(inspect.signature(self.fn).parameters))
+        params = inspect.signature(self.fn).parameters
+        object.__setattr__(self, "params", frozenset(params))
+        any_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        object.__setattr__(self, "takes_any", any_kw)
+
+    def select(self, kwargs: dict) -> dict:
+        """The subset of ``kwargs`` that ``fn`` takes."""
+        if self.takes_any:
+            return dict(kwargs)
+        return {k: v for k, v in kwargs.items() if k in self.params}
 
     def needs_for(self, **options) -> frozenset[str]:
         """The statistics needed under these estimator options (unknown keys are ignored)."""
         if self.options_needs is None:
             return self.needs
-        known = {k: v for k, v in options.items() if k in self.params}
-        return frozenset(self.options_needs(**known))
+        return frozenset(self.options_needs(**self.select(options)))
 
 
 ESTIMATORS: dict[str, Estimator] = {}
@@ -94,7 +103,7 @@ def compute_advantage(name: str, **kwargs) -> tuple[Tensor, Tensor]:
     returns)``, both ``[B, L]`` float32.
     """
     est = get_estimator(name)
-    return est.fn(**{k: v for k, v in kwargs.items() if k in est.params})
+    return est.fn(**est.select(kwargs))
 
 
 def _otb_needs(energy: str = "logit_gradient", **_) -> frozenset[str]:
