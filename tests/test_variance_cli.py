@@ -23,6 +23,15 @@ SMALL = {
 }
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: thread hand-offs cost more than the math, badly so on shared cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0, **SMALL)

@@ -1,0 +1,122 @@
+"""``otbrl compare``: curve extraction, the summary against hand-computed values, a tiny run."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from otbrl.compare import (
+    arm_label,
+    arm_steps,
+    markdown_table,
+    parse_arms,
+    run_compare,
+    run_curves,
+    summarize,
+    tokens_to_target,
+)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: thread hand-offs cost more than the math, badly so on shared cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_parse_arms_and_steps():
+    assert parse_arms("grpo:4, optimal_token_baseline:16") == [
+        ("grpo", 4),
+        ("optimal_token_baseline", 16),
+    ]
+    for bad in ("grpo", "grpo:x", "grpo:1", ":4"):
+        with pytest.raises(ValueError, match="arms"):
+            parse_arms(bad)
+    # equal budget of sampled responses: n = 16 takes a quarter of the steps of n = 4
+    assert arm_steps(6400, 16, 4) == 100 and arm_steps(6400, 16, 16) == 25
+    assert arm_label("optimal_token_baseline", 4) == "OTB N=4"
+
+
+def _write_run(path, lengths, grad_norms, val):
+    path.mkdir(parents=True)
+    lines = [{"step": 0, "val/accuracy": val[0]}]
+    for step, (length, g) in enumerate(zip(lengths, grad_norms), start=1):
+        record = {"step": step, "train/response_length_mean": length, "policy/grad_norm": g}
+        if step in val:
+            record["val/accuracy"] = val[step]
+        lines.append(record)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def test_run_curves_counts_generated_tokens(tmp_path):
+    _write_run(tmp_path / "r", [3.0, 4.0, 5.0], [1.0, 9.0, 2.0], {0: 0.1, 2: 0.4, 3: 0.6})
+    curve = run_curves(tmp_path / "r", responses_per_step=10)
+    # tokens after step s = 10 × Σ_{j ≤ s} length_j
+    assert curve["tokens"] == [0.0, 70.0, 120.0]
+    assert curve["accuracy"] == [0.1, 0.4, 0.6]
+    assert curve["grad_norm"] == [1.0, 9.0, 2.0]
+    assert curve["final_accuracy"] == 0.6
+    assert tokens_to_target(curve, 0.5) == 120.0
+    assert tokens_to_target(curve, 0.4) == 70.0
+    assert tokens_to_target(curve, 0.9) == math.inf
+
+
+def test_summary_matches_hand_computation():
+    a = {"tokens": [0, 100, 200], "accuracy": [0.1, 0.6, 0.7], "grad_norm": [1.0, 3.0, 2.0]}
+    b = {"tokens": [0, 100, 200], "accuracy": [0.1, 0.2, 0.5], "grad_norm": [4.0, 2.0, 6.0]}
+    c = {"tokens": [0, 100, 200], "accuracy": [0.1, 0.2, 0.3], "grad_norm": [1.0, 1.0, 1.0]}
+    for curve in (a, b, c):
+        curve["final_accuracy"] = curve["accuracy"][-1]
+    out = summarize({"X": [a, b], "Y": [c]}, target=0.5)
+    x = out["X"]
+    assert x["reached_target"] == 2 and x["seeds"] == 2
+    assert x["tokens_to_target_mean"] == pytest.approx(150.0)
+    assert x["tokens_to_target_std"] == pytest.approx(math.sqrt(((100 - 150) ** 2 + 50**2) / 1))
+    assert x["final_accuracy_mean"] == pytest.approx(0.6)
+    assert x["final_accuracy_std"] == pytest.approx(math.sqrt(2 * 0.1**2))
+    assert x["grad_norm_max"] == pytest.approx((3.0 + 6.0) / 2)
+    assert x["grad_norm_median"] == pytest.approx((2.0 + 4.0) / 2)
+    assert out["Y"]["reached_target"] == 0 and out["Y"]["tokens_to_target_mean"] == math.inf
+    table = markdown_table(out, 0.5)
+    assert "| X | 150 ± 71 (2/2)" in table and "not reached (0/1)" in table
+
+
+def test_tiny_comparison_run(tmp_path):
+    from otbrl.models import build_tiny_model
+
+    model = build_tiny_model(
+        tmp_path / "m",
+        seed=0,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
+    reward = tmp_path / "reward.py"
+    reward.write_text("def length(source, text, truth, extra):\n    return float(len(text))\n")
+    out = run_compare(
+        None,
+        [
+            f"model.path={model}",
+            f"reward.function={reward}:length",
+            "data.max_response_length=3",
+            "data.val_size=8",
+            "actor.micro_batch_size=4",
+        ],
+        arms="grpo:2,optimal_token_baseline:2",
+        seeds=1,
+        budget_responses=8,
+        prompts=2,
+        target=0.5,
+        out_dir=str(tmp_path / "cmp"),
+        echo=lambda _: None,
+    )
+    assert set(out["summary"]) == {"GRPO N=2", "OTB N=2"}
+    for curves in out["curves"].values():
+        assert len(curves) == 1 and len(curves[0]["grad_norm"]) == 2  # 8 / (2 × 2) steps
+    assert (tmp_path / "cmp" / "compare.png").stat().st_size > 0
+    assert "GRPO N=2" in (tmp_path / "cmp" / "compare.md").read_text()
