@@ -1,4 +1,4 @@
-"""Command line: ``otbrl train | sft | eval | export | plot | demo | variance``.
+"""Command line: ``otbrl train | sft | eval | export | plot | demo | variance | compare``.
 
 Configuration problems print one line naming the key and exit with status 2, before any model is
 loaded; heavy modules are imported only once the configuration has been checked.
@@ -43,6 +43,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="PNG to write (default: <run>/curves.png)")
     p = sub.add_parser("demo", help="warm start + RL with the defaults; prints accuracy gain")
     _add_config_args(p)
+    p = sub.add_parser(
+        "compare", help="OTB vs GRPO at equal token budget over seeds", add_help=False
+    )
     p = sub.add_parser("variance", help="empirical gradient variance per estimator, with CIs")
     _add_config_args(p)
     _add_variance_args(p)
@@ -174,6 +177,12 @@ def _variance(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare(args: argparse.Namespace) -> int:
+    from otbrl.compare import main as compare_main
+
+    return compare_main(args.args)
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": _train,
     "sft": _sft,
@@ -182,13 +191,18 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "plot": _plot,
     "demo": _demo,
     "variance": _variance,
+    "compare": _compare,
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``otbrl`` and ``python -m otbrl``; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        args = _build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+        if argv[:1] == ["compare"]:  # has its own parser (otbrl.compare.main)
+            args = argparse.Namespace(command="compare", args=list(argv[1:]))
+        else:
+            args = _build_parser().parse_args(argv)
     except SystemExit as exit_:  # argparse already printed usage + the error
         return int(exit_.code or 0)
     try:

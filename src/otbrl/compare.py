@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -244,6 +245,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", type=float, default=0.5, help="validation accuracy target")
     parser.add_argument("--out-dir", default="runs/compare")
     args = parser.parse_args(argv)
+    try:
+        parse_arms(args.arms)
+        if min(args.seeds, args.budget, args.prompts) < 1:
+            raise ValueError(
+                f"--seeds, --budget, --prompts: expected >= 1, got "
+                f"{args.seeds}, {args.budget}, {args.prompts}"
+            )
+    except ValueError as err:  # one line, before any model loads
+        print(f"otbrl compare: {err}", file=sys.stderr)
+        return 2
     run_compare(
         args.config,
         args.overrides,
