@@ -16,11 +16,12 @@ def _one_thread():
     torch.set_num_threads(previous)
 
 
-@pytest.fixture(scope="module")
-def policy(tmp_path_factory):
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def policy(request, tmp_path_factory):
     path = build_tiny_model(
-        tmp_path_factory.mktemp("tiny"), hidden_size=32, intermediate_size=64, num_hidden_layers=2
-    )
+        tmp_path_factory.mktemp("tiny"), arch=request.param, hidden_size=32,
+        intermediate_size=64, num_hidden_layers=2,
+    )  # fmt: skip
     model, tok = load_model_and_tokenizer(path)
     with torch.no_grad():
         # Random init gives near-uniform logits; spread them so greedy has no near-ties and

@@ -103,17 +103,18 @@ def _shared_prefix_sample(
 ) -> Tensor:
     """KV-cached decoding that prefills each prompt once and fans the cache out to n samples."""
     positions = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
+    accepted = inspect.signature(model.forward).parameters
+    # Only the last prompt position's logits are needed; not every model takes the argument.
+    last_only = {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}
     out = model(
         input_ids=prompt_ids,
         attention_mask=prompt_mask,
         position_ids=positions,
         use_cache=True,
-        logits_to_keep=1,
+        **last_only,
     )
     # transformers 5 renamed past_key_values -> cache (the old name warns, then goes away).
-    cache_kw = (
-        "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    )
+    cache_kw = "cache" if "cache" in accepted else "past_key_values"
     cache = out.get(cache_kw)
     if cache is None or not hasattr(cache, "batch_repeat_interleave"):
         raise ValueError("model: no KV cache to share; pass use_hf_generate=True for this model")
