@@ -14,13 +14,13 @@ import functools
 import torch
 from torch import Tensor
 
+from otbrl.ops.chunked import stats_dtype
 from otbrl.ops.token_stats import (
     IGNORE_INDEX,
     TokenStats,
     check_label_range,
     check_logits_labels,
     check_temperature,
-    stats_dtype,
     upstream_grads,
 )
 

@@ -2,7 +2,7 @@
 
 logits = hidden @ weight.T (+ bias) is formed ``chunk_size`` tokens at a time, reduced to the
 per-token statistics of ``token_stats`` and dropped. The backward recomputes each chunk's
-logits from the saved inputs and the per-row scalars (lse, Σπs), turns them into the chunk's
+logits from the saved inputs and the per-row scalars (shift, lse, Σπs), turns them into the chunk's
 logit gradient and folds that into the gradients of hidden, weight and bias at once, so memory
 stays at one chunk of [chunk_size, V] in both directions. The price is one extra matmul (the
 recompute) compared with keeping the logits.
@@ -13,15 +13,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from otbrl.ops.chunked import default_chunk_size, finish_stats, grad_rows, row_sums, stats_dtype
 from otbrl.ops.token_stats import (
     IGNORE_INDEX,
     TokenStats,
     check_label_range,
     check_temperature,
-    default_chunk_size,
-    rows_forward,
-    rows_grad,
-    stats_dtype,
     upstream_grads,
 )
 
@@ -43,24 +40,26 @@ class _FusedLinearTokenStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, scale, want_entropy, want_spp, chunk):
         n, vocab = hidden.shape[0], weight.shape[0]
-        acc = stats_dtype(hidden.dtype)
         ignored = labels == IGNORE_INDEX
         safe_labels = labels.masked_fill(ignored, 0)
-        outs = [
-            torch.empty(n if want else 0, dtype=acc, device=hidden.device)
-            for want in (True, want_entropy, want_spp, True, want_entropy)
-        ]
+        sums = torch.empty(4, n, dtype=stats_dtype(hidden.dtype), device=hidden.device)
+        shift = torch.empty(n, 1, dtype=sums.dtype, device=hidden.device)
         inner = default_chunk_size(vocab)
         for a in range(0, n, chunk):
             b = min(a + chunk, n)
             logits = _chunk_logits(hidden[a:b], weight, bias)
-            parts = rows_forward(logits, safe_labels[a:b], scale, want_entropy, want_spp, inner)
-            for out, part in zip(outs, parts):
-                if out.numel():
-                    out[a:b] = part
-        lp, ent, spp, lse, mu = outs
+            _, shift[a:b] = row_sums(
+                logits,
+                safe_labels[a:b],
+                scale,
+                want_entropy=want_entropy,
+                want_spp=want_spp,
+                chunk=inner,
+                out=sums[:, a:b],
+            )
+        lp, ent, spp, lse2, mu2 = finish_stats(sums, want_entropy, want_spp)
         lp.masked_fill_(ignored, 0.0)
-        ctx.save_for_backward(hidden, weight, bias, safe_labels, ignored, lse, mu)
+        ctx.save_for_backward(hidden, weight, bias, safe_labels, ignored, shift, lse2, mu2)
         ctx.scale, ctx.chunk, ctx.inner = scale, chunk, inner
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(spp)
@@ -68,9 +67,9 @@ class _FusedLinearTokenStats(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_lp, g_ent, _g_spp):
-        hidden, weight, bias, safe_labels, ignored, lse, mu = ctx.saved_tensors
+        hidden, weight, bias, safe_labels, ignored, shift, lse2, mu2 = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        g_lp, g_ent = upstream_grads(g_lp, g_ent, ignored, lse.dtype)
+        g_lp, g_ent = upstream_grads(g_lp, g_ent, ignored, lse2.dtype)
         grad_h = torch.zeros_like(hidden) if need_h else None
         # Low-precision weights: accumulate the chunk sums of the weight gradient in float32.
         acc = stats_dtype(weight.dtype)
@@ -82,16 +81,17 @@ class _FusedLinearTokenStats(torch.autograd.Function):
                 b = min(a + ctx.chunk, n)
                 logits = _chunk_logits(hidden[a:b], weight, bias)
                 # The logit gradient overwrites the recomputed logits' own buffer.
-                dz = rows_grad(
+                dz = grad_rows(
                     logits,
                     safe_labels[a:b],
-                    lse[a:b],
-                    mu[a:b] if g_ent is not None else mu,
+                    shift[a:b],
+                    lse2[a:b],
+                    mu2[a:b] if g_ent is not None else mu2,
                     None if g_lp is None else g_lp[a:b],
                     None if g_ent is None else g_ent[a:b],
                     ctx.scale,
                     ctx.inner,
-                    logits,
+                    out=logits,
                 )
                 if need_h:
                     torch.mm(dz, weight, out=grad_h[a:b])

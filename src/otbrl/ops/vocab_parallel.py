@@ -1,12 +1,13 @@
 """Token statistics of logits sharded over the vocabulary across a process group.
 
 Each rank holds the columns [vocab_start, vocab_start + V_local) of the logits (the output of
-a column-parallel lm_head left sharded). The forward makes exactly two collectives:
+a column-parallel lm_head left sharded). One chunked pass over the shard computes the partial
+sums with the shard's own row max, then the forward makes exactly two collectives:
 
 1. all-reduce MAX of the local row max → the global shift m;
-2. all-reduce SUM of the stacked local partials, all taken with that same shift
-   s = (z − m)/T:  [Σ e, Σ e·s, Σ e², s_y (0 off-shard), 1{y on this shard}] per row, plus
-   this rank's V_local (so every rank learns the global V and can check the labels).
+2. all-reduce SUM of the local partials rescaled to m (s = (z − m)/T):
+   [Σ e, Σ e·s, Σ e², s_y (0 off-shard), 1{y on this shard}] per row, stacked with this
+   rank's V_local (so every rank learns the global V and can check the labels).
 
 From the global sums every rank derives the same log π(y) = s_y − log Σe, entropy
 log Σe − Σe·s/Σe and Σπ² = Σe²/(Σe)² (``finish_stats``; the code works in base 2 like
@@ -22,17 +23,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from otbrl.ops.chunked import (
+    LOG2E,
+    default_chunk_size,
+    finish_stats,
+    grad_rows,
+    row_sums,
+    stats_dtype,
+)
 from otbrl.ops.token_stats import (
     IGNORE_INDEX,
     TokenStats,
     check_logits_labels,
     check_temperature,
-    chunk_grad_logits,
-    default_chunk_size,
-    finish_stats,
-    row_max,
-    shifted,
-    shifted_sums,
     upstream_grads,
 )
 
@@ -41,34 +44,43 @@ class _VocabParallelTokenStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, labels, vocab_start, group, scale, want_entropy, want_spp):
         n, local_vocab = x.shape
+        acc = stats_dtype(x.dtype)
         ignored = labels == IGNORE_INDEX
         local = labels - vocab_start
         on_shard = (local >= 0) & (local < local_vocab) & ~ignored
         local = local.masked_fill(~on_shard, 0)
 
-        m = row_max(x)
-        # Collective 1 of 2. Called through the module so that tests can count it.
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-
-        acc = m.dtype
-        parts = torch.zeros(5 * n + 1, dtype=acc, device=x.device)
+        # One pass over the shard with its own row max; rescaled below to the global one.
+        parts = torch.empty(5 * n + 1, dtype=acc, device=x.device)
         rows = parts[: 5 * n].view(5, n)
         chunk = default_chunk_size(local_vocab)
-        for a in range(0, n, chunk):
-            b = min(a + chunk, n)
-            s = shifted(x[a:b], m[a:b], scale)
-            total, dot, sq = shifted_sums(s, m[a:b], want_entropy, want_spp)
-            rows[0, a:b] = total
-            if want_entropy:
-                rows[1, a:b] = dot
-            if want_spp:
-                rows[2, a:b] = sq
-            if local_vocab > 0:
-                s_y = s.gather(-1, local[a:b].unsqueeze(-1)).squeeze(-1)
-                rows[3, a:b] = s_y.masked_fill(~on_shard[a:b], 0.0)
+        _, local_shift = row_sums(
+            x,
+            local,
+            scale,
+            want_entropy=want_entropy,
+            want_spp=want_spp,
+            chunk=chunk,
+            out=rows[:4],
+        )
+        shift = local_shift.clone()
+        # Collective 1 of 2. Called through the module so that tests can count it.
+        dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group)
+
+        # With δ = (m_local − m)·scale·log2(e) ≤ 0, s_global = s_local + δ, so
+        # Σe ← 2**δ Σe, Σe·s ← 2**δ (Σe·s + δ Σe), Σe² ← 4**δ Σe², s_y ← s_y + δ.
+        delta = ((local_shift - shift) * (scale * LOG2E)).squeeze(-1)
+        factor = torch.exp2(delta)
+        total, dot, sq, s_y = rows[:4]
+        has_mass = total > 0  # else δ may be −inf and δ·Σe = NaN for an empty sum
+        if want_entropy:
+            dot.copy_(torch.where(has_mass, (dot + delta * total) * factor, 0.0))
+        sq.mul_(factor * factor)
+        total.mul_(factor)
+        s_y.add_(delta).masked_fill_(~on_shard, 0.0)
         rows[4] = on_shard.to(acc)
         parts[-1] = local_vocab
-        # Collective 2 of 2.
+        # Collective 2 of 2: [Σe, Σe·s, Σe², s_y, 1{y here}] per row and V_local, stacked.
         dist.all_reduce(parts, op=dist.ReduceOp.SUM, group=group)
 
         vocab = int(parts[-1])
@@ -81,40 +93,27 @@ class _VocabParallelTokenStats(torch.autograd.Function):
                 f"labels: expected global ids in [0, {vocab}) or {IGNORE_INDEX} (ignored), got "
                 f"{value} (held by {int(hits[bad][0])} ranks; shards must tile the vocabulary)"
             )
-        log_probs, entropy, spp, lse, mu = finish_stats(
-            rows[0], rows[1] if want_entropy else None, rows[2] if want_spp else None, rows[3]
-        )
+        log_probs, entropy, spp, lse2, mu2 = finish_stats(rows[:4], want_entropy, want_spp)
         log_probs.masked_fill_(ignored, 0.0)
 
-        ctx.save_for_backward(x, local, on_shard, ignored, m, lse, mu)
-        ctx.scale = scale
+        ctx.save_for_backward(x, local, on_shard, ignored, shift, lse2, mu2)
+        ctx.scale, ctx.chunk = scale, chunk
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(spp)
         return log_probs, entropy, spp
 
     @staticmethod
     def backward(ctx, g_lp, g_ent, _g_spp):
-        x, local, on_shard, ignored, m, lse, mu = ctx.saved_tensors
-        g_lp, g_ent = upstream_grads(g_lp, g_ent, ignored, lse.dtype)
+        x, local, on_shard, ignored, shift, lse2, mu2 = ctx.saved_tensors
+        g_lp, g_ent = upstream_grads(g_lp, g_ent, ignored, lse2.dtype)
         none = (None,) * 6
         if g_lp is None and g_ent is None:
             return torch.zeros_like(x), *none
         g_label = None if g_lp is None else g_lp.masked_fill(~on_shard, 0.0)
         grad = torch.empty_like(x)
-        chunk = default_chunk_size(x.shape[1])
-        for a in range(0, x.shape[0], chunk):
-            b = min(a + chunk, x.shape[0])
-            grad[a:b] = chunk_grad_logits(
-                x[a:b],
-                local[a:b],
-                lse[a:b],
-                None if g_ent is None else mu[a:b],
-                None if g_lp is None else g_lp[a:b],
-                None if g_ent is None else g_ent[a:b],
-                ctx.scale,
-                m=m[a:b],
-                g_label=None if g_label is None else g_label[a:b],
-            )
+        grad_rows(
+            x, local, shift, lse2, mu2, g_lp, g_ent, ctx.scale, ctx.chunk, grad, g_label=g_label
+        )
         return grad, *none
 
 
