@@ -10,12 +10,13 @@ import time
 import torch
 from safetensors.torch import load_file
 
+from otbrl.data import get_task, write_parquet_rows
 from otbrl.models import build_tiny_model
 
 VOLATILE = ("timing/", "throughput/")  # wall-clock measurements differ between any two runs
 
 
-def command(model_dir, out_dir):
+def command(model_dir, out_dir, train, val):
     return [
         sys.executable,
         "-m",
@@ -29,7 +30,8 @@ def command(model_dir, out_dir):
         "trainer.logger=[jsonl]",
         "trainer.resume=auto",
         "data.train_batch_size=4",
-        "data.val_size=8",
+        f"data.train_files=[{train}]",
+        f"data.val_files=[{val}]",
         "data.max_response_length=4",
         "rollout.n=4",
         "actor.ppo_mini_batch_size=2",
@@ -49,13 +51,21 @@ def test_sigkill_and_resume_matches_uninterrupted(tmp_path):
     model_dir = build_tiny_model(
         tmp_path / "model", hidden_size=32, intermediate_size=64, num_hidden_layers=1
     )
+    task = get_task("arithmetic")
+    train = write_parquet_rows(task.rows("train", 32, seed=0), tmp_path / "train.parquet")
+    val = write_parquet_rows(task.rows("val", 8, seed=0), tmp_path / "val.parquet")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # same thread count in both runs
     full = tmp_path / "full"
-    subprocess.run(command(model_dir, full), check=True, env=env, timeout=300, capture_output=True)
+    subprocess.run(
+        command(model_dir, full, train, val), check=True, env=env, timeout=300, capture_output=True
+    )
 
     killed = tmp_path / "killed"
     proc = subprocess.Popen(
-        command(model_dir, killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        command(model_dir, killed, train, val),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     marker = killed / "checkpoints" / "step_2" / "checkpoint.json"
     deadline = time.monotonic() + 300
@@ -69,7 +79,11 @@ def test_sigkill_and_resume_matches_uninterrupted(tmp_path):
     assert not (killed / "summary.json").exists()
 
     subprocess.run(
-        command(model_dir, killed), check=True, env=env, timeout=300, capture_output=True
+        command(model_dir, killed, train, val),
+        check=True,
+        env=env,
+        timeout=300,
+        capture_output=True,
     )
     expected, got = stable_metrics(full), stable_metrics(killed)
     assert [r["step"] for r in got] == list(range(7))

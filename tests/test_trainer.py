@@ -5,8 +5,10 @@ import math
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import otbrl.trainer as trainer_mod
+from otbrl import cli
 from otbrl.config import ConfigError, load_config
 from otbrl.data import get_task, write_parquet_rows
 from otbrl.models import build_tiny_model
@@ -35,18 +37,18 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def parquet_files(tmp_path_factory):
+def arith_files(tmp_path_factory):
+    """Small parquet train/val files: Trainer start-up stays cheap (no 7k-row task)."""
     root = tmp_path_factory.mktemp("data")
     task = get_task("arithmetic")
-    train = task.rows("train", 64, seed=0)
-    for i, row in enumerate(train):  # the data_source picks the reward per row
-        if i % 2:
-            row["data_source"] = "openai/gsm8k"
-            row["reward_model"]["ground_truth"] = row["reward_model"]["ground_truth"]
     return (
-        write_parquet_rows(train, root / "train.parquet"),
+        write_parquet_rows(task.rows("train", 32, seed=0), root / "train.parquet"),
         write_parquet_rows(task.rows("val", 16, seed=0), root / "val.parquet"),
     )
+
+
+def files(pair):
+    return [f"data.train_files=[{pair[0]}]", f"data.val_files=[{pair[1]}]"]
 
 
 def tiny_overrides(model_dir, out_dir, *extra):
@@ -92,7 +94,7 @@ def test_smoke_run_metrics_and_outputs(tiny_dir, tmp_path):
     assert (tmp_path / "run" / "curves.png").stat().st_size > 0
 
 
-def test_sum_pi_squared_reaches_the_estimator(tiny_dir, tmp_path, monkeypatch):
+def test_sum_pi_squared_reaches_the_estimator(tiny_dir, arith_files, tmp_path, monkeypatch):
     seen = []
     real = trainer_mod.compute_advantage
 
@@ -101,7 +103,10 @@ def test_sum_pi_squared_reaches_the_estimator(tiny_dir, tmp_path, monkeypatch):
         return real(name, **kwargs)
 
     monkeypatch.setattr(trainer_mod, "compute_advantage", spy)
-    cfg = load_config(None, tiny_overrides(tiny_dir, tmp_path / "otb", "trainer.total_steps=1"))
+    overrides = tiny_overrides(
+        tiny_dir, tmp_path / "otb", "trainer.total_steps=1", *files(arith_files)
+    )
+    cfg = load_config(None, overrides)
     trainer = trainer_mod.Trainer(cfg)
     assert "sum_pi_squared" in trainer.needs
     stats_seen = []
@@ -145,8 +150,13 @@ def test_auto_skips_sum_pi_squared_when_nobody_needs_it(tiny_dir):
         trainer_mod.validate_config(cfg)
 
 
-def test_hf_dir_and_parquet_two_steps(tiny_dir, parquet_files, tmp_path):
-    train, val = parquet_files
+def test_hf_dir_and_parquet_two_steps(tiny_dir, tmp_path):
+    task = get_task("arithmetic")
+    rows = task.rows("train", 32, seed=1)
+    for row in rows[1::2]:  # the data_source picks the reward per row
+        row["data_source"] = "openai/gsm8k"
+    train = write_parquet_rows(rows, tmp_path / "train.parquet")
+    val = write_parquet_rows(task.rows("val", 8, seed=1), tmp_path / "val.parquet")
     overrides = tiny_overrides(
         tiny_dir,
         tmp_path / "pq",
@@ -157,10 +167,23 @@ def test_hf_dir_and_parquet_two_steps(tiny_dir, parquet_files, tmp_path):
         "actor.use_fused_kernels=true",
         "actor.use_kl_loss=true",
     )
-    summary = trainer_mod.Trainer(load_config(None, overrides)).fit()
+    summary = trainer_mod.Trainer(load_config(None, [*overrides, "trainer.save_every=2"])).fit()
     records = read_jsonl(tmp_path / "pq" / "metrics.jsonl")
     assert records[-1]["step"] == 2 and "policy/kl_loss" in records[-1]
     assert 0.0 <= summary["final_val_accuracy"] <= 1.0
+    # the checkpoint exports to a directory the plain HF Auto classes load
+    out = tmp_path / "exported"
+    assert cli.main(["export", str(tmp_path / "pq" / "checkpoints" / "step_2"), str(out)]) == 0
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert model.config.vocab_size == len(tokenizer)
+    assert (
+        cli.main(
+            ["plot", str(tmp_path / "pq"), str(tmp_path / "pq"), "--out", str(tmp_path / "o.png")]
+        )
+        == 0
+    )
+    assert (tmp_path / "o.png").stat().st_size > 0
 
 
 def test_unknown_data_source_without_reward_function(tiny_dir, tmp_path):
@@ -190,7 +213,7 @@ def always(data_source, solution_str, ground_truth, extra_info):
 
 
 @pytest.mark.parametrize("policy", ["raise", "zero"])
-def test_reward_function_that_raises(tiny_dir, tmp_path, policy):
+def test_reward_function_that_raises(tiny_dir, arith_files, tmp_path, policy):
     path = tmp_path / "my_reward.py"
     path.write_text(RAISING)
     cfg = load_config(
@@ -202,6 +225,7 @@ def test_reward_function_that_raises(tiny_dir, tmp_path, policy):
             f"reward.on_error={policy}",
             "trainer.total_steps=1",
             "trainer.val_every=0",
+            *files(arith_files),
         ),
     )
     trainer = trainer_mod.Trainer(cfg)
