@@ -163,7 +163,8 @@ def run_compare(
     echo=print,
 ) -> dict:
     """Train every arm × seed, then write ``summary.json``, ``compare.md`` and ``compare.png``
-    into ``out_dir``; returns the summary. Existing finished runs are reused (resume)."""
+    into ``out_dir``; returns the summary. Finished runs (their ``summary.json`` exists) are
+    reused rather than retrained."""
     from otbrl.config import load_config
     from otbrl.trainer import Trainer, model_path, validate_config
 
@@ -202,7 +203,10 @@ def run_compare(
                 ],
             )
             t0 = time.perf_counter()
-            Trainer(cfg).fit()
+            # a finished run (summary.json written at the end of fit) is reused, so arms can
+            # be trained by separate processes and summarized by one last call
+            if not (run_dir / "summary.json").is_file():
+                Trainer(cfg).fit()
             curves.setdefault(label, []).append(run_curves(run_dir, prompts * n))
             final = curves[label][-1]["final_accuracy"]
             echo(
