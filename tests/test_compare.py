@@ -98,25 +98,30 @@ def test_tiny_comparison_run(tmp_path):
     )
     reward = tmp_path / "reward.py"
     reward.write_text("def length(source, text, truth, extra):\n    return float(len(text))\n")
-    out = run_compare(
-        None,
-        [
-            f"model.path={model}",
-            f"reward.function={reward}:length",
-            "data.max_response_length=3",
-            "data.val_size=8",
-            "actor.micro_batch_size=4",
-        ],
-        arms="grpo:2,optimal_token_baseline:2",
-        seeds=1,
-        budget_responses=8,
-        prompts=2,
-        target=0.5,
-        out_dir=str(tmp_path / "cmp"),
-        echo=lambda _: None,
-    )
+    overrides = [
+        f"model.path={model}",
+        f"reward.function={reward}:length",
+        "data.max_response_length=3",
+        "data.val_size=8",
+        "actor.micro_batch_size=4",
+    ]
+    kwargs = {
+        "arms": "grpo:2,optimal_token_baseline:2",
+        "seeds": 1,
+        "budget_responses": 8,
+        "prompts": 2,
+        "target": 0.5,
+        "out_dir": str(tmp_path / "cmp"),
+        "echo": lambda _: None,
+    }
+    out = run_compare(None, overrides, **kwargs)
     assert set(out["summary"]) == {"GRPO N=2", "OTB N=2"}
     for curves in out["curves"].values():
         assert len(curves) == 1 and len(curves[0]["grad_norm"]) == 2  # 8 / (2 × 2) steps
     assert (tmp_path / "cmp" / "compare.png").stat().st_size > 0
     assert "GRPO N=2" in (tmp_path / "cmp" / "compare.md").read_text()
+    # finished runs are read back, not retrained: same curves, no new metrics lines
+    metrics = tmp_path / "cmp" / "grpo-n2" / "seed0" / "metrics.jsonl"
+    before = metrics.read_text()
+    again = run_compare(None, overrides, **kwargs)
+    assert again["curves"] == out["curves"] and metrics.read_text() == before
