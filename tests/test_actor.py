@@ -225,3 +225,20 @@ def test_state_dict_round_trip():
     b.load_state_dict(a.state_dict())
     assert torch.equal(a.generator.get_state(), b.generator.get_state())
     assert a.scheduler.last_epoch == b.scheduler.last_epoch
+
+
+def test_update_moves_log_probs_along_the_advantage():
+    """After PPO steps, responses with A > 0 gain log-probability relative to A < 0 ones."""
+    model = tiny_model()
+    cfg = ActorConfig(lr=3e-3, warmup_steps=0, ppo_epochs=3, micro_batch_size=8)
+    actor = Actor(model, cfg, ppo_mini_batch_size=8)
+    batch = make_batch(bsz=8, seed=3)
+    mask = batch["response_mask"]
+    old = actor.compute_stats(batch, frozenset({"old_log_probs"}))["old_log_probs"]
+    sign = torch.tensor([1.0, -1.0] * 4)
+    batch["old_log_probs"] = old
+    batch["advantages"] = sign[:, None] * mask
+    actor.update(batch)
+    new = actor.compute_stats(batch, frozenset({"old_log_probs"}))["old_log_probs"]
+    delta = ((new - old) * mask).sum(1)
+    assert delta[sign > 0].mean() > 0 > delta[sign < 0].mean()

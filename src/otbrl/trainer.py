@@ -25,7 +25,7 @@ from otbrl.config import Config, ConfigError, to_dict
 from otbrl.data import PromptDataset, encode_prompts, get_task, read_parquet_rows
 from otbrl.engine.actor import Actor
 from otbrl.logging import MetricsLogger
-from otbrl.models import load_model_and_tokenizer
+from otbrl.models import eos_token_ids, load_model_and_tokenizer
 from otbrl.plotting import plot_run
 from otbrl.rewards import resolve_reward_function, score_responses
 from otbrl.rollout import decode_responses, generate
@@ -190,6 +190,7 @@ class Trainer:
             ref_model.requires_grad_(False)
         self.actor = self.build_actor(ref_model)
         self.reward_fn = resolve_reward_function(cfg.reward.function)
+        self.eos_ids = torch.tensor(eos_token_ids(self.model, self.tokenizer))
         train_rows, self.val_rows = load_rows(cfg)
         self.dataset = PromptDataset(
             train_rows,
@@ -288,6 +289,8 @@ class Trainer:
             texts, rows, function=self.reward_fn, on_error=self.cfg.reward.on_error
         )
         score = torch.tensor(scores, dtype=torch.float32)
+        last = batch["responses"].gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
+        ended_with_eos = torch.isin(last, self.eos_ids) & (lengths > 0)
         token_scores = torch.zeros_like(mask)
         has_tokens = lengths > 0
         rows_idx = torch.nonzero(has_tokens).squeeze(1)
@@ -297,9 +300,8 @@ class Trainer:
             "train/reward_mean": float(score.mean()),
             "train/reward_max": float(score.max()),
             "train/response_length_mean": float(lengths.float().mean()),
-            "train/response_clip_ratio": float(
-                (lengths >= self.cfg.rollout.max_new_tokens).float().mean()
-            ),
+            # truncated = ended at the length cap without an EOS
+            "train/response_clip_ratio": float((~ended_with_eos).float().mean()),
         }
         metrics.update({k: float(v) for k, v in info.items()})
         return metrics
