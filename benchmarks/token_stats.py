@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -33,15 +34,18 @@ from otbrl.ops import compiled_token_stats, fused_linear_token_stats, token_stat
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def median_seconds(fn, repeats: int, warmup: int = 2) -> float:
+def median_seconds(fns: dict, repeats: int, warmup: int = 2) -> dict:
+    """Median wall time of each callable, run round-robin so that load drift hits all alike."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def separate_passes(logits, labels):
@@ -131,20 +135,26 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(args.tokens, args.vocab, generator=g) * 3).to(dtype)
     labels = torch.randint(0, args.vocab, (args.tokens,), generator=g)
-    rows = []
+    fns = {
+        "log_softmax": lambda: torch.log_softmax(logits, -1),
+        "separate": lambda: separate_passes(logits, labels),
+        "token_stats": lambda: token_stats(logits, labels),
+    }
     with torch.no_grad():
-        t_floor = median_seconds(lambda: torch.log_softmax(logits, -1), args.repeats)
-        t_sep = median_seconds(lambda: separate_passes(logits, labels), args.repeats)
-        t_ours = median_seconds(lambda: token_stats(logits, labels), args.repeats)
-        rows += [("log_softmax", t_floor), ("separate", t_sep), ("token_stats", t_ours)]
         if args.compile:
             start = time.perf_counter()
             compiled_token_stats(logits, labels)
             compile_s = time.perf_counter() - start
-            t_comp = median_seconds(lambda: compiled_token_stats(logits, labels), args.repeats)
-            rows.append((f"compiled (compile {compile_s:.1f} s)", t_comp))
+            fns[f"compiled (compile {compile_s:.1f} s)"] = lambda: compiled_token_stats(
+                logits, labels
+            )
+        med = median_seconds(fns, args.repeats)
+    rows = list(med.items())
+    t_floor, t_sep, t_ours = med["log_softmax"], med["separate"], med["token_stats"]
+    t_comp = rows[-1][1]
     shape = f"T={args.tokens} V={args.vocab} {args.dtype}, {torch.get_num_threads()} threads"
-    print(f"per-token stats, forward, {shape}, median of {args.repeats}")
+    load = os.getloadavg()[0]
+    print(f"per-token stats, forward, {shape}, median of {args.repeats} (load avg {load:.1f})")
     print(f"{'path':<32} {'ms':>10} {'× log_softmax':>14}")
     for name, t in rows:
         print(f"{name:<32} {t * 1e3:>10.1f} {t / t_floor:>14.2f}")
@@ -152,10 +162,8 @@ def main() -> None:
     mem_ratio = float("nan")
     if not args.skip_fused:
         problem = lm_head_problem(args.fused_tokens, args.vocab, args.hidden, dtype)
-        times = {
-            kind: median_seconds(lambda k=kind: lm_head_step(k, *problem), args.fused_repeats, 1)
-            for kind in ("materialized", "fused")
-        }
+        steps = {k: (lambda k=k: lm_head_step(k, *problem)) for k in ("materialized", "fused")}
+        times = median_seconds(steps, args.fused_repeats, warmup=1)
         del problem
         mem = {kind: run_probe(kind, args) for kind in ("materialized", "fused")}
         print(
