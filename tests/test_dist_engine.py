@@ -20,12 +20,12 @@ def full_grads(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def single_process_reference(batch, **config):
+def single_process_reference(batch, model_kwargs=None):
     """Stats and mini-batch gradients of the plain Actor on the whole batch."""
     from otbrl.engine.actor import Actor
 
-    model = tiny_llama()
-    actor = Actor(model, actor_config(**config), ppo_mini_batch_size=batch["uid"].numel())
+    model = tiny_llama(**(model_kwargs or {}))
+    actor = Actor(model, actor_config(), ppo_mini_batch_size=batch["uid"].numel())
     stats = actor.compute_stats(batch, NEEDS, 1.0)
     mini = {**batch, "old_log_probs": stats["old_log_probs"]}
     tally = actor.accumulate_gradients(mini)
@@ -37,7 +37,9 @@ def _gloo_ops(prof) -> list[str]:
     return [e.name for e in prof.events() if e.name.startswith("gloo:")]
 
 
-def _engine_worker(rank, world_size, port, engine, sp, tp, packed, extra_steps=0):
+def _engine_worker(
+    rank, world_size, port, engine, sp, tp, packed, extra_steps=0, model_kwargs=None
+):
     from otbrl.engine.dist import init_distributed
     from otbrl.engine.distributed import ShardedActor, split_by_groups
     from otbrl.engine.parallel import build_mesh
@@ -48,7 +50,7 @@ def _engine_worker(rank, world_size, port, engine, sp, tp, packed, extra_steps=0
     batch = ppo_batch()
     local = {k: v[split_by_groups(batch["uid"], dp_rank, dp)] for k, v in batch.items()}
     actor = ShardedActor(
-        tiny_llama(),
+        tiny_llama(**(model_kwargs or {})),
         actor_config(),
         mesh=mesh,
         engine=engine,
@@ -87,9 +89,9 @@ def _engine_worker(rank, world_size, port, engine, sp, tp, packed, extra_steps=0
     }
 
 
-def check_against_reference(results, world_size, *, tp=1):
+def check_against_reference(results, world_size, model_kwargs=None):
     batch = ppo_batch()
-    ref_stats, ref_tally, ref_grads, ref_norm = single_process_reference(batch)
+    ref_stats, ref_tally, ref_grads, ref_norm = single_process_reference(batch, model_kwargs)
     mask = batch["response_mask"].bool()
     for rank in range(world_size):
         got = results[rank]

@@ -12,12 +12,17 @@ pytestmark = pytest.mark.distributed
 LAYERS = 2  # tiny_llama's decoder blocks
 
 
+# Tied embeddings (Qwen2-style) and an odd vocabulary: the lm_head and the embedding share one
+# [V, H] weight sharded on dim 0, split unevenly (33 + 32 rows).
+TIED_ODD = {"vocab_size": VOCAB + 1, "tie_word_embeddings": True}
+
+
 def test_tp2_matches_actor_without_gathering_the_vocabulary(tmp_path):
-    results = check_ok(launch(_engine_worker, 2, tmp_path, "tp", 1, 2, False))
-    check_against_reference(results, 2)
-    for rank in (0, 1):
-        # the statistics saw only this rank's half of the vocabulary
-        assert results[rank]["logits_shape"][-1] == VOCAB // 2
+    results = check_ok(launch(_engine_worker, 2, tmp_path, "tp", 1, 2, False, 0, TIED_ODD))
+    check_against_reference(results, 2, TIED_ODD)
+    for rank, shard in ((0, 33), (1, 32)):
+        # the statistics saw only this rank's part of the vocabulary
+        assert results[rank]["logits_shape"][-1] == shard
         ops = results[rank]["collectives"]
         # per micro-batch forward: embedding + (attention out, MLP out) per block all-reduce
         # their partial sums, and the three statistics take two all-reduces; nothing is
