@@ -3,7 +3,7 @@ import torch
 
 from otbrl.data import encode_prompts, get_task
 from otbrl.models import build_tiny_model, load_model_and_tokenizer
-from otbrl.rollout import decode_responses, eos_response_mask, generate
+from otbrl.rollout import decode_responses, eos_response_mask, generate, sample_next_token
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -142,6 +142,28 @@ def test_first_token_distribution_follows_temperature_and_top_p(policy):
     assert set(out["responses"][:, 0].tolist()) <= nucleus
     top1 = generate(model, tok, one, one_mask, n=50, max_new_tokens=1, top_k=1, seed=5)
     assert (top1["responses"][:, 0] == logits.argmax()).all()
+
+
+def test_top_k_and_top_p_support_matches_a_plain_loop():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 11) * 2
+    for top_k, top_p in [(3, 1.0), (0, 0.5), (4, 0.7), (11, 0.999)]:
+        rows = logits.repeat_interleave(400, 0)
+        drawn = sample_next_token(rows, do_sample=True, temperature=0.8, top_p=top_p, top_k=top_k)
+        for i in range(6):
+            # Reference support: rank by float64 probability, keep the top_k, then the nucleus.
+            p = torch.softmax(logits[i].double() / 0.8, -1)
+            ranked = sorted(range(11), key=lambda t: -p[t].item())[: top_k or 11]
+            q = p[ranked] / p[ranked].sum()
+            support, mass = set(), 0.0
+            for t, pt in zip(ranked, q.tolist()):
+                if mass >= top_p:
+                    break
+                support.add(t)
+                mass += pt
+            assert set(drawn[i * 400 : (i + 1) * 400].tolist()) <= support
+    greedy = sample_next_token(logits, do_sample=False, temperature=1.0, top_p=1.0, top_k=0)
+    assert torch.equal(greedy, logits.argmax(-1))
 
 
 def test_bad_arguments(policy):
