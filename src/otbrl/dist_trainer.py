@@ -196,7 +196,9 @@ class DistributedTrainer(Trainer):
                 seed=cfg.trainer.seed + self.step,
                 function=self.reward_fn,
             )
-        tally = torch.tensor([accuracy * len(rows), float(len(rows))], dtype=torch.float64)
+        tally = torch.tensor(
+            [accuracy * len(rows), float(len(rows))], dtype=torch.float64, device=self.info.device
+        )
         dist.all_reduce(tally)
         return float(tally[0] / tally[1].clamp(min=1.0))
 

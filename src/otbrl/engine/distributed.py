@@ -100,6 +100,7 @@ class ShardedActor(Actor):
             raise ValueError("actor.use_fused_kernels: not supported by the sharded engines yet")
         self.mesh = mesh
         self.engine = engine
+        self.device = torch.device(device)
         self.dp_group = mesh["dp"].get_group()
         self.tp = mesh["tp"].size()
         self.sp = mesh["sp"].size()
@@ -124,20 +125,31 @@ class ShardedActor(Actor):
 
     # -- layout hooks ---------------------------------------------------------------------------
     def forward_stats(self, model: nn.Module, micro: dict[str, Tensor], **kwargs) -> dict:
-        """Per-response-token stats [B, Lr] float32 of this rank's micro-batch (see ``Actor``)."""
+        """Per-response-token stats [B, Lr] float32 of this rank's micro-batch (see ``Actor``).
+
+        The batch may live on the CPU (the trainer's batches do): inputs go to this rank's
+        device and the stats come back to the batch's device (differentiably).
+        """
+        home = micro["input_ids"].device
+        micro = {k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in micro.items()}
         if self.sp > 1:
-            return self._ulysses_stats(model, micro, **kwargs)
-        if self.tp > 1:
-            return self._tp_stats(model, micro, **kwargs)
-        return super().forward_stats(model, micro, **kwargs)
+            out = self._ulysses_stats(model, micro, **kwargs)
+        elif self.tp > 1:
+            out = self._tp_stats(model, micro, **kwargs)
+        else:
+            out = super().forward_stats(model, micro, **kwargs)
+        return {k: v.to(home) for k, v in out.items()}
 
     def loss_normalizers(self, mask: Tensor) -> dict:
         """Token / sequence counts of the global mini-batch (summed over the DP group)."""
         local = super().loss_normalizers(mask)
+        # NCCL reduces device tensors only; the counts return to the mask's device
         counts = torch.stack([local["num_tokens"].float(), local["num_seqs"].float()])
+        counts = counts.to(self.device)
         dist.all_reduce(counts, group=self.dp_group)
-        horizon = torch.tensor([float(local["horizon"])])
+        horizon = torch.tensor([float(local["horizon"])], device=self.device)
         dist.all_reduce(horizon, op=dist.ReduceOp.MAX, group=self.dp_group)
+        counts = counts.to(mask.device)
         return {"num_tokens": counts[0], "num_seqs": counts[1], "horizon": int(horizon.item())}
 
     def clip_grad_norm(self, max_norm: float) -> Tensor:
@@ -150,7 +162,7 @@ class ShardedActor(Actor):
         ``inference_model``. ``policy/loss`` is the sum of the ranks' shares (the global loss)."""
         metrics = super().update(batch)
         keys = sorted(metrics)
-        values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
+        values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)
         dist.all_reduce(values, group=self.dp_group)
         dp = dist.get_world_size(self.dp_group)
         out = {k: float(v) / (1 if k == "policy/loss" else dp) for k, v in zip(keys, values)}
@@ -285,8 +297,9 @@ def _response_rows(micro: dict[str, Tensor]) -> _Rows:
 def _packed_rows(p, rows: _Rows, shape) -> Tensor:
     """Packed-stream index of the position predicting each valid response token [N]."""
     bsz, seq_len = shape
-    flat_to_packed = torch.full((bsz * seq_len,), -1, dtype=torch.long)
-    flat_to_packed[p.indices] = torch.arange(p.indices.numel())
+    dev = p.indices.device
+    flat_to_packed = torch.full((bsz * seq_len,), -1, dtype=torch.long, device=dev)
+    flat_to_packed[p.indices] = torch.arange(p.indices.numel(), device=dev)
     index = flat_to_packed[rows.batch * seq_len + rows.prompt_len - 1 + rows.offset]
     if (index < 0).any():
         raise ValueError("attention_mask: a response token's predecessor is masked")
