@@ -29,7 +29,7 @@ _CHUNK_ELEMENTS = 1 << 18
 
 
 def default_chunk_size(vocab_size: int) -> int:
-    """Rows per chunk so that one chunk holds about 2**20 elements (at least 1 row)."""
+    """Rows per chunk so that one chunk holds about 2**18 elements (at least 1 row)."""
     return max(1, _CHUNK_ELEMENTS // max(1, vocab_size))
 
 

@@ -27,6 +27,7 @@ Policies (documented here once, shared by every op in ``otbrl.ops``):
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -133,6 +134,16 @@ class _TokenStatsFunction(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
+@functools.cache
+def _triton_kernel():
+    # GPU path: one-pass Triton kernels, when triton is importable (CUDA tensors only).
+    try:
+        from otbrl.ops.triton_token_stats import triton_token_stats
+    except ImportError:
+        return None
+    return triton_token_stats
+
+
 def token_stats(
     logits: Tensor,
     labels: Tensor,
@@ -149,8 +160,9 @@ def token_stats(
         labels: [...] int64 token ids in [0, V), or −100 for "no label" (log-prob 0).
         temperature: positive; statistics are those of softmax(logits / temperature).
         entropy, sum_pi_squared: compute these fields (else they are ``None``).
-        chunk_size: rows per chunk (default: about 2**20 elements per chunk); results do not
-            depend on it.
+        chunk_size: rows per chunk (default: about 2**18 elements per chunk); results do not
+            depend on it. CUDA tensors go through one-pass Triton kernels when triton is
+            installed (``otbrl.ops.triton_token_stats``), which ignore it.
     Returns:
         ``TokenStats`` with fields of shape ``logits.shape[:-1]``, float32 (float64 for float64
         logits). ``log_probs`` and ``entropy`` are differentiable w.r.t. ``logits``.
@@ -164,10 +176,15 @@ def token_stats(
         raise ValueError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
     check_label_range(labels, vocab)
     batch_shape = logits.shape[:-1]
-    flat = logits.reshape(-1, vocab)
-    lp, ent, spp = _TokenStatsFunction.apply(
-        flat, labels.reshape(-1).long(), scale, bool(entropy), bool(sum_pi_squared), chunk_size
-    )
+    flat, flat_labels = logits.reshape(-1, vocab), labels.reshape(-1).long()
+    kernel = _triton_kernel() if flat.is_cuda and flat.dtype != torch.float64 else None
+    if kernel is not None:
+        ignored = flat_labels == IGNORE_INDEX
+        lp, ent, spp = kernel(flat, flat_labels.masked_fill(ignored, 0), ignored, scale)
+    else:
+        lp, ent, spp = _TokenStatsFunction.apply(
+            flat, flat_labels, scale, bool(entropy), bool(sum_pi_squared), chunk_size
+        )
     return TokenStats(
         lp.reshape(batch_shape),
         ent.reshape(batch_shape) if entropy else None,
