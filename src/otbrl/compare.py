@@ -158,7 +158,7 @@ def run_compare(
     seeds: int = 3,
     budget_responses: int = 19200,
     prompts: int = 16,
-    target: float = 0.5,
+    target: float = 0.25,
     out_dir: str = "runs/compare",
     echo=print,
 ) -> dict:
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--budget", type=int, default=19200, help="sampled responses per run")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
-    parser.add_argument("--target", type=float, default=0.5, help="validation accuracy target")
+    parser.add_argument("--target", type=float, default=0.25, help="validation accuracy target")
     parser.add_argument("--out-dir", default="runs/compare")
     args = parser.parse_args(argv)
     try:
