@@ -23,7 +23,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 MESH_DIMS = ("dp", "sp", "tp")
 
@@ -114,6 +119,16 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     tied = _is_tied(model)
     for layer in decoder_layers(model):
         plan = {
+            # The block input enters attention and the MLP once as a replicated DTensor, so
+            # the backward sums the q/k/v (gate/up) input gradients locally and all-reduces
+            # once per sub-block: 2 all-reduces per block instead of 5.
+            "self_attn": PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": Replicate()},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            ),
+            "mlp": PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)
+            ),
             "self_attn.q_proj": ColwiseParallel(),
             "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(),
