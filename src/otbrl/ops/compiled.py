@@ -14,7 +14,7 @@ import functools
 import torch
 from torch import Tensor
 
-from otbrl.ops.chunked import stats_dtype
+from otbrl.ops.chunked import LN2, LOG2E, stats_dtype
 from otbrl.ops.token_stats import (
     IGNORE_INDEX,
     TokenStats,
@@ -25,24 +25,31 @@ from otbrl.ops.token_stats import (
 )
 
 
-def _dense_forward(x: Tensor, labels: Tensor, scale: float):
-    # x [n, V] raw logits; labels [n] in [0, V). Same identities as chunk_forward.
-    s = (x.to(stats_dtype(x.dtype)) - x.amax(-1, keepdim=True).to(stats_dtype(x.dtype))) * scale
-    e = torch.exp(s)
-    total = e.sum(-1)
-    lse = torch.log(total)
-    # e > 0 guard: a −inf logit must add 0, not 0·(−inf).
-    mu = torch.where(e > 0, e * s, 0.0).sum(-1) / total
-    spp = (e * e).sum(-1) / (total * total)
-    log_probs = s.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
-    return log_probs, lse - mu, spp, lse, mu
-
-
-def _dense_backward(x, labels, lse, mu, g_lp, g_ent, scale: float):
+def _shifted(x: Tensor, scale: float) -> Tensor:
+    # Base-2 shifted logits, as in otbrl.ops.chunked (exp2 is the cheaper exponential on CPU).
     acc = stats_dtype(x.dtype)
-    s = (x.to(acc) - x.amax(-1, keepdim=True).to(acc)) * scale
-    p = torch.exp(s - lse.unsqueeze(-1))
-    factor = -g_lp.unsqueeze(-1) - g_ent.unsqueeze(-1) * (s.clamp(min=-1e4) - mu.unsqueeze(-1))
+    return (x.to(acc) - x.amax(-1, keepdim=True).to(acc)) * (scale * LOG2E)
+
+
+def _dense_forward(x: Tensor, labels: Tensor, scale: float):
+    # x [n, V] raw logits; labels [n] in [0, V). Same identities as otbrl.ops.chunked.
+    s = _shifted(x, scale)
+    e = torch.exp2(s)
+    total = e.sum(-1)
+    lse2 = torch.log2(total)
+    # e > 0 guard: a −inf logit must add 0, not 0·(−inf).
+    mu2 = torch.where(e > 0, e * s, 0.0).sum(-1) / total
+    spp = (e * e).sum(-1) / (total * total)
+    log_probs = (s.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse2) * LN2
+    return log_probs, (lse2 - mu2) * LN2, spp, lse2, mu2
+
+
+def _dense_backward(x, labels, lse2, mu2, g_lp, g_ent, scale: float):
+    s = _shifted(x, scale)
+    p = torch.exp2(s - lse2.unsqueeze(-1))
+    factor = -g_lp.unsqueeze(-1) - (g_ent * LN2).unsqueeze(-1) * (
+        s.clamp(min=-1e4) - mu2.unsqueeze(-1)
+    )
     onehot = torch.arange(x.shape[-1], device=x.device) == labels.unsqueeze(-1)
     grad = (p * factor + torch.where(onehot, g_lp.unsqueeze(-1), 0.0)) * scale
     return grad.to(x.dtype)
