@@ -150,6 +150,17 @@ def plot_compare(curves: dict[str, list[dict]], target: float, out_png: Path) ->
     return out_png
 
 
+def _json_safe(obj):
+    """JSON has no inf/NaN ("not reached" is inf): those become null."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
 def run_compare(
     config_file: str | None,
     overrides: list[str],
@@ -229,7 +240,7 @@ def run_compare(
         "curves": curves,
     }
     out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    (out / "summary.json").write_text(json.dumps(_json_safe(result), indent=2, default=str) + "\n")
     (out / "compare.md").write_text(table + "\n")
     plot_compare(curves, target, out / "compare.png")
     echo(table)
