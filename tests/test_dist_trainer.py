@@ -44,7 +44,6 @@ def test_tp_run_checkpoints_and_resumes_on_one_process(tmp_path):
         "data.val_size=8",
         "trainer.val_every=2",
         "trainer.logger=[jsonl]",
-        "trainer.progress_bar=false",
     ]
     # the tiny model's vocabulary (19) is odd: TP shards it unevenly (10 + 9)
     tp_run = ["actor.engine=tp", "actor.tensor_parallel_size=2", "trainer.total_steps=2"]

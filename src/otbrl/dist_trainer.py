@@ -112,7 +112,6 @@ class DistributedTrainer(Trainer):
             cfg = copy.deepcopy(cfg)
             cfg.trainer.output_dir = str(run_dir / f"rank{self.info.rank}")
             cfg.trainer.logger = ["jsonl"]
-            cfg.trainer.progress_bar = False
         super().__init__(cfg)
         self.ckpt_root = run_dir / "checkpoints"
 
