@@ -69,6 +69,13 @@ def check_parallel_config(cfg: Config, world_size: int) -> None:
             f"must divide the number of processes ({world_size})",
             "actor.tensor_parallel_size",
         )
+    if getattr(cfg.trainer, "max_wall_seconds", 0) > 0:
+        # each rank would read its own clock and the ranks could stop at different steps
+        raise ConfigError(
+            "'trainer.max_wall_seconds' is not supported by the distributed engines; use "
+            "trainer.total_steps",
+            "trainer.max_wall_seconds",
+        )
     dp = world_size // (tp * sp)
     for key, value in (
         ("data.train_batch_size", cfg.data.train_batch_size),
