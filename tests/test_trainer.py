@@ -238,3 +238,18 @@ def test_reward_function_that_raises(tiny_dir, arith_files, tmp_path, policy):
         record = read_jsonl(tmp_path / policy / "metrics.jsonl")[-1]
         assert record["reward/errors"] == 16  # every sample of the step failed and scored 0
         assert record["train/reward_mean"] == 0.0
+
+
+def test_wall_time_limit_stops_after_a_final_validation(tiny_dir, arith_files, tmp_path):
+    overrides = tiny_overrides(
+        tiny_dir,
+        tmp_path / "w",
+        "trainer.total_steps=50",
+        "trainer.val_every=10",
+        "trainer.max_wall_seconds=0.001",
+        *files(arith_files),
+    )
+    summary = trainer_mod.Trainer(load_config(None, overrides)).fit()
+    records = read_jsonl(tmp_path / "w" / "metrics.jsonl")
+    assert summary["steps"] == 1 and records[-1]["step"] == 1
+    assert "val/accuracy" in records[-1] and records[-1]["trainer/stopped_at_wall_limit"] == 1.0

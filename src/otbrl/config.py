@@ -115,7 +115,9 @@ class TrainerConfig:
     val_greedy: bool = True
     val_temperature: float = 1.0  # used when val_greedy is false
     val_batch_size: int = 256
-    progress_bar: bool = True
+    # stop early (after a final validation and checkpoint) once fit() has run this long;
+    # 0 = no limit. The demo uses it to keep its 10-minute promise on a slower machine.
+    max_wall_seconds: float = 0.0
 
 
 @dataclass
@@ -188,6 +190,7 @@ _NON_NEGATIVE = (
     "algorithm.kl_coef",
     "trainer.val_every",
     "trainer.save_every",
+    "trainer.max_wall_seconds",
     "sft.max_steps",
     "sft.eval_every",
 )

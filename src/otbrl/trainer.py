@@ -407,7 +407,9 @@ class Trainer:
             while self.step < cfg.total_steps:
                 self.step += 1
                 metrics = self.train_step()
-                last = self.step == cfg.total_steps
+                elapsed = time.perf_counter() - wall_start
+                out_of_time = 0 < cfg.max_wall_seconds <= elapsed
+                last = self.step == cfg.total_steps or out_of_time
                 if validating and (self.step % cfg.val_every == 0 or last):
                     start = time.perf_counter()
                     self.last_val_accuracy = self.validate()
@@ -416,6 +418,9 @@ class Trainer:
                 logger.log(self.step, metrics)
                 if cfg.save_every > 0 and (self.step % cfg.save_every == 0 or last):
                     self._save()
+                if out_of_time:
+                    logger.log(self.step, {"trainer/stopped_at_wall_limit": 1.0})
+                    break
             summary = logger.summary(
                 {
                     "initial_val_accuracy": self.initial_val_accuracy,
