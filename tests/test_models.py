@@ -45,28 +45,23 @@ def test_vocabulary_is_the_alphabet_plus_special_tokens():
     assert len(tok("1234+5678=", add_special_tokens=False)["input_ids"]) == 10
 
 
+@pytest.fixture(scope="module")
+def reloaded_tokenizers(tmp_path_factory):
+    out = []
+    for arch in ("llama", "qwen2"):
+        path = tmp_path_factory.mktemp(f"tok-{arch}")
+        build_tiny_model(path, arch=arch, **SMALL)
+        out.append(AutoTokenizer.from_pretrained(path))
+    return out
+
+
 @settings(max_examples=40, deadline=None)
 @given(text=st.text(alphabet=ALPHABET, max_size=30))
-def test_round_trip_of_task_text_after_reload(text, tmp_path_factory):
-    tok = _reloaded_tokenizers(tmp_path_factory)
-    for t in tok:
-        ids = t(text, add_special_tokens=False)["input_ids"]
-        assert t.decode(ids) == text
+def test_round_trip_of_task_text_after_reload(text, reloaded_tokenizers):
+    for tok in reloaded_tokenizers:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert tok.decode(ids) == text
         assert len(ids) == len(text)
-
-
-_CACHE: dict = {}
-
-
-def _reloaded_tokenizers(factory):
-    if "tok" not in _CACHE:
-        out = []
-        for arch in ("llama", "qwen2"):
-            path = factory.mktemp(f"tok-{arch}")
-            build_tiny_model(path, arch=arch, **SMALL)
-            out.append(AutoTokenizer.from_pretrained(path))
-        _CACHE["tok"] = out
-    return _CACHE["tok"]
 
 
 def test_chat_template_round_trip(saved):
