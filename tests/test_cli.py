@@ -59,7 +59,7 @@ def test_sum_pi_squared_false_is_fine_when_nobody_needs_it(capsys, monkeypatch):
     def stop(*args, **kwargs):
         raise Stop
 
-    monkeypatch.setattr(trainer_mod, "Trainer", stop)
+    monkeypatch.setattr(trainer_mod.Trainer, "__init__", stop)
     with pytest.raises(Stop):  # validation passed, the trainer was about to be built
         cli.main(["train", "algorithm.adv_estimator=grpo", "actor.calculate_sum_pi_squared=false"])
 
