@@ -210,7 +210,6 @@ def run_compare(
                     f"trainer.seed={seed}",
                     f"trainer.output_dir={run_dir}",
                     "trainer.logger=[jsonl]",
-                    "trainer.progress_bar=false",
                 ],
             )
             t0 = time.perf_counter()
