@@ -111,7 +111,11 @@ def test_list_shorthand_and_round_trip():
         (["trainer.val_every=-1"], "trainer.val_every", ">= 0"),
         (["rollout.top_p=1.5"], "rollout.top_p", "1.5"),
         (["data.train_batch_size=30"], "actor.ppo_mini_batch_size", "divisible"),
-        (["rollout.n=3", "actor.micro_batch_size=64"], "actor.micro_batch_size", "96"),
+        (
+            ["rollout.n=3", "actor.ppo_mini_batch_size=32", "actor.micro_batch_size=64"],
+            "actor.micro_batch_size",
+            "96",
+        ),
         (["trainer.resume=/no/such/ckpt"], "trainer.resume", "/no/such/ckpt"),
         (["reward.function=/no/such.py:fn"], "reward.function", "/no/such.py"),
         (["justakey"], "justakey", "key=value"),
