@@ -16,6 +16,10 @@ pages in) measured slower than the arithmetic. Nothing of size [n, V] is allocat
 from __future__ import annotations
 
 import math
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import Tensor
@@ -36,6 +40,59 @@ def default_chunk_size(vocab_size: int) -> int:
 def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation/output dtype for logits of ``dtype``: float64 stays, the rest use float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+_POOL: tuple[int, int, ThreadPoolExecutor] | None = None
+
+
+def _row_workers() -> ThreadPoolExecutor | None:
+    """A pool of ``torch.get_num_threads()`` workers whose own torch ops run single-threaded.
+
+    Per-chunk ops are small (~1 MiB): run with intra-op threads, each op is a fork/join
+    barrier, and on a loaded machine every barrier waits for a descheduled thread — measured
+    20 s instead of 0.5 s for T=2048, V=32768 with 2 threads at load 15. Splitting the rows
+    over workers that each run single-threaded ops has no barrier per op. ``set_num_threads(1)``
+    in a worker sets that thread's OpenMP/MKL count; the process-wide value is restored below.
+    """
+    global _POOL
+    threads = torch.get_num_threads()
+    if threads <= 1:
+        return None
+    if _POOL is None or _POOL[0] != os.getpid() or _POOL[1] != threads:
+        pool = ThreadPoolExecutor(threads, thread_name_prefix="otbrl-ops")
+        barrier = threading.Barrier(threads)
+
+        def init() -> None:
+            torch.set_num_threads(1)
+            barrier.wait()  # every worker thread exists and is initialized before we go on
+
+        for f in [pool.submit(init) for _ in range(threads)]:
+            f.result()
+        torch.set_num_threads(threads)
+        _POOL = (os.getpid(), threads, pool)
+    return _POOL[2]
+
+
+def _no_grad_call(fn: Callable[[int, int], None], start: int, stop: int) -> None:
+    # Grad mode is per thread; the kernels run inside autograd.Function bodies (no grad).
+    with torch.no_grad():
+        fn(start, stop)
+
+
+def split_rows(fn: Callable[[int, int], None], n: int, chunk: int, device: torch.device) -> None:
+    """Run ``fn(start, stop)`` over row ranges covering [0, n): in parallel workers on CPU
+    when there are at least two chunks per worker, else inline. ``fn`` must write disjoint
+    rows only."""
+    pool = _row_workers() if device.type == "cpu" else None
+    parts = 1 if pool is None else min(pool._max_workers, n // (2 * chunk))
+    if parts <= 1:
+        fn(0, n)
+        return
+    # Boundaries on chunk multiples, so the chunks are the same as in one sequential pass.
+    per = -(-n // (parts * chunk)) * chunk
+    futures = [pool.submit(_no_grad_call, fn, a, min(a + per, n)) for a in range(0, n, per)]
+    for f in futures:
+        f.result()
 
 
 def row_sums(
@@ -68,24 +125,28 @@ def row_sums(
         shift = torch.full((n, 1), float("-inf"), dtype=acc, device=x.device)
     if n == 0 or vocab == 0:
         return sums, shift
-    work = torch.empty(3, min(n, chunk), vocab, dtype=acc, device=x.device)
-    for a in range(0, n, chunk):
-        b = min(a + chunk, n)
-        s, e, prod = work[0, : b - a], work[1, : b - a], work[2, : b - a]
-        if own_shift:
-            # In the accumulation dtype, so that x − max is not rounded to bf16/fp16.
-            shift[a:b] = x[a:b].amax(dim=-1, keepdim=True)
-        torch.sub(x[a:b], shift[a:b], out=s)
-        s.mul_(scale * LOG2E)
-        torch.exp2(s, out=e)
-        torch.sum(e, dim=-1, out=sums[0, a:b])
-        if want_entropy:
-            torch.sum(torch.mul(e, s, out=prod), dim=-1, out=sums[1, a:b])
-        if want_spp:
-            # ‖e‖² through the norm kernel: a pure reduction, no product written (~3× faster
-            # than mul + sum here); sqrt-then-square costs two roundings.
-            torch.linalg.vector_norm(e, dim=-1, out=sums[2, a:b]).square_()
-        sums[3, a:b] = s.gather(-1, labels[a:b].unsqueeze(-1)).squeeze(-1)
+
+    def rows(start: int, stop: int) -> None:
+        work = torch.empty(3, min(stop - start, chunk), vocab, dtype=acc, device=x.device)
+        for a in range(start, stop, chunk):
+            b = min(a + chunk, stop)
+            s, e, prod = work[0, : b - a], work[1, : b - a], work[2, : b - a]
+            if own_shift:
+                # In the accumulation dtype, so that x − max is not rounded to bf16/fp16.
+                shift[a:b] = x[a:b].amax(dim=-1, keepdim=True)
+            torch.sub(x[a:b], shift[a:b], out=s)
+            s.mul_(scale * LOG2E)
+            torch.exp2(s, out=e)
+            torch.sum(e, dim=-1, out=sums[0, a:b])
+            if want_entropy:
+                torch.sum(torch.mul(e, s, out=prod), dim=-1, out=sums[1, a:b])
+            if want_spp:
+                # ‖e‖² through the norm kernel: a pure reduction, no product written (~3×
+                # faster than mul + sum here); sqrt-then-square costs two roundings.
+                torch.linalg.vector_norm(e, dim=-1, out=sums[2, a:b]).square_()
+            sums[3, a:b] = s.gather(-1, labels[a:b].unsqueeze(-1)).squeeze(-1)
+
+    split_rows(rows, n, chunk, x.device)
     if want_entropy:
         _fix_masked_dots(x, shift, scale, sums[1])
     return sums, shift
@@ -147,26 +208,30 @@ def grad_rows(
     n, vocab = x.shape
     if n == 0 or vocab == 0:
         return out
-    work = torch.empty(2, min(n, chunk), vocab, dtype=lse2.dtype, device=x.device)
     if g_label is None:
         g_label = g_lp
-    for a in range(0, n, chunk):
-        b = min(a + chunk, n)
-        s, p = work[0, : b - a], work[1, : b - a]
-        torch.sub(x[a:b], shift[a:b], out=s)
-        s.mul_(scale * LOG2E)
-        torch.sub(s, lse2[a:b].unsqueeze(-1), out=p).exp2_()
-        if g_ent is not None:
-            # factor = −g_lp − g_ent·ln2·(s − mu2). π is exactly 0 below s = −1e4 even in
-            # float64, so clamping there changes nothing but keeps 0·(−inf) = NaN out.
-            s.clamp_(min=-1e4).sub_(mu2[a:b].unsqueeze(-1))
-            s.mul_(g_ent[a:b].unsqueeze(-1) * -LN2)
+
+    def rows(start: int, stop: int) -> None:
+        work = torch.empty(2, min(stop - start, chunk), vocab, dtype=lse2.dtype, device=x.device)
+        for a in range(start, stop, chunk):
+            b = min(a + chunk, stop)
+            s, p = work[0, : b - a], work[1, : b - a]
+            torch.sub(x[a:b], shift[a:b], out=s)
+            s.mul_(scale * LOG2E)
+            torch.sub(s, lse2[a:b].unsqueeze(-1), out=p).exp2_()
+            if g_ent is not None:
+                # factor = −g_lp − g_ent·ln2·(s − mu2). π is exactly 0 below s = −1e4 even in
+                # float64, so clamping there changes nothing but keeps 0·(−inf) = NaN out.
+                s.clamp_(min=-1e4).sub_(mu2[a:b].unsqueeze(-1))
+                s.mul_(g_ent[a:b].unsqueeze(-1) * -LN2)
+                if g_lp is not None:
+                    s.sub_(g_lp[a:b].unsqueeze(-1))
+                p.mul_(s)
+            else:
+                p.mul_(-g_lp[a:b].unsqueeze(-1))
             if g_lp is not None:
-                s.sub_(g_lp[a:b].unsqueeze(-1))
-            p.mul_(s)
-        else:
-            p.mul_(-g_lp[a:b].unsqueeze(-1))
-        if g_lp is not None:
-            p.scatter_add_(-1, labels[a:b].unsqueeze(-1), g_label[a:b].unsqueeze(-1))
-        torch.mul(p, scale, out=out[a:b])
+                p.scatter_add_(-1, labels[a:b].unsqueeze(-1), g_label[a:b].unsqueeze(-1))
+            torch.mul(p, scale, out=out[a:b])
+
+    split_rows(rows, n, chunk, x.device)
     return out
