@@ -262,3 +262,24 @@ def test_chunk_size_never_changes_results(rows, vocab, chunk, temperature, seed)
         results.append((*s, grad))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_row_workers_match_one_thread_and_keep_the_thread_count():
+    """Rows split over worker threads give bit-identical results to one sequential pass."""
+    g = torch.Generator().manual_seed(10)
+    logits = (torch.randn(50, 300, generator=g) * 3).requires_grad_()
+    labels = torch.randint(0, 300, (50,), generator=g)
+    w = torch.randn(2, 50, generator=g)
+    saved = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            s = token_stats(logits, labels, chunk_size=4)
+            (grad,) = torch.autograd.grad((s.log_probs * w[0] + s.entropy * w[1]).sum(), logits)
+            assert torch.get_num_threads() == threads
+            results.append((*s, grad))
+    finally:
+        torch.set_num_threads(saved)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

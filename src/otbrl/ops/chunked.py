@@ -43,9 +43,10 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 _POOL: tuple[int, int, ThreadPoolExecutor] | None = None
+_POOL_LOCK = threading.Lock()
 
 
-def _row_workers() -> ThreadPoolExecutor | None:
+def _row_workers() -> tuple[ThreadPoolExecutor | None, int]:
     """A pool of ``torch.get_num_threads()`` workers whose own torch ops run single-threaded.
 
     Per-chunk ops are small (~1 MiB): run with intra-op threads, each op is a fork/join
@@ -57,20 +58,26 @@ def _row_workers() -> ThreadPoolExecutor | None:
     global _POOL
     threads = torch.get_num_threads()
     if threads <= 1:
-        return None
-    if _POOL is None or _POOL[0] != os.getpid() or _POOL[1] != threads:
-        pool = ThreadPoolExecutor(threads, thread_name_prefix="otbrl-ops")
-        barrier = threading.Barrier(threads)
+        return None, 1
+    with _POOL_LOCK:
+        # A forked child or a new thread count gets its own pool.
+        if _POOL is None or _POOL[0] != os.getpid() or _POOL[1] != threads:
+            _POOL = (os.getpid(), threads, _start_pool(threads))
+    return _POOL[2], threads
 
-        def init() -> None:
-            torch.set_num_threads(1)
-            barrier.wait()  # every worker thread exists and is initialized before we go on
 
-        for f in [pool.submit(init) for _ in range(threads)]:
-            f.result()
-        torch.set_num_threads(threads)
-        _POOL = (os.getpid(), threads, pool)
-    return _POOL[2]
+def _start_pool(threads: int) -> ThreadPoolExecutor:
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="otbrl-ops")
+    barrier = threading.Barrier(threads)
+
+    def init() -> None:
+        torch.set_num_threads(1)
+        barrier.wait()  # every worker thread exists and is initialized before we go on
+
+    for f in [pool.submit(init) for _ in range(threads)]:
+        f.result()
+    torch.set_num_threads(threads)
+    return pool
 
 
 def _no_grad_call(fn: Callable[[int, int], None], start: int, stop: int) -> None:
@@ -83,8 +90,8 @@ def split_rows(fn: Callable[[int, int], None], n: int, chunk: int, device: torch
     """Run ``fn(start, stop)`` over row ranges covering [0, n): in parallel workers on CPU
     when there are at least two chunks per worker, else inline. ``fn`` must write disjoint
     rows only."""
-    pool = _row_workers() if device.type == "cpu" else None
-    parts = 1 if pool is None else min(pool._max_workers, n // (2 * chunk))
+    pool, threads = _row_workers() if device.type == "cpu" else (None, 1)
+    parts = min(threads, n // (2 * chunk))
     if parts <= 1:
         fn(0, n)
         return
