@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -47,6 +48,7 @@ def stable_metrics(out_dir):
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
 
 
+@pytest.mark.slow
 def test_sigkill_and_resume_matches_uninterrupted(tmp_path):
     model_dir = build_tiny_model(
         tmp_path / "model", hidden_size=32, intermediate_size=64, num_hidden_layers=1
