@@ -138,6 +138,8 @@ def test_two_repeat_smoke_run(tiny_model, tmp_path, capsys):
     for ratio in res["ratios"].values():
         assert ratio["value"] > 0 and len(ratio["ci95"]) == 2
     assert 0 <= res["zero_tail_token_share"] <= 1
+    assert set(res["proxy_calibration"]) == {"grpo", "rloo", "otb"}
+    assert "pearson_raw" in result["proxy_correlation"]
     assert out.with_suffix(".png").stat().st_size > 0
 
 

@@ -60,9 +60,11 @@ def measure(
     progress: Callable[[str], None] | None = None,
 ) -> dict:
     """Run ``repeats`` repeats at group size ``n``; returns the ``variance_summary`` dict plus
-    ``zero_tail_token_share``, ``variance_proxy`` (mean total power per estimator), the proxy's
-    ``proxy_calibration`` (measured variance / proxy power) and its correlation with the
-    measured per-repeat deviation ‖g_k − ḡ‖² (``proxy_repeat_correlation``)."""
+    ``zero_tail_token_share``, ``variance_proxy`` (mean online ``total_power`` per estimator),
+    ``variance_proxy_per_sample`` (that divided by the P·n responses of a repeat: the variance
+    of a batch mean falls with the batch size, the power does not), ``proxy_calibration``
+    (measured variance / per-sample proxy) and the per-repeat correlation of the proxy with the
+    measured deviation ‖g_k − ḡ‖² (``proxy_repeat_correlation``)."""
     acc = GradientVarianceAccumulator(len(specs), reference, sketch_dim=sketch_dim, seed=seed)
     power = {s.label: [] for s in specs}
     tail = tokens = 0.0
@@ -83,8 +85,11 @@ def measure(
     out["n"] = n
     out["zero_tail_token_share"] = tail / max(tokens, 1.0)
     out["variance_proxy"] = {label: sum(v) / len(v) for label, v in power.items()}
+    batch_size = enc["input_ids"].shape[0] * n
+    per_sample = {label: v / batch_size for label, v in out["variance_proxy"].items()}
+    out["variance_proxy_per_sample"] = per_sample
     out["proxy_calibration"] = {
-        label: out["estimators"][label]["variance"] / max(out["variance_proxy"][label], 1e-30)
+        label: out["estimators"][label]["variance"] / max(per_sample[label], 1e-30)
         for label in labels
     }
     # per-repeat squared deviation from the mean gradient, from the Gram matrix
@@ -100,17 +105,20 @@ def measure(
 
 
 def proxy_correlation(results: dict) -> dict:
-    """Across all (estimator, n) points: Pearson and Spearman correlation of the mean online
-    proxy power with the measured variance."""
-    proxy, measured = [], []
+    """Across all (estimator, n) points: Pearson and Spearman correlation of the per-sample
+    online proxy with the measured variance (``*_raw``: of the undivided total power)."""
+    proxy, raw, measured = [], [], []
     for res in results.values():
         for label, row in res["estimators"].items():
-            proxy.append(res["variance_proxy"][label])
+            proxy.append(res["variance_proxy_per_sample"][label])
+            raw.append(res["variance_proxy"][label])
             measured.append(row["variance"])
     return {
         "points": len(proxy),
         "pearson": pearson(proxy, measured),
         "spearman": spearman(proxy, measured),
+        "pearson_raw": pearson(raw, measured),
+        "spearman_raw": spearman(raw, measured),
     }
 
 
