@@ -1,11 +1,12 @@
 """Token statistics of an lm_head projection without ever holding the [T, V] logits.
 
 logits = hidden @ weight.T (+ bias) is formed ``chunk_size`` tokens at a time, reduced to the
-per-token statistics of ``token_stats`` and dropped. The backward recomputes each chunk's
-logits from the saved inputs and the per-row scalars (shift, lse, Σπs), turns them into the chunk's
-logit gradient and folds that into the gradients of hidden, weight and bias at once, so memory
-stays at one chunk of [chunk_size, V] in both directions. The price is one extra matmul (the
-recompute) compared with keeping the logits.
+per-token statistics of ``token_stats`` and dropped. The backward recomputes the logits in
+blocks of vocabulary columns [T, block] (as many elements as a forward chunk) from the saved
+inputs and the per-row scalars (shift, lse, Σπs), turns each block into its logit gradient
+and folds that into the gradients of hidden, weight and bias at once, so memory stays at one
+chunk in both directions. The price is one extra matmul (the recompute) compared with keeping
+the logits.
 """
 
 from __future__ import annotations
@@ -70,39 +71,48 @@ class _FusedLinearTokenStats(torch.autograd.Function):
         hidden, weight, bias, safe_labels, ignored, shift, lse2, mu2 = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         g_lp, g_ent = upstream_grads(g_lp, g_ent, ignored, lse2.dtype)
+        (n, hidden_size), vocab = hidden.shape, weight.shape[0]
         grad_h = torch.zeros_like(hidden) if need_h else None
-        # Low-precision weights: accumulate the chunk sums of the weight gradient in float32.
-        acc = stats_dtype(weight.dtype)
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
-        if g_lp is not None or g_ent is not None:
-            n = hidden.shape[0]
-            for a in range(0, n, ctx.chunk):
-                b = min(a + ctx.chunk, n)
-                logits = _chunk_logits(hidden[a:b], weight, bias)
-                # The logit gradient overwrites the recomputed logits' own buffer.
-                dz = grad_rows(
-                    logits,
-                    safe_labels[a:b],
-                    shift[a:b],
-                    lse2[a:b],
-                    mu2[a:b] if g_ent is not None else mu2,
-                    None if g_lp is None else g_lp[a:b],
-                    None if g_ent is None else g_ent[a:b],
-                    ctx.scale,
-                    ctx.inner,
-                    out=logits,
-                )
-                if need_h:
-                    torch.mm(dz, weight, out=grad_h[a:b])
-                if need_w:
-                    grad_w.addmm_(dz.T.to(acc), hidden[a:b].to(acc))
-                if need_b:
-                    grad_b += dz.sum(dim=0, dtype=acc)
-        if need_w:
-            grad_w = grad_w.to(weight.dtype)
-        if need_b:
-            grad_b = grad_b.to(bias.dtype)
+        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_b = torch.zeros_like(bias) if need_b else None
+        if (g_lp is None and g_ent is None) or n == 0:
+            return grad_h, grad_w, grad_b, None, None, None, None, None
+        # Backward walks the vocabulary, not the tokens: with the per-row shift, lse and Σπs
+        # known, any [T, V] block's gradient stands alone, so each weight-gradient block is
+        # one full-K matmul written once (walking tokens re-reads and re-writes all of [V, H]
+        # per chunk). The block holds as many logits as a forward chunk.
+        block = max(1, min(vocab, ctx.chunk * vocab // n))
+        # The hidden gradient sums over vocabulary blocks: in float32 for low-precision inputs.
+        acc_h = grad_h
+        if need_h and hidden.dtype != lse2.dtype:
+            acc_h = torch.zeros(n, hidden_size, dtype=lse2.dtype, device=hidden.device)
+        for v0 in range(0, vocab, block):
+            v1 = min(v0 + block, vocab)
+            logits = _chunk_logits(hidden, weight[v0:v1], None if bias is None else bias[v0:v1])
+            local = safe_labels - v0
+            here = (local >= 0) & (local < v1 - v0)
+            # The logit gradient overwrites the recomputed logits' own buffer.
+            dz = grad_rows(
+                logits,
+                local.masked_fill(~here, 0),
+                shift,
+                lse2,
+                mu2,
+                g_lp,
+                g_ent,
+                ctx.scale,
+                default_chunk_size(v1 - v0),
+                out=logits,
+                g_label=None if g_lp is None else g_lp.masked_fill(~here, 0.0),
+            )
+            if need_w:
+                torch.mm(dz.T, hidden, out=grad_w[v0:v1])
+            if need_h:
+                acc_h.addmm_(dz.to(acc_h.dtype), weight[v0:v1].to(acc_h.dtype))
+            if need_b:
+                grad_b[v0:v1] = dz.sum(dim=0, dtype=lse2.dtype)
+        if need_h and acc_h is not grad_h:
+            grad_h.copy_(acc_h)
         return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
