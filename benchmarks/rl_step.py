@@ -6,7 +6,7 @@ needs no Σπ², so the forward skips it; the estimator does the same group arit
 Every repeat restores the same weights, optimizer, data position and rollout seed, so both
 variants run on identical samples; variants alternate (A B, B A, ...) and medians are reported.
 
-    python benchmarks/rl_step.py [--repeats 10] [key=value ...]   # overrides as for otbrl train
+    python benchmarks/rl_step.py [--repeats 20] [key=value ...]   # overrides as for otbrl train
 
 Last line: ``sum_pi_squared_overhead = X.X %`` of the median step time.
 """
@@ -43,7 +43,7 @@ def restore(trainer: Trainer, state: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=10, help="timed steps per variant")
+    parser.add_argument("--repeats", type=int, default=20, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
