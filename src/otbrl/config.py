@@ -105,7 +105,7 @@ class RewardConfig:
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = 2000
+    total_steps: int = 800
     val_every: int = 50  # 0 = no validation
     save_every: int = 0  # 0 = no checkpoints
     output_dir: str = "runs/default"
