@@ -80,3 +80,14 @@ def test_subprocess_exit_code_and_no_traceback():
     assert proc.returncode == 2
     assert "did you mean 'actor.lr'" in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_plot_and_export_of_missing_paths_are_one_line_errors(tmp_path, capsys):
+    from otbrl.cli import main
+
+    assert main(["plot", str(tmp_path / "no_run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("otbrl: error:") and "run_dir" in err and "\n" not in err
+    assert main(["export", str(tmp_path / "no_ckpt"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("otbrl: error:") and "\n" not in err

@@ -144,17 +144,28 @@ def _eval(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from otbrl.checkpoint import export_checkpoint
 
-    print(f"exported: {export_checkpoint(args.checkpoint, args.out_dir)}")
+    try:
+        print(f"exported: {export_checkpoint(args.checkpoint, args.out_dir)}")
+    except ValueError as err:  # a wrong path or a non-empty target: the user's to fix
+        return _usage_error(err)
     return 0
+
+
+def _usage_error(err: Exception) -> int:
+    print(f"otbrl: error: {err}", file=sys.stderr)
+    return EXIT_CONFIG
 
 
 def _plot(args: argparse.Namespace) -> int:
     from otbrl.plotting import plot_run, plot_runs
 
-    if len(args.run_dirs) == 1 and args.out is None:
-        print(f"wrote {plot_run(args.run_dirs[0])}")
-    else:
-        print(f"wrote {plot_runs(args.run_dirs, args.out or 'curves.png')}")
+    try:
+        if len(args.run_dirs) == 1 and args.out is None:
+            print(f"wrote {plot_run(args.run_dirs[0])}")
+        else:
+            print(f"wrote {plot_runs(args.run_dirs, args.out or 'curves.png')}")
+    except ValueError as err:  # not a run directory
+        return _usage_error(err)
     return 0
 
 
