@@ -223,15 +223,7 @@ class DistributedTrainer(Trainer):
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            state = {
-                "step": self.step,
-                "dataset": self.dataset.state_dict(),
-                "actor_generator": self.actor.generator.get_state(),
-                "rng": checkpoint.capture_rng_state(),
-                "initial_val_accuracy": self.initial_val_accuracy,
-                "last_val_accuracy": self.last_val_accuracy,
-                "world_size": self.info.world_size,
-            }
+            state = {**self._trainer_state(), "world_size": self.info.world_size}
             checkpoint.save_checkpoint(
                 self.ckpt_root,
                 self.step,

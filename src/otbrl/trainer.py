@@ -237,8 +237,9 @@ class Trainer:
         self.initial_val_accuracy = state.get("initial_val_accuracy")
         self.last_val_accuracy = state.get("last_val_accuracy")
 
-    def _save(self) -> None:
-        state = {
+    def _trainer_state(self) -> dict:
+        """What a checkpoint keeps besides weights and optimizer: enough to resume exactly."""
+        return {
             "step": self.step,
             "dataset": self.dataset.state_dict(),
             "actor_generator": self.actor.generator.get_state(),
@@ -246,6 +247,9 @@ class Trainer:
             "initial_val_accuracy": self.initial_val_accuracy,
             "last_val_accuracy": self.last_val_accuracy,
         }
+
+    def _save(self) -> None:
+        state = self._trainer_state()
         checkpoint.save_checkpoint(
             self.ckpt_root,
             self.step,
