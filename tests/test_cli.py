@@ -91,3 +91,16 @@ def test_plot_and_export_of_missing_paths_are_one_line_errors(tmp_path, capsys):
     assert main(["export", str(tmp_path / "no_ckpt"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("otbrl: error:") and "\n" not in err
+
+
+@pytest.mark.parametrize("backend, module", [("tensorboard", "tensorboard"), ("wandb", "wandb")])
+def test_missing_logger_package_is_a_config_error_before_loading(backend, module, capsys):
+    import importlib.util
+
+    from otbrl.cli import main
+
+    if importlib.util.find_spec(module) is not None:
+        pytest.skip(f"{module} is installed here")
+    assert main(["train", f"trainer.logger=[console,{backend}]"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "'trainer.logger'" in err and module in err and "\n" not in err

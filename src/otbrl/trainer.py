@@ -24,7 +24,7 @@ from otbrl.algos.metrics import otb_metrics
 from otbrl.config import Config, ConfigError, to_dict
 from otbrl.data import PromptDataset, encode_prompts, get_task, read_parquet_rows
 from otbrl.engine.actor import Actor
-from otbrl.logging import MetricsLogger
+from otbrl.logging import MetricsLogger, check_backends
 from otbrl.models import eos_token_ids, load_model_and_tokenizer
 from otbrl.plotting import plot_run
 from otbrl.rewards import resolve_reward_function, score_responses
@@ -91,6 +91,10 @@ def validate_config(cfg: Config) -> frozenset[str]:
             f"got '{cfg.model.path}'",
             "model.path",
         )
+    try:  # an optional logger package missing is reported now, not after the model loads
+        check_backends(cfg.trainer.logger)
+    except (ImportError, ValueError) as err:
+        raise ConfigError(f"'trainer.logger': {err}", "trainer.logger") from None
     if not cfg.data.train_files:
         try:
             get_task(cfg.data.task)
