@@ -145,8 +145,10 @@ def test_chunk_size_never_changes_results(tokens, vocab, chunk, seed):
     for c in (None, chunk):
         s = fused_linear_token_stats(hidden, weight, labels, bias=b, chunk_size=c)
         results.append((*s, *grads(s, w, (hidden, weight, b))))
+    # Chunking changes the fp32 summation order of the weight gradient (a sum over token
+    # chunks): a 2e-6 difference was seen on values ~0.35, so hold it to the fp32 1e-5.
     for x, y in zip(*results):
-        torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
