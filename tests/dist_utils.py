@@ -14,7 +14,9 @@ import traceback
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
+
+from tiny_models import tiny_causal_lm
 
 VOCAB = 64
 _PRELOAD = [
@@ -111,20 +113,10 @@ def check_ok(run: dict) -> dict:
 
 
 def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
-    """A random-init fp32 Llama small enough for 2 CPU cores (4 heads, 2 KV heads, V=64)."""
-    torch.manual_seed(seed)
-    kwargs = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation="sdpa",
+    """The shared tiny Llama (``tiny_models``) with V = VOCAB and sdpa attention."""
+    return tiny_causal_lm(
+        "llama", seed, **{"vocab_size": VOCAB, "attn_implementation": "sdpa", **overrides}
     )
-    kwargs.update(overrides)
-    return LlamaForCausalLM(LlamaConfig(**kwargs)).float()
 
 
 def reference_stats(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:

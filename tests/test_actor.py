@@ -4,32 +4,17 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from otbrl.config import ActorConfig
 from otbrl.engine.actor import Actor, warmup_schedule
 from otbrl.engine.forward import block_causal_mask, forward_token_stats, sequence_inputs
+from tiny_models import tiny_causal_lm
 
 VOCAB = 37
 
 
 def tiny_model(arch="llama", seed=0):
-    torch.manual_seed(seed)
-    size = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**size))
-    else:
-        model = Qwen2ForCausalLM(Qwen2Config(**size))
-    return model.float()
+    return tiny_causal_lm(arch, seed, vocab_size=VOCAB, tie_word_embeddings=False)
 
 
 def make_batch(bsz=6, prompt_len=5, resp_len=7, seed=0):

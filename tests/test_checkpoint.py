@@ -16,8 +16,6 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    LlamaConfig,
-    LlamaForCausalLM,
     PreTrainedTokenizerFast,
 )
 
@@ -31,6 +29,7 @@ from otbrl.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
+from tiny_models import tiny_causal_lm
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -59,21 +58,15 @@ def tokenizer():
 
 
 def tiny_llama(vocab_size, seed):
-    torch.manual_seed(seed)
-    config = LlamaConfig(
+    return tiny_causal_lm(
+        "llama",
+        seed,
         vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
         tie_word_embeddings=True,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
     )
-    return LlamaForCausalLM(config)
 
 
 def make_training(vocab_size, seed):

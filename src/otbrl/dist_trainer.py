@@ -236,13 +236,9 @@ class DistributedTrainer(Trainer):
         dist.barrier()
 
     def _resume(self) -> None:
-        cfg = self.cfg.trainer
-        if cfg.resume == "never":
-            return
-        path = checkpoint.latest_checkpoint(self.ckpt_root) if cfg.resume == "auto" else cfg.resume
+        path = self._resume_path()
         if path is None:
             return
-        path = Path(path)
         sharded = path.parent / SHARDED_DIR / path.name
         if not (sharded / ".metadata").is_file():
             raise ConfigError(
@@ -254,12 +250,7 @@ class DistributedTrainer(Trainer):
         state = checkpoint.load_checkpoint(
             path, model=self.actor.inference_model, scheduler=self.actor.scheduler
         )
-        self.step = int(state["step"])
-        self.dataset.load_state_dict(state["dataset"])
-        self.actor.generator.set_state(state["actor_generator"])
-        checkpoint.restore_rng_state(state["rng"])
-        self.initial_val_accuracy = state.get("initial_val_accuracy")
-        self.last_val_accuracy = state.get("last_val_accuracy")
+        self._restore_trainer_state(state)
 
 
 def is_distributed_run(cfg: Config) -> bool:

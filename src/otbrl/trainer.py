@@ -221,11 +221,16 @@ class Trainer:
         )
 
     # -- checkpoints -----------------------------------------------------------------------------
-    def _resume(self) -> None:
+    def _resume_path(self) -> Path | None:
+        """The checkpoint ``trainer.resume`` names: none, the latest under the run, or a path."""
         cfg = self.cfg.trainer
         if cfg.resume == "never":
-            return
+            return None
         path = checkpoint.latest_checkpoint(self.ckpt_root) if cfg.resume == "auto" else cfg.resume
+        return None if path is None else Path(path)
+
+    def _resume(self) -> None:
+        path = self._resume_path()
         if path is None:
             return
         state = checkpoint.load_checkpoint(
@@ -234,6 +239,10 @@ class Trainer:
             optimizer=self.actor.optimizer,
             scheduler=self.actor.scheduler,
         )
+        self._restore_trainer_state(state)
+
+    def _restore_trainer_state(self, state: dict) -> None:
+        """Inverse of ``_trainer_state``."""
         self.step = int(state["step"])
         self.dataset.load_state_dict(state["dataset"])
         self.actor.generator.set_state(state["actor_generator"])

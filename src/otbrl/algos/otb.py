@@ -265,6 +265,28 @@ def _row_ends(response_mask: Tensor, lengths: Tensor) -> Tensor:
     return ends
 
 
+def _returns_energy_groups(
+    token_level_rewards,
+    response_mask,
+    index,
+    old_log_probs,
+    sum_pi_squared,
+    rollout_is_weights,
+    energy,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+    """Shared by both OTB forms: ``(G, W, m, gid, num_groups)``; G, W, m ``[B, L]``, gid ``[B]``."""
+    G, W = reward_to_go_and_energy(
+        token_level_rewards,
+        response_mask,
+        old_log_probs,
+        sum_pi_squared,
+        rollout_is_weights=rollout_is_weights,
+        energy=energy,
+    )
+    gid, ng = group_ids(index, G.shape[0], G.device)
+    return G, W, response_mask.float(), gid, ng
+
+
 def optimal_token_baseline(
     *,
     token_level_rewards: Tensor,
@@ -288,17 +310,16 @@ def optimal_token_baseline(
       ``"uniform"`` (w ≡ 1, the ablation).
     - returns = G.
     """
-    G, W = reward_to_go_and_energy(
+    G, W, m, gid, ng = _returns_energy_groups(
         token_level_rewards,
         response_mask,
+        index,
         old_log_probs,
         sum_pi_squared,
-        rollout_is_weights=rollout_is_weights,
-        energy=energy,
+        rollout_is_weights,
+        energy,
     )
-    m = response_mask.float()
-    B, L = G.shape
-    gid, ng = group_ids(index, B, G.device)
+    L = G.shape[1]
     n_members = torch.bincount(gid, minlength=ng)
     layout = _GroupLayout(gid, ng, L)
     den = W.mul_(m)
@@ -348,17 +369,16 @@ def tir_optimal_token_baseline(
     Shapes: ``[B, L]`` tensors, ``index`` ``[B]`` -> ``(advantages, returns)`` ``[B, L]``;
     advantages are (G − B)·m at the masked positions, 0 elsewhere; returns = G (not masked).
     """
-    G, W = reward_to_go_and_energy(
+    G, W, m, gid, ng = _returns_energy_groups(
         token_level_rewards,
         response_mask,
+        index,
         old_log_probs,
         sum_pi_squared,
-        rollout_is_weights=rollout_is_weights,
-        energy=energy,
+        rollout_is_weights,
+        energy,
     )
-    m = response_mask.float()
-    B, L = G.shape
-    gid, ng = group_ids(index, B, G.device)
+    L = G.shape[1]
     lengths = row_lengths(m)
     member = lengths > 0
     n_members = torch.zeros(ng, dtype=torch.int64, device=G.device).index_add_(

@@ -1,0 +1,29 @@
+"""The random-init tiny decoder every model-level test builds (one definition, many sizes)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+
+
+def tiny_causal_lm(arch: str = "llama", seed: int = 0, **overrides) -> torch.nn.Module:
+    """An fp32 causal LM small enough for 2 CPU cores: 2 layers, 4 heads, 2 KV heads, V = 64.
+
+    ``overrides`` replace any config field (``vocab_size``, ``tie_word_embeddings``, ...); the
+    weights depend only on ``seed`` and the config.
+    """
+    config_cls, model_cls = ARCHS[arch]
+    kwargs = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    return model_cls(config_cls(**kwargs)).float()
