@@ -1,4 +1,7 @@
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -149,7 +152,8 @@ def test_warm_start_is_cached_and_keyed_by_settings(tmp_path, monkeypatch):
     assert meta["result"]["steps"] == 2 and not meta["result"]["reached_target"]
     model, tok = load_model_and_tokenizer(first)
     assert model.config.hidden_size == 32 and tok.padding_side == "left"
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temp directory left
+    # no temp directory left (the lock file stays: deleting it would race with a waiter)
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == [first.name]
 
     def must_not_train(*args, **kw):
         raise AssertionError("the cached warm start should have been reused")
@@ -158,6 +162,42 @@ def test_warm_start_is_cached_and_keyed_by_settings(tmp_path, monkeypatch):
     assert sft.ensure_warm_start(tmp_path, seed=0, **kwargs) == first
     with pytest.raises(AssertionError, match="reused"):
         sft.ensure_warm_start(tmp_path, seed=0, **{**kwargs, "lr": 1e-3})
+
+
+def test_concurrent_builders_wait_for_one_warm_start(tmp_path, monkeypatch):
+    """A second process asking for the same warm start blocks on the lock, then reuses it."""
+    import threading
+
+    settings = {"size": SMALL, "max_steps": 2, "n_eval": 8, "n_train": 64}
+    builds = []
+    monkeypatch.setattr(sft, "_build_warm_start", lambda *a: builds.append(a))
+    final = sft.ensure_warm_start(tmp_path, **settings)  # where the model would go
+    assert len(builds) == 1 and not final.exists()
+    builds.clear()
+    result = {}
+    with sft._exclusive(tmp_path / f".{final.name}.lock"):  # "another process" is building
+        waiter = threading.Thread(
+            target=lambda: result.setdefault("path", sft.ensure_warm_start(tmp_path, **settings))
+        )
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive()  # blocked on the lock
+        final.mkdir()
+        (final / sft.WARM_START_FILE).write_text("{}")
+    waiter.join(10)
+    assert result["path"] == final and builds == []
+
+
+def test_stale_temp_directories_of_dead_builds_are_removed(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".tmp-arithmetic-abc-{dead.pid}"
+    live = tmp_path / f".tmp-arithmetic-abc-{os.getpid()}"
+    other = tmp_path / f".tmp-arithmetic-xyz-{dead.pid}"
+    for path in (stale, live, other):
+        path.mkdir()
+    sft._remove_stale_temps(tmp_path, "arithmetic-abc")
+    assert not stale.exists() and live.exists() and other.exists()
 
 
 def test_bad_arguments(tiny):

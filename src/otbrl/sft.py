@@ -10,16 +10,20 @@ pays for it once.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import otbrl
@@ -128,6 +132,7 @@ def run_sft(
     max_new_tokens: int = 8,
     seed: int = 0,
     trigger_window: int = 5,
+    progress: bool = False,
 ) -> dict:
     """Teacher-forced SFT with AdamW on response tokens only; stops at ``target_accuracy``.
 
@@ -142,6 +147,7 @@ def run_sft(
             as soon as the teacher-forced accuracy of the last ``trigger_window`` training
             batches reaches the target (at most every ``trigger_window`` steps).
         max_new_tokens: response cap when evaluating.
+        progress: show a progress bar (stderr) with the loss and the last greedy accuracy.
 
     Teacher-forced accuracy is free (the training forward's own argmax) and exact: a prompt
     whose every response token (EOS included) is the argmax given the true prefix is a
@@ -176,6 +182,15 @@ def run_sft(
     last_eval = 0
     start_time = time.perf_counter()
     was_training = model.training
+    bar = tqdm(
+        total=max_steps,
+        desc="warm start (SFT)",
+        unit="step",
+        dynamic_ncols=True,
+        file=sys.stderr,
+        disable=not progress,
+        mininterval=0.5 if sys.stderr.isatty() else 10.0,
+    )
     for step in range(1, max_steps + 1):
         model.train()
         idx = torch.randint(n, (batch_size,), generator=generator)
@@ -205,9 +220,12 @@ def run_sft(
             accuracy = evaluate_accuracy(model, tokenizer, eval_rows, max_new_tokens=max_new_tokens)
             result["accuracy"] = accuracy
             result["evaluations"].append([step, accuracy])
+            bar.set_postfix(loss=f"{result['losses'][-1]:.3f}", greedy_acc=f"{accuracy:.3f}")
             if target_accuracy is not None and accuracy >= target_accuracy:
                 result["reached_target"] = True
                 break
+        bar.update(1)
+    bar.close()
     model.train(was_training)
     result["seconds"] = time.perf_counter() - start_time
     return result
@@ -273,33 +291,48 @@ def ensure_warm_start(
     if (final / WARM_START_FILE).is_file():
         return final
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cache_dir / f".tmp-{final.name}-{os.getpid()}"
+    # Parallel runs (e.g. `otbrl compare` arms in separate processes) wait for the first one's
+    # warm start instead of each training the same model.
+    with _exclusive(cache_dir / f".{final.name}.lock"):
+        if (final / WARM_START_FILE).is_file():
+            return final
+        _remove_stale_temps(cache_dir, final.name)
+        logger.info("warm start: SFT of the built-in model to greedy accuracy %s", target_accuracy)
+        _build_warm_start(cache_dir / f".tmp-{final.name}-{os.getpid()}", final, settings)
+    return final
+
+
+def _build_warm_start(tmp: Path, final: Path, settings: dict) -> None:
+    task_obj = get_task(settings["task"])
+    seed = settings["seed"]
     shutil.rmtree(tmp, ignore_errors=True)
-    task_obj = get_task(task)
-    build_tiny_model(tmp, task=task, arch=arch, seed=seed, **(size or {}))
+    build_tiny_model(
+        tmp, task=settings["task"], arch=settings["arch"], seed=seed, **settings["size"]
+    )
     model, tokenizer = load_model_and_tokenizer(tmp)
-    rows = task_obj.rows("train", n_train, seed=seed)
+    rows = task_obj.rows("train", settings["n_train"], seed=seed)
     with torch.random.fork_rng(devices=[]):
         result = run_sft(
             model,
             tokenizer,
             rows,
             [task_obj.demonstration(r) for r in rows],
-            lr=lr,
-            batch_size=batch_size,
-            max_steps=max_steps,
-            target_accuracy=target_accuracy,
-            eval_rows=task_obj.rows("val", n_eval, seed=seed),
-            eval_every=eval_every,
+            lr=settings["lr"],
+            batch_size=settings["batch_size"],
+            max_steps=settings["max_steps"],
+            target_accuracy=settings["target_accuracy"],
+            eval_rows=task_obj.rows("val", settings["n_eval"], seed=seed),
+            eval_every=settings["eval_every"],
             max_new_tokens=task_obj.max_response_chars + 1,
             seed=seed,
+            progress=True,
         )
     if not result["reached_target"]:
         logger.warning(
             "warm start stopped at max_steps=%d with accuracy %s < target %s",
-            max_steps,
+            settings["max_steps"],
             result["accuracy"],
-            target_accuracy,
+            settings["target_accuracy"],
         )
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -309,11 +342,40 @@ def ensure_warm_start(
     try:
         os.rename(tmp, final)
     except OSError:
-        # Another process finished the same warm start first; theirs is equally valid.
+        # A process without the lock (another cache on a filesystem without flock) finished
+        # the same warm start first; theirs is equally valid.
         shutil.rmtree(tmp, ignore_errors=True)
         if not (final / WARM_START_FILE).is_file():
             raise
-    return final
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path):
+    """An advisory ``flock`` held for the block; released by the OS if the process dies."""
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _remove_stale_temps(cache_dir: Path, name: str) -> None:
+    """Delete ``.tmp-<name>-<pid>`` directories left by killed builds (their pid is gone)."""
+    for tmp in cache_dir.glob(f".tmp-{name}-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _write_json(path: Path, obj: dict) -> None:
