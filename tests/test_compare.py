@@ -9,6 +9,7 @@ import torch
 from otbrl.compare import (
     arm_label,
     arm_steps,
+    check_settings,
     markdown_table,
     parse_arms,
     run_compare,
@@ -84,7 +85,7 @@ def test_summary_matches_hand_computation():
     assert "| X | 150 ± 71 (2/2)" in table and "not reached (0/1)" in table
 
 
-def test_tiny_comparison_run(tmp_path):
+def _tiny_setup(tmp_path, reward_body="return float(len(text))"):
     from otbrl.models import build_tiny_model
 
     model = build_tiny_model(
@@ -97,15 +98,18 @@ def test_tiny_comparison_run(tmp_path):
         num_key_value_heads=2,
     )
     reward = tmp_path / "reward.py"
-    reward.write_text("def length(source, text, truth, extra):\n    return float(len(text))\n")
-    overrides = [
+    reward.write_text(f"def length(source, text, truth, extra):\n    {reward_body}\n")
+    return [
         f"model.path={model}",
         f"reward.function={reward}:length",
         "data.max_response_length=3",
         "data.val_size=8",
-        "actor.micro_batch_size=4",
+        "actor.micro_batch_size=2",
     ]
-    kwargs = {
+
+
+def _tiny_kwargs(tmp_path, **extra):
+    return {
         "arms": "grpo:2,optimal_token_baseline:2",
         "seeds": 1,
         "budget_responses": 8,
@@ -113,7 +117,12 @@ def test_tiny_comparison_run(tmp_path):
         "target": 0.5,
         "out_dir": str(tmp_path / "cmp"),
         "echo": lambda _: None,
+        **extra,
     }
+
+
+def test_tiny_comparison_run(tmp_path):
+    overrides, kwargs = _tiny_setup(tmp_path), _tiny_kwargs(tmp_path)
     out = run_compare(None, overrides, **kwargs)
     assert set(out["summary"]) == {"GRPO N=2", "OTB N=2"}
     for curves in out["curves"].values():
@@ -125,3 +134,39 @@ def test_tiny_comparison_run(tmp_path):
     before = metrics.read_text()
     again = run_compare(None, overrides, **kwargs)
     assert again["curves"] == out["curves"] and metrics.read_text() == before
+
+
+def test_parallel_jobs_train_in_subprocesses_like_in_process(tmp_path):
+    """--jobs 2: each run is its own `otbrl train` process; the curves equal in-process ones."""
+    overrides = _tiny_setup(tmp_path)
+    serial = run_compare(None, overrides, **_tiny_kwargs(tmp_path / "a"))
+    parallel = run_compare(None, overrides, **_tiny_kwargs(tmp_path / "b", jobs=2))
+    assert parallel["curves"] == serial["curves"]
+    assert (tmp_path / "b" / "cmp" / "grpo-n2" / "seed0" / "train.log").is_file()
+
+
+def test_failed_runs_are_named_after_the_others_finish(tmp_path):
+    overrides = _tiny_setup(tmp_path, reward_body="raise RuntimeError('reward broke')")
+    with pytest.raises(RuntimeError, match=r"(?s)GRPO N=2 seed 0: exit code 1.*OTB N=2 seed 0"):
+        run_compare(None, overrides, **_tiny_kwargs(tmp_path, jobs=2))
+
+
+@pytest.mark.parametrize(
+    "kwargs, flag",
+    [
+        ({"seeds": 0}, "--seeds"),
+        ({"jobs": 0}, "--jobs"),
+        ({"prompts": 3, "updates_per_step": 2}, "divisible by --updates-per-step"),
+    ],
+)
+def test_bad_settings_name_the_option(kwargs, flag):
+    settings = {"seeds": 1, "budget_responses": 8, "prompts": 2, "updates_per_step": 1, "jobs": 1}
+    with pytest.raises(ValueError, match=flag):
+        check_settings(**{**settings, **kwargs})
+
+
+def test_cli_rejects_bad_settings_before_loading_a_model(capsys):
+    from otbrl.compare import main
+
+    assert main(["--prompts", "5", "--updates-per-step", "2"]) == 2
+    assert "--updates-per-step" in capsys.readouterr().err

@@ -13,12 +13,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
+import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 ARMS = "optimal_token_baseline:4,grpo:4,grpo:16,optimal_token_baseline:16"
+# the default preset (docs/when-does-otb-help.md): 800 steps at n = 4, 200 at n = 16
+BUDGET = 102_400
+PROMPTS = 32
+TARGET = 0.5
+VAL_POINTS = 20  # validations per run (greedy, cheap next to training)
 SHORT = {"optimal_token_baseline": "OTB", "grpo": "GRPO", "rloo": "RLOO"}
 
 
@@ -161,68 +170,143 @@ def _json_safe(obj):
     return obj
 
 
+@dataclass
+class _Run:
+    """One arm × seed training run of the comparison."""
+
+    label: str
+    seed: int
+    steps: int
+    responses_per_step: int
+    run_dir: Path
+    cfg: object  # the validated otbrl.config.Config
+    overrides: list[str]  # what turns the base config into this run
+
+
+def _run_overrides(name, n, seed, *, start_path, prompts, updates_per_step, steps, run_dir):
+    """The overrides that turn the base config into one arm × seed run."""
+    return [
+        f"model.path={start_path}",
+        f"algorithm.adv_estimator={name}",
+        f"rollout.n={n}",
+        f"data.train_batch_size={prompts}",
+        f"actor.ppo_mini_batch_size={prompts // updates_per_step}",
+        f"trainer.total_steps={steps}",
+        f"trainer.val_every={max(1, steps // VAL_POINTS)}",
+        f"trainer.seed={seed}",
+        f"trainer.output_dir={run_dir}",
+        "trainer.logger=[jsonl]",
+        "trainer.resume=never",
+    ]
+
+
+def _train_subprocess(config_file, overrides, run_dir: Path, threads: int) -> str | None:
+    """``otbrl train`` in a child process with ``threads`` torch threads; output to
+    ``run_dir/train.log``. Returns None on success, else a one-line reason."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    command = [sys.executable, "-m", "otbrl", "train"]
+    command += ["--config", config_file] if config_file else []
+    with open(run_dir / "train.log", "w") as log:
+        code = subprocess.run(
+            [*command, *overrides], stdout=log, stderr=subprocess.STDOUT, env=env
+        ).returncode
+    if code == 0 and (run_dir / "summary.json").is_file():
+        return None
+    return f"exit code {code}; see {run_dir / 'train.log'}"
+
+
 def run_compare(
     config_file: str | None,
     overrides: list[str],
     *,
     arms: str = ARMS,
     seeds: int = 3,
-    budget_responses: int = 19200,
-    prompts: int = 16,
-    target: float = 0.25,
+    budget_responses: int = BUDGET,
+    prompts: int = PROMPTS,
+    updates_per_step: int = 2,
+    target: float = TARGET,
     out_dir: str = "runs/compare",
+    jobs: int = 1,
     echo=print,
 ) -> dict:
     """Train every arm × seed, then write ``summary.json``, ``compare.md`` and ``compare.png``
-    into ``out_dir``; returns the summary. Finished runs (their ``summary.json`` exists) are
-    reused rather than retrained."""
+    into ``out_dir``; returns the summary.
+
+    Every run takes ``prompts`` prompts per step and ``updates_per_step`` optimizer steps per
+    RL step. Finished runs (their ``summary.json`` exists) are reused rather than retrained.
+    ``jobs`` > 1 trains that many runs at once, each in its own ``otbrl train`` process with
+    ``cpu_count // jobs`` torch threads (small models train faster as parallel single-thread
+    processes than as one multi-thread process). Raises ``RuntimeError`` naming every failed
+    run after the others have finished.
+    """
     from otbrl.config import load_config
     from otbrl.trainer import Trainer, model_path, validate_config
 
     arm_list = parse_arms(arms)
-    if seeds < 1 or prompts < 1 or budget_responses < 1:
-        raise ValueError(
-            f"seeds, prompts, budget: expected >= 1, got {seeds}, {prompts}, {budget_responses}"
-        )
+    check_settings(seeds, budget_responses, prompts, updates_per_step, jobs)
     out = Path(out_dir)
     base_cfg = load_config(config_file, overrides)
     validate_config(base_cfg)
     # one warm start shared by every arm and seed: seeds vary the RL sampling, not the start
     start_path = model_path(base_cfg)
     start = time.perf_counter()
-    curves: dict[str, list[dict]] = {}
+    plan = []
     for name, n in arm_list:
-        label = arm_label(name, n)
         steps = arm_steps(budget_responses, prompts, n)
         for seed in range(seeds):
             run_dir = out / f"{name}-n{n}" / f"seed{seed}"
-            cfg = load_config(
-                config_file,
-                [
-                    *overrides,
-                    f"model.path={start_path}",
-                    f"algorithm.adv_estimator={name}",
-                    f"rollout.n={n}",
-                    f"data.train_batch_size={prompts}",
-                    f"actor.ppo_mini_batch_size={prompts}",
-                    f"trainer.total_steps={steps}",
-                    f"trainer.val_every={max(1, steps // 10)}",
-                    f"trainer.seed={seed}",
-                    f"trainer.output_dir={run_dir}",
-                    "trainer.logger=[jsonl]",
-                ],
+            run = _run_overrides(
+                name,
+                n,
+                seed,
+                start_path=start_path,
+                prompts=prompts,
+                updates_per_step=updates_per_step,
+                steps=steps,
+                run_dir=run_dir,
             )
+            # fail before training anything if one arm's config is wrong
+            cfg = load_config(config_file, [*overrides, *run])
+            validate_config(cfg)
+            plan.append(_Run(arm_label(name, n), seed, steps, prompts * n, run_dir, cfg, run))
+    todo = [run for run in plan if not (run.run_dir / "summary.json").is_file()]
+    done = 0
+
+    def report(item, seconds):
+        nonlocal done
+        done += 1
+        echo(
+            f"[{done}/{len(todo)}] {item.label} seed {item.seed}: {item.steps} steps, "
+            f"{seconds:.0f} s"
+        )
+
+    failures = []
+    if jobs == 1:
+        for item in todo:
             t0 = time.perf_counter()
-            # a finished run (summary.json written at the end of fit) is reused, so arms can
-            # be trained by separate processes and summarized by one last call
-            if not (run_dir / "summary.json").is_file():
-                Trainer(cfg).fit()
-            curves.setdefault(label, []).append(run_curves(run_dir, prompts * n))
-            final = curves[label][-1]["final_accuracy"]
-            echo(
-                f"{label} seed {seed}: {steps} steps, final acc {final:.3f}, "
-                f"{time.perf_counter() - t0:.0f} s"
+            Trainer(item.cfg).fit()
+            report(item, time.perf_counter() - t0)
+    else:
+        threads = max(1, (os.cpu_count() or 1) // jobs)
+
+        def train(item):
+            t0 = time.perf_counter()
+            error = _train_subprocess(
+                config_file, [*overrides, *item.overrides], item.run_dir, threads
             )
+            return item, error, time.perf_counter() - t0
+
+        with ThreadPoolExecutor(jobs) as pool:
+            for item, error, seconds in pool.map(train, todo):
+                if error:
+                    failures.append(f"{item.label} seed {item.seed}: {error}")
+                report(item, seconds)
+    if failures:
+        raise RuntimeError("otbrl compare: runs failed:\n" + "\n".join(failures))
+    curves: dict[str, list[dict]] = {}
+    for run in plan:
+        curves.setdefault(run.label, []).append(run_curves(run.run_dir, run.responses_per_step))
     summary = summarize(curves, target)
     table = markdown_table(summary, target)
     seconds = time.perf_counter() - start
@@ -231,9 +315,11 @@ def run_compare(
         "seeds": seeds,
         "budget_responses": budget_responses,
         "prompts_per_step": prompts,
+        "updates_per_step": updates_per_step,
         "target": target,
         "model": str(start_path),
         "overrides": overrides,
+        "jobs": jobs,
         "seconds": seconds,
         "summary": summary,
         "curves": curves,
@@ -247,6 +333,24 @@ def run_compare(
     return result
 
 
+def check_settings(seeds, budget_responses, prompts, updates_per_step, jobs) -> None:
+    """``ValueError`` naming the option when a comparison setting is out of range."""
+    for flag, value in (
+        ("--seeds", seeds),
+        ("--budget", budget_responses),
+        ("--prompts", prompts),
+        ("--updates-per-step", updates_per_step),
+        ("--jobs", jobs),
+    ):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{flag}: expected an integer >= 1, got {value!r}")
+    if prompts % updates_per_step:
+        raise ValueError(
+            f"--prompts {prompts} must be divisible by --updates-per-step {updates_per_step} "
+            "(each optimizer step takes an equal share of the step's prompts)"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m otbrl.compare [--config F] [key=value ...] [--arms ...] [--seeds S] ...``"""
     parser = argparse.ArgumentParser(prog="otbrl compare", description=__doc__.splitlines()[0])
@@ -254,31 +358,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     parser.add_argument("--arms", default=ARMS, help="estimator:n, comma-separated")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--budget", type=int, default=19200, help="sampled responses per run")
-    parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
-    parser.add_argument("--target", type=float, default=0.25, help="validation accuracy target")
+    parser.add_argument(
+        "--budget", type=int, default=BUDGET, help="sampled responses per run (all arms equal)"
+    )
+    parser.add_argument("--prompts", type=int, default=PROMPTS, help="prompts per RL step")
+    parser.add_argument(
+        "--updates-per-step", type=int, default=2, help="optimizer steps per RL step"
+    )
+    parser.add_argument("--target", type=float, default=TARGET, help="validation accuracy target")
+    parser.add_argument("--jobs", type=int, default=1, help="runs trained at once (processes)")
     parser.add_argument("--out-dir", default="runs/compare")
     args = parser.parse_args(argv)
     try:
         parse_arms(args.arms)
-        if min(args.seeds, args.budget, args.prompts) < 1:
-            raise ValueError(
-                f"--seeds, --budget, --prompts: expected >= 1, got "
-                f"{args.seeds}, {args.budget}, {args.prompts}"
-            )
+        check_settings(args.seeds, args.budget, args.prompts, args.updates_per_step, args.jobs)
     except ValueError as err:  # one line, before any model loads
         print(f"otbrl compare: {err}", file=sys.stderr)
         return 2
-    run_compare(
-        args.config,
-        args.overrides,
-        arms=args.arms,
-        seeds=args.seeds,
-        budget_responses=args.budget,
-        prompts=args.prompts,
-        target=args.target,
-        out_dir=args.out_dir,
-    )
+    try:
+        run_compare(
+            args.config,
+            args.overrides,
+            arms=args.arms,
+            seeds=args.seeds,
+            budget_responses=args.budget,
+            prompts=args.prompts,
+            updates_per_step=args.updates_per_step,
+            target=args.target,
+            out_dir=args.out_dir,
+            jobs=args.jobs,
+        )
+    except RuntimeError as err:
+        print(err, file=sys.stderr)
+        return 1
     return 0
 
 
