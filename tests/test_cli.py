@@ -32,6 +32,7 @@ def no_model_loading(monkeypatch):
         (["train", "data.train_files=/no/such.parquet"], "data.train_files"),
         (["train", "model.path=/no/such/model"], "model.path"),
         (["train", "data.task=chess"], "data.task"),
+        (["train", "data.task=digit_sum"], "data.max_response_length=9"),
         (["demo", "trainer.total_step=3"], "trainer.total_step"),
         (["eval", "rollout.top_p=0"], "rollout.top_p"),
         (["sft", "sft.target_accuracy=2"], "sft.target_accuracy"),

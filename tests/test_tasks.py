@@ -69,3 +69,47 @@ def test_bad_arguments():
         ArithmeticTask(digits=9)
     with pytest.raises(ValueError, match="n_val"):
         ArithmeticTask(digits=1, n_val=100)
+
+
+def test_digit_sum_demonstrations_are_valid_and_vary_in_length():
+    from otbrl.data import DIGIT_SUM_SOURCE, DigitSumTask
+    from otbrl.rewards import reward_for_data_source
+
+    task = get_task("digit_sum")
+    reward = reward_for_data_source(DIGIT_SUM_SOURCE)
+    rows = task.rows("train", 2000, seed=0)
+    lengths_by_sum: dict[int, set[int]] = {}
+    for row in rows:
+        validate_row(row)
+        total = int(row["reward_model"]["ground_truth"])
+        demo = task.demonstration(row)
+        assert demo == task.demonstration(dict(row))  # fixed per row
+        assert set(demo) <= set("123456789") and sum(map(int, demo)) == total
+        assert -(-total // 9) <= len(demo) <= min(total, task.max_response_chars)
+        assert set(row["prompt"][0]["content"] + demo) <= set(task.alphabet)
+        assert reward(DIGIT_SUM_SOURCE, demo, row["reward_model"]["ground_truth"], {}) == 1.0
+        lengths_by_sum.setdefault(total, set()).add(len(demo))
+    # the point of the task: one prompt, answers of many lengths
+    assert lengths_by_sum[20] == set(range(3, 9))
+    assert DigitSumTask(max_sum=9, max_digits=1).rows("val", 5)[0]["extra_info"]["split"] == "val"
+    for bad, match in [({"max_digits": 0}, "max_digits"), ({"max_sum": 73}, "max_sum")]:
+        with pytest.raises(ValueError, match=match):
+            DigitSumTask(**bad)
+
+
+@pytest.mark.parametrize(
+    "text, truth, expected",
+    [
+        ("39", "12", 1.0),
+        (" 111117\n", "12", 1.0),
+        ("38", "12", 0.0),
+        ("309", "12", 0.0),
+        ("", "0", 0.0),
+        ("3a9", "12", 0.0),
+        ("9", "9", 1.0),
+    ],
+)
+def test_digit_sum_reward(text, truth, expected):
+    from otbrl.rewards import BUILTIN_REWARDS
+
+    assert BUILTIN_REWARDS["digit_sum"]("otbrl/digit_sum", text, truth, {}) == expected

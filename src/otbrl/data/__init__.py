@@ -8,12 +8,22 @@ from otbrl.data.datasets import (
     validate_row,
     write_parquet_rows,
 )
-from otbrl.data.tasks import ARITHMETIC_SOURCE, TASKS, ArithmeticTask, Task, get_task
+from otbrl.data.tasks import (
+    ARITHMETIC_SOURCE,
+    DIGIT_SUM_SOURCE,
+    TASKS,
+    ArithmeticTask,
+    DigitSumTask,
+    Task,
+    get_task,
+)
 
 __all__ = [
     "ARITHMETIC_SOURCE",
+    "DIGIT_SUM_SOURCE",
     "TASKS",
     "ArithmeticTask",
+    "DigitSumTask",
     "PromptDataset",
     "Task",
     "encode_prompts",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 ARITHMETIC_SOURCE = "otbrl/arithmetic"
+DIGIT_SUM_SOURCE = "otbrl/digit_sum"
 SPLITS = ("train", "val")
 
 
@@ -99,7 +100,90 @@ class ArithmeticTask(Task):
         }
 
 
-TASKS: dict[str, type[Task]] = {"arithmetic": ArithmeticTask}
+class DigitSumTask(Task):
+    """``S:`` -> any string of digits 1-9 whose digits sum to S (at most ``max_digits`` of them).
+
+    Many answers of different lengths are right (S = 12: ``39``, ``66``, ``111117``...), so the
+    response length varies *within* a group of samples for one prompt: the task the tail rule
+    and length-dependent baselines of OTB matter on (the arithmetic task has one answer per
+    prompt, so every sample of a group has the same length). Demonstrations draw the length
+    uniformly from the feasible range ``ceil(S/9) .. min(S, max_digits)`` and then a uniform
+    composition, fixed per row. Only ``max_sum`` prompt texts exist, so ``val`` rows repeat the
+    prompts of ``train`` (with their own draws): the task measures how reliably the policy
+    samples a valid answer, not generalization to unseen prompts.
+    """
+
+    name = "digit_sum"
+    data_source = DIGIT_SUM_SOURCE
+    alphabet = "0123456789:"
+
+    def __init__(
+        self,
+        max_sum: int = 40,
+        max_digits: int = 8,
+        n_train: int = 20000,
+        n_val: int = 1000,
+        split_seed: int = 1234,
+    ):
+        if not isinstance(max_digits, int) or not 1 <= max_digits <= 16:
+            raise ValueError(f"max_digits: expected an int in [1, 16], got {max_digits!r}")
+        if not isinstance(max_sum, int) or not 1 <= max_sum <= 9 * max_digits:
+            raise ValueError(
+                f"max_sum: expected an int in [1, 9 * max_digits = {9 * max_digits}], "
+                f"got {max_sum!r}"
+            )
+        for name, value in (("n_train", n_train), ("n_val", n_val)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        self.max_sum, self.max_digits, self.split_seed = max_sum, max_digits, split_seed
+        self.max_response_chars = max_digits
+        rng = np.random.default_rng(split_seed)
+        self._sums = {
+            "train": rng.integers(1, max_sum + 1, size=n_train),
+            "val": rng.integers(1, max_sum + 1, size=n_val),
+        }
+
+    def split_size(self, split: str) -> int:
+        """Number of rows in ``split``."""
+        return len(self._split(split))
+
+    def rows(self, split: str, n: int | None = None, seed: int = 0) -> list[dict]:
+        pool = self._split(split)
+        n = len(pool) if n is None else n
+        if not isinstance(n, int) or not 0 < n <= len(pool):
+            raise ValueError(
+                f"n: expected an int in [1, {len(pool)}] for split {split!r}, got {n!r}"
+            )
+        order = np.random.default_rng(seed).permutation(len(pool))[:n]
+        return [self._row(split, int(i), int(pool[i])) for i in order]
+
+    def demonstration(self, row: dict) -> str:
+        total = int(row["reward_model"]["ground_truth"])
+        split_id = SPLITS.index(row["extra_info"]["split"])
+        rng = np.random.default_rng([self.split_seed, split_id, row["extra_info"]["index"]])
+        length = int(rng.integers(-(-total // 9), min(total, self.max_digits) + 1))
+        digits = np.ones(length, dtype=np.int64)
+        for _ in range(total - length):  # one unit at a time into a digit that is not yet 9
+            open_slots = np.flatnonzero(digits < 9)
+            digits[open_slots[rng.integers(len(open_slots))]] += 1
+        return "".join(map(str, digits))
+
+    def _split(self, split: str) -> np.ndarray:
+        if split not in self._sums:
+            raise ValueError(f"split: expected one of {list(self._sums)}, got {split!r}")
+        return self._sums[split]
+
+    def _row(self, split: str, index: int, total: int) -> dict:
+        return {
+            "prompt": [{"role": "user", "content": f"{total}:"}],
+            "data_source": self.data_source,
+            "ability": "digit_sum",
+            "reward_model": {"style": "rule", "ground_truth": str(total)},
+            "extra_info": {"split": split, "index": index},
+        }
+
+
+TASKS: dict[str, type[Task]] = {"arithmetic": ArithmeticTask, "digit_sum": DigitSumTask}
 
 
 def get_task(name: str, **kwargs) -> Task:

@@ -54,8 +54,18 @@ def _normalise_number(text: str) -> str:
     return "0" if text == "-0" else text
 
 
+def digit_sum(data_source: str, solution_str: str, ground_truth: str, extra_info: dict) -> float:
+    """1.0 when the response is digits 1-9 (surrounding whitespace stripped) summing to the
+    ground truth; the ``digit_sum`` task's reward."""
+    text = solution_str.strip()
+    return float(
+        bool(text) and set(text) <= set("123456789") and sum(map(int, text)) == int(ground_truth)
+    )
+
+
 BUILTIN_REWARDS: dict[str, RewardFunction] = {
     "exact_match": exact_match,
+    "digit_sum": digit_sum,
     "gsm8k": gsm8k,
     "gsm8k_flexible": gsm8k_flexible,
 }
@@ -63,6 +73,7 @@ BUILTIN_REWARDS: dict[str, RewardFunction] = {
 # The reward a row gets when no reward function is configured, keyed by its data_source.
 DATA_SOURCE_REWARDS: dict[str, RewardFunction] = {
     "otbrl/arithmetic": exact_match,
+    "otbrl/digit_sum": digit_sum,
     "openai/gsm8k": gsm8k,
     "gsm8k": gsm8k,
 }
