@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from otbrl.compare import (
+    arm_estimator_overrides,
     arm_label,
     arm_steps,
     check_settings,
@@ -33,12 +34,28 @@ def test_parse_arms_and_steps():
         ("grpo", 4),
         ("optimal_token_baseline", 16),
     ]
-    for bad in ("grpo", "grpo:x", "grpo:1", ":4"):
+    assert parse_arms("drgrpo:4,otb_notail:16") == [("drgrpo", 4), ("otb_notail", 16)]
+    for bad in ("grpo", "grpo:x", "grpo:1", ":4", "gpro:4", "grpo:4,grpo:4"):
         with pytest.raises(ValueError, match="arms"):
             parse_arms(bad)
     # equal budget of sampled responses: n = 16 takes a quarter of the steps of n = 4
     assert arm_steps(6400, 16, 4) == 100 and arm_steps(6400, 16, 16) == 25
     assert arm_label("optimal_token_baseline", 4) == "OTB N=4"
+    assert arm_label("drgrpo", 16) == "Dr. GRPO N=16"
+
+
+def test_alias_arms_set_the_estimator_options():
+    from otbrl.config import load_config
+
+    overrides = arm_estimator_overrides("drgrpo")
+    assert overrides == [
+        "algorithm.adv_estimator=grpo",
+        "algorithm.norm_adv_by_std_in_grpo=false",
+    ]
+    cfg = load_config(None, arm_estimator_overrides("otb_loo"))
+    assert cfg.algorithm.adv_estimator == "optimal_token_baseline"
+    assert cfg.algorithm.otb.leave_one_out is True
+    assert arm_estimator_overrides("rloo") == ["algorithm.adv_estimator=rloo"]
 
 
 def _write_run(path, lengths, grad_norms, val):
@@ -102,7 +119,7 @@ def _tiny_setup(tmp_path, reward_body="return float(len(text))"):
     return [
         f"model.path={model}",
         f"reward.function={reward}:length",
-        "data.max_response_length=3",
+        "data.max_response_length=4",
         "data.val_size=8",
         "actor.micro_batch_size=2",
     ]
@@ -134,6 +151,9 @@ def test_tiny_comparison_run(tmp_path):
     before = metrics.read_text()
     again = run_compare(None, overrides, **kwargs)
     assert again["curves"] == out["curves"] and metrics.read_text() == before
+    # ... but not when the settings changed: that would mix settings in one table
+    with pytest.raises(ValueError, match=r"seed0 finished with actor\.lr=.*another --out-dir"):
+        run_compare(None, [*overrides, "actor.lr=1e-3"], **kwargs)
 
 
 def test_parallel_jobs_train_in_subprocesses_like_in_process(tmp_path):

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from otbrl.checkpoint import latest_checkpoint
 from otbrl.data import get_task, write_parquet_rows
 from otbrl.models import build_tiny_model
 
@@ -79,6 +80,8 @@ def test_sigkill_and_resume_matches_uninterrupted(tmp_path):
     assert proc.returncode == -signal.SIGKILL
     # the kill landed before the end (else this test proves nothing)
     assert not (killed / "summary.json").exists()
+    resumed_from = latest_checkpoint(killed / "checkpoints")
+    first_segment = json.loads((resumed_from / "trainer_state.json").read_text())["wall_seconds"]
 
     subprocess.run(
         command(model_dir, killed, train, val),
@@ -93,3 +96,7 @@ def test_sigkill_and_resume_matches_uninterrupted(tmp_path):
     a = load_file(full / "checkpoints" / "step_6" / "model.safetensors")
     b = load_file(killed / "checkpoints" / "step_6" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the summary's wall time covers both segments: the resumed one plus the first one's
+    # time up to the checkpoint it resumed from
+    summary = json.loads((killed / "summary.json").read_text())
+    assert summary["wall_seconds"] >= summary["segment_wall_seconds"] + first_segment > 0

@@ -28,18 +28,50 @@ BUDGET = 102_400
 PROMPTS = 32
 TARGET = 0.5
 VAL_POINTS = 20  # validations per run (greedy, cheap next to training)
-SHORT = {"optimal_token_baseline": "OTB", "grpo": "GRPO", "rloo": "RLOO"}
+SHORT = {
+    "optimal_token_baseline": "OTB",
+    "grpo": "GRPO",
+    "rloo": "RLOO",
+    "drgrpo": "Dr. GRPO",
+    "otb": "OTB",
+    "otb_notail": "OTB no-tail",
+    "otb_uniform": "OTB w≡1",
+    "otb_loo": "OTB LOO",
+}
 
 
 def parse_arms(text: str) -> list[tuple[str, int]]:
-    """``"grpo:4,optimal_token_baseline:16"`` -> [("grpo", 4), ...]; ``ValueError`` if malformed."""
+    """``"grpo:4,drgrpo:16"`` -> [("grpo", 4), ("drgrpo", 16)]; ``ValueError`` if malformed.
+
+    An arm's estimator is a registered name or an alias of ``ESTIMATOR_ALIASES`` (``drgrpo``,
+    ``otb_notail``, ...).
+    """
+    from otbrl.algos import ESTIMATOR_ALIASES, ESTIMATORS
+
     arms = []
     for item in text.split(","):
         name, sep, n = item.strip().partition(":")
         if not sep or not name or not n.isdigit() or int(n) < 2:
             raise ValueError(f"arms: expected 'estimator:n' with n >= 2, got {item!r}")
+        if name not in ESTIMATORS and name not in ESTIMATOR_ALIASES:
+            known = sorted({*ESTIMATORS, *ESTIMATOR_ALIASES})
+            raise ValueError(f"arms: unknown estimator {name!r} in {item!r}; known: {known}")
         arms.append((name, int(n)))
+    if len(set(arms)) != len(arms):
+        raise ValueError(f"arms: expected distinct arms, got {text!r}")
     return arms
+
+
+def arm_estimator_overrides(name: str) -> list[str]:
+    """Config overrides that select arm estimator ``name`` (an alias also sets its options)."""
+    from otbrl.algos import ESTIMATOR_ALIASES
+    from otbrl.trainer import ESTIMATOR_OPTION_KEYS
+
+    estimator, options = ESTIMATOR_ALIASES.get(name, (name, {}))
+    return [f"algorithm.adv_estimator={estimator}"] + [
+        f"{ESTIMATOR_OPTION_KEYS[key]}={str(value).lower() if isinstance(value, bool) else value}"
+        for key, value in options.items()
+    ]
 
 
 def arm_label(name: str, n: int) -> str:
@@ -187,7 +219,7 @@ def _run_overrides(name, n, seed, *, start_path, prompts, updates_per_step, step
     """The overrides that turn the base config into one arm × seed run."""
     return [
         f"model.path={start_path}",
-        f"algorithm.adv_estimator={name}",
+        *arm_estimator_overrides(name),
         f"rollout.n={n}",
         f"data.train_batch_size={prompts}",
         f"actor.ppo_mini_batch_size={prompts // updates_per_step}",
@@ -198,6 +230,36 @@ def _run_overrides(name, n, seed, *, start_path, prompts, updates_per_step, step
         "trainer.logger=[jsonl]",
         "trainer.resume=never",
     ]
+
+
+def _flatten(tree, prefix=""):
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out = {}
+    for key, value in tree.items():
+        out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def _finished(run: _Run) -> bool:
+    """True when ``run`` already finished with exactly the planned configuration; a finished
+    run whose saved ``config.yaml`` differs is a ``ValueError`` naming the first difference
+    (reusing it would mix settings in one table)."""
+    import yaml
+
+    from otbrl.config import to_dict
+
+    if not (run.run_dir / "summary.json").is_file():
+        return False
+    saved = _flatten(yaml.safe_load((run.run_dir / "config.yaml").read_text()))
+    planned = _flatten(to_dict(run.cfg))
+    for key in sorted(set(saved) | set(planned)):
+        if saved.get(key) != planned.get(key):
+            raise ValueError(
+                f"{run.run_dir} finished with {key}={saved.get(key)!r}, but this comparison "
+                f"sets {planned.get(key)!r}: delete that run or use another --out-dir"
+            )
+    return True
 
 
 def _train_subprocess(config_file, overrides, run_dir: Path, threads: int) -> str | None:
@@ -270,7 +332,7 @@ def run_compare(
             cfg = load_config(config_file, [*overrides, *run])
             validate_config(cfg)
             plan.append(_Run(arm_label(name, n), seed, steps, prompts * n, run_dir, cfg, run))
-    todo = [run for run in plan if not (run.run_dir / "summary.json").is_file()]
+    todo = [run for run in plan if not _finished(run)]
     done = 0
 
     def report(item, seconds):
@@ -388,7 +450,10 @@ def main(argv: list[str] | None = None) -> int:
             out_dir=args.out_dir,
             jobs=args.jobs,
         )
-    except RuntimeError as err:
+    except ValueError as err:  # a config error or a finished run with other settings
+        print(f"otbrl compare: {err}", file=sys.stderr)
+        return 2
+    except RuntimeError as err:  # training runs failed (named, with their logs)
         print(err, file=sys.stderr)
         return 1
     return 0

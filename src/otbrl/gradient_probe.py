@@ -19,22 +19,13 @@ import torch
 from torch import Tensor, nn
 
 from otbrl.algos import losses
-from otbrl.algos.advantages import compute_advantage, get_estimator
+from otbrl.algos.advantages import ESTIMATOR_ALIASES, compute_advantage, get_estimator
 from otbrl.algos.metrics import trajectory_w, variance_proxy
 from otbrl.algos.otb import zero_tail_mask
 from otbrl.engine.forward import forward_token_stats
 from otbrl.ops import token_stats
 from otbrl.rewards import score_responses
 from otbrl.rollout import decode_responses, generate
-
-# short names for the variants the issue compares; "name:key=value:..." reaches any other
-ALIASES: dict[str, tuple[str, dict]] = {
-    "otb": ("optimal_token_baseline", {}),
-    "otb_notail": ("optimal_token_baseline", {"handle_zero_tail": False}),
-    "otb_uniform": ("optimal_token_baseline", {"energy": "uniform"}),
-    "otb_loo": ("optimal_token_baseline", {"leave_one_out": True}),
-    "drgrpo": ("grpo", {"norm_adv_by_std_in_grpo": False}),
-}
 
 
 @dataclass(frozen=True)
@@ -59,7 +50,7 @@ def _parse_value(text: str):
 
 
 def parse_estimators(text: str) -> list[EstimatorSpec]:
-    """``"grpo,otb,optimal_token_baseline:energy=uniform"`` -> specs (aliases in ``ALIASES``).
+    """``"grpo,otb,optimal_token_baseline:energy=uniform"`` -> specs (``ESTIMATOR_ALIASES`` too).
 
     Raises ``ValueError`` naming the bad entry (unknown estimator, malformed option, duplicate).
     """
@@ -68,8 +59,8 @@ def parse_estimators(text: str) -> list[EstimatorSpec]:
         if not item:
             raise ValueError(f"estimators: empty entry in {text!r}")
         name, *opts = item.split(":")
-        if name in ALIASES:
-            name, options = ALIASES[name][0], dict(ALIASES[name][1])
+        if name in ESTIMATOR_ALIASES:
+            name, options = ESTIMATOR_ALIASES[name][0], dict(ESTIMATOR_ALIASES[name][1])
         else:
             options = {}
         get_estimator(name)  # ValueError listing the valid names

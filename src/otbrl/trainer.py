@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import random
 import time
 from pathlib import Path
@@ -31,17 +32,23 @@ from otbrl.rewards import resolve_reward_function, score_responses
 from otbrl.rollout import decode_responses, generate
 from otbrl.sft import ensure_warm_start, evaluate_accuracy
 
-
 # -- configuration checks that need the registries --------------------------------------------
+# estimator option -> the config key that sets it
+ESTIMATOR_OPTION_KEYS = {
+    "gamma": "algorithm.gamma",
+    "lam": "algorithm.lam",
+    "norm_adv_by_std_in_grpo": "algorithm.norm_adv_by_std_in_grpo",
+    "handle_zero_tail": "algorithm.handle_zero_tail",
+    "leave_one_out": "algorithm.otb.leave_one_out",
+    "energy": "algorithm.otb.energy",
+}
+
+
 def estimator_options(cfg: Config) -> dict:
     """Options that change what the configured estimator computes (and may change its needs)."""
     return {
-        "gamma": cfg.algorithm.gamma,
-        "lam": cfg.algorithm.lam,
-        "norm_adv_by_std_in_grpo": cfg.algorithm.norm_adv_by_std_in_grpo,
-        "handle_zero_tail": cfg.algorithm.handle_zero_tail,
-        "leave_one_out": cfg.algorithm.otb.leave_one_out,
-        "energy": cfg.algorithm.otb.energy,
+        option: functools.reduce(getattr, key.split("."), cfg)
+        for option, key in ESTIMATOR_OPTION_KEYS.items()
     }
 
 
@@ -97,9 +104,17 @@ def validate_config(cfg: Config) -> frozenset[str]:
         raise ConfigError(f"'trainer.logger': {err}", "trainer.logger") from None
     if not cfg.data.train_files:
         try:
-            get_task(cfg.data.task)
+            task = get_task(cfg.data.task)
         except ValueError as err:
             raise ConfigError(f"'data.task': {err}", "data.task") from None
+        longest = task.max_response_chars + 1  # + EOS: a shorter cap truncates right answers
+        if cfg.data.max_response_length < longest:
+            raise ConfigError(
+                f"'data.max_response_length' ({cfg.data.max_response_length}) is shorter than "
+                f"the {task.name} task's longest answer ({task.max_response_chars} characters "
+                f"+ EOS): set data.max_response_length={longest}",
+                "data.max_response_length",
+            )
     if cfg.reward.function is not None:
         try:
             resolve_reward_function(cfg.reward.function)
@@ -206,6 +221,9 @@ class Trainer:
         self.step = 0
         self.initial_val_accuracy: float | None = None
         self.last_val_accuracy: float | None = None
+        # wall time of the steps so far: earlier (resumed) segments + this fit() call's
+        self._earlier_wall_seconds = 0.0
+        self._fit_start = time.perf_counter()
 
     def build_actor(self, ref_model) -> Actor:
         """The policy engine for ``self.model`` (the distributed trainer returns a sharded one)."""
@@ -249,6 +267,7 @@ class Trainer:
         checkpoint.restore_rng_state(state["rng"])
         self.initial_val_accuracy = state.get("initial_val_accuracy")
         self.last_val_accuracy = state.get("last_val_accuracy")
+        self._earlier_wall_seconds = float(state.get("wall_seconds", 0.0))
 
     def _trainer_state(self) -> dict:
         """What a checkpoint keeps besides weights and optimizer: enough to resume exactly."""
@@ -259,7 +278,13 @@ class Trainer:
             "rng": checkpoint.capture_rng_state(),
             "initial_val_accuracy": self.initial_val_accuracy,
             "last_val_accuracy": self.last_val_accuracy,
+            "wall_seconds": self._wall_seconds(),
         }
+
+    def _wall_seconds(self) -> float:
+        """Wall time of the run so far, summed over resumed segments (time a killed segment
+        spent after its last checkpoint is not counted: those steps were redone)."""
+        return self._earlier_wall_seconds + time.perf_counter() - self._fit_start
 
     def _save(self) -> None:
         state = self._trainer_state()
@@ -407,7 +432,7 @@ class Trainer:
     def fit(self) -> dict:
         """Train ``trainer.total_steps`` steps (resuming if asked); returns the summary dict."""
         cfg = self.cfg.trainer
-        wall_start = time.perf_counter()
+        wall_start = self._fit_start = time.perf_counter()
         self._resume()
         logger = MetricsLogger(
             self.output_dir,
@@ -443,7 +468,8 @@ class Trainer:
                     "initial_val_accuracy": self.initial_val_accuracy,
                     "final_val_accuracy": self.last_val_accuracy,
                     "steps": self.step,
-                    "wall_seconds": time.perf_counter() - wall_start,
+                    "wall_seconds": self._wall_seconds(),
+                    "segment_wall_seconds": time.perf_counter() - wall_start,
                     "adv_estimator": self.cfg.algorithm.adv_estimator,
                 }
             )

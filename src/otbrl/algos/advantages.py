@@ -88,6 +88,17 @@ def register_estimator(
     return wrap
 
 
+# Short names for the variants the comparison tools measure: alias -> (registry name, options).
+# `otbrl variance` also takes "name:key=value:..." for any other option set.
+ESTIMATOR_ALIASES: dict[str, tuple[str, dict]] = {
+    "otb": ("optimal_token_baseline", {}),
+    "otb_notail": ("optimal_token_baseline", {"handle_zero_tail": False}),
+    "otb_uniform": ("optimal_token_baseline", {"energy": "uniform"}),
+    "otb_loo": ("optimal_token_baseline", {"leave_one_out": True}),
+    "drgrpo": ("grpo", {"norm_adv_by_std_in_grpo": False}),
+}
+
+
 def get_estimator(name: str) -> Estimator:
     """The registered estimator called ``name``; ``ValueError`` listing valid names otherwise."""
     if name not in ESTIMATORS:
