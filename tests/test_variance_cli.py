@@ -141,6 +141,12 @@ def test_two_repeat_smoke_run(tiny_model, tmp_path, capsys):
     assert set(res["proxy_calibration"]) == {"grpo", "rloo", "otb"}
     assert "pearson_raw" in result["proxy_correlation"]
     assert out.with_suffix(".png").stat().st_size > 0
+    # markdown beside it: one row per estimator, the ratios as printed in the JSON
+    markdown = out.with_suffix(".md").read_text()
+    otb_ratio = res["ratios"]["otb/grpo"]
+    assert f"| otb | {res['estimators']['otb']['variance']:.4g} |" in markdown
+    assert f"{otb_ratio['value']:.3f} [{otb_ratio['ci95'][0]:.3f}," in markdown
+    assert "| grpo |" in markdown and "(base)" in markdown
 
 
 @pytest.mark.parametrize(

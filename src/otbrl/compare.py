@@ -296,7 +296,9 @@ def run_compare(
     into ``out_dir``; returns the summary.
 
     Every run takes ``prompts`` prompts per step and ``updates_per_step`` optimizer steps per
-    RL step. Finished runs (their ``summary.json`` exists) are reused rather than retrained.
+    RL step. Finished runs (``summary.json`` exists, ``config.yaml`` equal to the planned
+    config) are reused rather than retrained; a finished run with other settings is a
+    ``ValueError``.
     ``jobs`` > 1 trains that many runs at once, each in its own ``otbrl train`` process with
     ``cpu_count // jobs`` torch threads (small models train faster as parallel single-thread
     processes than as one multi-thread process). Raises ``RuntimeError`` naming every failed

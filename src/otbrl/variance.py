@@ -170,6 +170,47 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def markdown_tables(result: dict) -> str:
+    """The measurement as markdown: one table per group size (as in the docs), then the
+    proxy correlation. ``proxy calibration`` = variance ÷ (online proxy per response)."""
+    base = result["base"]
+    blocks = []
+    for res in result["results"].values():
+        lines = [
+            f"**N = {res['n']}** (K = {res['num_repeats']}, zero-tail token share "
+            f"{res['zero_tail_token_share']:.3f}, {res['seconds']:.0f} s)",
+            "",
+            f"| estimator | variance | signal scale | variance / scale² | variance ÷ {base} "
+            f"[95 % CI] | per signal ÷ {base} [95 % CI] | proxy calibration "
+            "| proxy–deviation corr. |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for label, row in res["estimators"].items():
+            cells = [label, f"{row['variance']:.4g}", f"{row['signal_scale']:.4g}"]
+            cells.append(f"{row['variance_per_signal']:.4g}")
+            for key in ("ratios", "ratios_per_signal"):
+                ratio = res.get(key, {}).get(f"{label}/{base}")
+                if label == base or ratio is None:
+                    cells.append("(base)" if label == base else "")
+                else:
+                    lo, hi = ratio.get("ci95", [math.nan, math.nan])
+                    cells.append(f"{ratio['value']:.3f} [{lo:.3f}, {hi:.3f}]")
+            calibration = res.get("proxy_calibration", {}).get(label)
+            corr = res.get("proxy_repeat_correlation", {}).get(label)
+            cells.append("" if calibration is None else f"{calibration:.3g}")
+            cells.append("" if corr is None else f"{corr:.2f}")
+            lines.append("| " + " | ".join(cells) + " |")
+        blocks.append("\n".join(lines))
+    corr = result.get("proxy_correlation")
+    if corr:
+        blocks.append(
+            f"Online proxy per response vs measured variance over {corr['points']} points: "
+            f"Pearson {corr['pearson']:.3f}, Spearman {corr['spearman']:.3f} (raw proxy: "
+            f"{corr.get('pearson_raw', math.nan):.3f}, {corr.get('spearman_raw', math.nan):.3f})."
+        )
+    return "\n\n".join(blocks) + "\n"
+
+
 def plot_variance(result: dict, out_png) -> None:
     """Bar chart per group size: variance and variance-per-signal ratios to the base, 95 % CIs."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -337,7 +378,11 @@ def run_variance(
     out_path = Path(out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_path, json.dumps(_finite_or_none(result), indent=2) + "\n")
+    atomic_write_text(out_path.with_suffix(".md"), markdown_tables(result))
     png = out_path.with_suffix(".png")
     plot_variance(result, png)
-    echo(f"wrote {out_path} and {png}; total {result['seconds']:.0f} s")
+    echo(
+        f"wrote {out_path}, {png} and the markdown tables {out_path.with_suffix('.md')}; "
+        f"total {result['seconds']:.0f} s"
+    )
     return result
