@@ -2,6 +2,14 @@ import os
 
 import pytest
 import torch
+
+# Triton picks interpreted or compiled when its @triton.jit functions decorate — its own
+# standard library included, at `import triton`. Test modules import triton indirectly
+# (transformers, torch.distributed), so on a machine without CUDA the interpreter is chosen
+# here, before any of them (`import torch` does not import triton). Harmless without triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from hypothesis import settings
 
 # Property tests draw the same examples on every run: CI is reproducible, a failure replays.

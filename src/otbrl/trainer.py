@@ -463,13 +463,14 @@ class Trainer:
                 if out_of_time:
                     logger.log(self.step, {"trainer/stopped_at_wall_limit": 1.0})
                     break
+            segment = time.perf_counter() - wall_start
             summary = logger.summary(
                 {
                     "initial_val_accuracy": self.initial_val_accuracy,
                     "final_val_accuracy": self.last_val_accuracy,
                     "steps": self.step,
-                    "wall_seconds": self._wall_seconds(),
-                    "segment_wall_seconds": time.perf_counter() - wall_start,
+                    "wall_seconds": self._earlier_wall_seconds + segment,
+                    "segment_wall_seconds": segment,
                     "adv_estimator": self.cfg.algorithm.adv_estimator,
                 }
             )

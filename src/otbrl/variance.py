@@ -170,6 +170,13 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _num(value, spec: str) -> str:
+    """A number for a table cell; missing or non-finite (JSON null) -> "n/a"."""
+    if value is None or not math.isfinite(value):
+        return "n/a"
+    return format(value, spec)
+
+
 def markdown_tables(result: dict) -> str:
     """The measurement as markdown: one table per group size (as in the docs), then the
     proxy correlation. ``proxy calibration`` = variance ÷ (online proxy per response)."""
@@ -186,27 +193,30 @@ def markdown_tables(result: dict) -> str:
             "|---|---|---|---|---|---|---|---|",
         ]
         for label, row in res["estimators"].items():
-            cells = [label, f"{row['variance']:.4g}", f"{row['signal_scale']:.4g}"]
-            cells.append(f"{row['variance_per_signal']:.4g}")
+            cells = [label] + [
+                _num(row.get(key), ".4g")
+                for key in ("variance", "signal_scale", "variance_per_signal")
+            ]
             for key in ("ratios", "ratios_per_signal"):
                 ratio = res.get(key, {}).get(f"{label}/{base}")
                 if label == base or ratio is None:
                     cells.append("(base)" if label == base else "")
                 else:
-                    lo, hi = ratio.get("ci95", [math.nan, math.nan])
-                    cells.append(f"{ratio['value']:.3f} [{lo:.3f}, {hi:.3f}]")
-            calibration = res.get("proxy_calibration", {}).get(label)
-            corr = res.get("proxy_repeat_correlation", {}).get(label)
-            cells.append("" if calibration is None else f"{calibration:.3g}")
-            cells.append("" if corr is None else f"{corr:.2f}")
+                    lo, hi = ratio.get("ci95") or [None, None]
+                    cells.append(
+                        f"{_num(ratio['value'], '.3f')} [{_num(lo, '.3f')}, {_num(hi, '.3f')}]"
+                    )
+            cells.append(_num(res.get("proxy_calibration", {}).get(label), ".3g"))
+            cells.append(_num(res.get("proxy_repeat_correlation", {}).get(label), ".2f"))
             lines.append("| " + " | ".join(cells) + " |")
         blocks.append("\n".join(lines))
     corr = result.get("proxy_correlation")
     if corr:
         blocks.append(
             f"Online proxy per response vs measured variance over {corr['points']} points: "
-            f"Pearson {corr['pearson']:.3f}, Spearman {corr['spearman']:.3f} (raw proxy: "
-            f"{corr.get('pearson_raw', math.nan):.3f}, {corr.get('spearman_raw', math.nan):.3f})."
+            f"Pearson {_num(corr.get('pearson'), '.3f')}, Spearman "
+            f"{_num(corr.get('spearman'), '.3f')} (raw proxy: "
+            f"{_num(corr.get('pearson_raw'), '.3f')}, {_num(corr.get('spearman_raw'), '.3f')})."
         )
     return "\n\n".join(blocks) + "\n"
 
