@@ -417,20 +417,44 @@ def check_settings(seeds, budget_responses, prompts, updates_per_step, jobs) -> 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m otbrl.compare [--config F] [key=value ...] [--arms ...] [--seeds S] ...``"""
-    parser = argparse.ArgumentParser(prog="otbrl compare", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=None)
-    parser.add_argument("overrides", nargs="*", metavar="key=value")
-    parser.add_argument("--arms", default=ARMS, help="estimator:n, comma-separated")
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument(
-        "--budget", type=int, default=BUDGET, help="sampled responses per run (all arms equal)"
+    parser = argparse.ArgumentParser(
+        prog="otbrl compare",
+        description="OTB vs GRPO (or any estimators) trained at an equal token budget over "
+        "several seeds: tokens to a target validation accuracy, final accuracy, grad norms, "
+        "a markdown table and an overlay plot.",
     )
-    parser.add_argument("--prompts", type=int, default=PROMPTS, help="prompts per RL step")
+    parser.add_argument("--config", default=None, help="YAML file with config groups")
     parser.add_argument(
-        "--updates-per-step", type=int, default=2, help="optimizer steps per RL step"
+        "overrides", nargs="*", metavar="key=value", help="dotted config overrides for every run"
     )
-    parser.add_argument("--target", type=float, default=TARGET, help="validation accuracy target")
-    parser.add_argument("--jobs", type=int, default=1, help="runs trained at once (processes)")
+    parser.add_argument(
+        "--arms",
+        default=ARMS,
+        help="estimator:n, comma-separated; estimator = a registered name or an alias "
+        f"(drgrpo, otb_notail, otb_uniform, otb_loo, otb); default {ARMS}",
+    )
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per arm")
+    parser.add_argument(
+        "--budget",
+        type=int,
+        default=BUDGET,
+        help=f"sampled responses per run, all arms equal (default {BUDGET})",
+    )
+    parser.add_argument(
+        "--prompts", type=int, default=PROMPTS, help=f"prompts per RL step (default {PROMPTS})"
+    )
+    parser.add_argument(
+        "--updates-per-step", type=int, default=2, help="optimizer steps per RL step (default 2)"
+    )
+    parser.add_argument(
+        "--target",
+        type=float,
+        default=TARGET,
+        help=f"validation accuracy target (default {TARGET})",
+    )
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="runs trained at once, each its own process (default 1)"
+    )
     parser.add_argument("--out-dir", default="runs/compare")
     args = parser.parse_args(argv)
     try:
