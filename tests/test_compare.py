@@ -11,6 +11,7 @@ from otbrl.compare import (
     arm_label,
     arm_steps,
     check_settings,
+    late_mean,
     markdown_table,
     parse_arms,
     run_compare,
@@ -77,6 +78,9 @@ def test_run_curves_counts_generated_tokens(tmp_path):
     assert curve["accuracy"] == [0.1, 0.4, 0.6]
     assert curve["grad_norm"] == [1.0, 9.0, 2.0]
     assert curve["final_accuracy"] == 0.6
+    # last quarter of the tokens: validations at ≥ 0.75 × 120 = 90 tokens -> only the last
+    assert curve["late_accuracy"] == 0.6
+    assert late_mean([0, 100, 200, 300, 400], [0.1, 0.2, 0.3, 0.5, 0.7]) == pytest.approx(0.6)
     assert tokens_to_target(curve, 0.5) == 120.0
     assert tokens_to_target(curve, 0.4) == 70.0
     assert tokens_to_target(curve, 0.9) == math.inf
@@ -95,6 +99,7 @@ def test_summary_matches_hand_computation():
     assert x["tokens_to_target_std"] == pytest.approx(math.sqrt(((100 - 150) ** 2 + 50**2) / 1))
     assert x["final_accuracy_mean"] == pytest.approx(0.6)
     assert x["final_accuracy_std"] == pytest.approx(math.sqrt(2 * 0.1**2))
+    assert x["late_accuracy_mean"] == pytest.approx(0.6)  # no late_accuracy given: the final
     assert x["grad_norm_max"] == pytest.approx((3.0 + 6.0) / 2)
     assert x["grad_norm_median"] == pytest.approx((2.0 + 4.0) / 2)
     assert out["Y"]["reached_target"] == 0 and out["Y"]["tokens_to_target_mean"] == math.inf

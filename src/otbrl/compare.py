@@ -87,8 +87,10 @@ def arm_steps(budget_responses: int, prompts: int, n: int) -> int:
 def run_curves(run_dir: Path, responses_per_step: int) -> dict:
     """From ``metrics.jsonl``: validation accuracy against generated tokens, and grad norms.
 
-    Returns ``{"tokens": [...], "accuracy": [...], "grad_norm": [...], "final_accuracy"}``;
-    tokens at a validation point = Σ over the steps so far of mean response length × responses.
+    Returns ``{"tokens": [...], "accuracy": [...], "grad_norm": [...], "final_accuracy",
+    "late_accuracy"}``; tokens at a validation point = Σ over the steps so far of mean response
+    length × responses; ``late_accuracy`` = mean of the validations in the last quarter of the
+    run's tokens (one validation is a noisy end point: a few prompts flipping moves it).
     """
     from otbrl.logging import read_metrics
 
@@ -107,7 +109,17 @@ def run_curves(run_dir: Path, responses_per_step: int) -> dict:
         "accuracy": accuracy,
         "grad_norm": grad_norm,
         "final_accuracy": accuracy[-1] if accuracy else math.nan,
+        "late_accuracy": late_mean(acc_tokens, accuracy),
     }
+
+
+def late_mean(tokens: list[float], accuracy: list[float], fraction: float = 0.25) -> float:
+    """Mean accuracy of the validations at tokens ≥ (1 − fraction) × the last one's tokens."""
+    if not accuracy:
+        return math.nan
+    start = (1.0 - fraction) * tokens[-1]
+    late = [a for t, a in zip(tokens, accuracy) if t >= start]
+    return statistics.fmean(late)
 
 
 def tokens_to_target(curve: dict, target: float) -> float:
@@ -133,6 +145,7 @@ def summarize(curves: dict[str, list[dict]], target: float) -> dict[str, dict]:
         reach = [tokens_to_target(c, target) for c in runs]
         t_mean, t_std = _mean_std(reach)
         finals = [c["final_accuracy"] for c in runs]
+        lates = [c.get("late_accuracy", c["final_accuracy"]) for c in runs]
         out[label] = {
             "seeds": len(runs),
             "reached_target": sum(math.isfinite(t) for t in reach),
@@ -140,6 +153,8 @@ def summarize(curves: dict[str, list[dict]], target: float) -> dict[str, dict]:
             "tokens_to_target_std": t_std,
             "final_accuracy_mean": statistics.fmean(finals),
             "final_accuracy_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+            "late_accuracy_mean": statistics.fmean(lates),
+            "late_accuracy_std": statistics.stdev(lates) if len(lates) > 1 else 0.0,
             "grad_norm_max": statistics.fmean(max(c["grad_norm"]) for c in runs),
             "grad_norm_median": statistics.fmean(statistics.median(c["grad_norm"]) for c in runs),
         }
@@ -150,8 +165,8 @@ def markdown_table(summary: dict[str, dict], target: float) -> str:
     """The comparison as a markdown table."""
     lines = [
         f"| arm | tokens to acc ≥ {target:g} (mean ± std, reached) | final acc (mean ± std) "
-        "| max grad norm | median grad norm |",
-        "|---|---|---|---|---|",
+        "| acc over the last 25 % (mean ± std) | max grad norm | median grad norm |",
+        "|---|---|---|---|---|---|",
     ]
     for label, s in summary.items():
         if s["reached_target"]:
@@ -161,6 +176,7 @@ def markdown_table(summary: dict[str, dict], target: float) -> str:
         lines.append(
             f"| {label} | {reach} ({s['reached_target']}/{s['seeds']}) "
             f"| {s['final_accuracy_mean']:.3f} ± {s['final_accuracy_std']:.3f} "
+            f"| {s['late_accuracy_mean']:.3f} ± {s['late_accuracy_std']:.3f} "
             f"| {s['grad_norm_max']:.3g} | {s['grad_norm_median']:.3g} |"
         )
     return "\n".join(lines)
