@@ -16,7 +16,8 @@ SPLITS = ("train", "val")
 
 
 class Task:
-    """A built-in task. Subclasses set the attributes and implement ``rows``/``demonstration``.
+    """A built-in task. Subclasses set the attributes, fill ``_pools`` and implement
+    ``_row``/``demonstration``.
 
     Attributes:
         name: registry name (``get_task(name)``).
@@ -30,13 +31,34 @@ class Task:
     data_source: str
     alphabet: str
     max_response_chars: int
+    _pools: dict[str, np.ndarray]  # per split, one item per row; ``_row`` turns it into a row
+
+    def split_size(self, split: str) -> int:
+        """Number of rows in ``split``."""
+        return len(self._split(split))
 
     def rows(self, split: str, n: int | None = None, seed: int = 0) -> list[dict]:
         """``n`` rows of ``split`` (all of it when ``None``), in an order fixed by ``seed``."""
-        raise NotImplementedError
+        pool = self._split(split)
+        n = len(pool) if n is None else n
+        if not isinstance(n, int) or not 0 < n <= len(pool):
+            raise ValueError(
+                f"n: expected an int in [1, {len(pool)}] for split {split!r}, got {n!r}"
+            )
+        order = np.random.default_rng(seed).permutation(len(pool))[:n]
+        return [self._row(split, int(i), pool[i]) for i in order]
 
     def demonstration(self, row: dict) -> str:
         """The target response text for ``row`` (without EOS): what SFT teaches."""
+        raise NotImplementedError
+
+    def _split(self, split: str) -> np.ndarray:
+        if split not in self._pools:
+            raise ValueError(f"split: expected one of {list(self._pools)}, got {split!r}")
+        return self._pools[split]
+
+    def _row(self, split: str, index: int, item) -> dict:
+        """The schema row for item ``index`` of ``split`` (``item`` = its pool entry)."""
         raise NotImplementedError
 
 
@@ -64,30 +86,10 @@ class ArithmeticTask(Task):
         a, b = np.meshgrid(np.arange(low, high), np.arange(low, high), indexing="ij")
         pairs = np.stack([a.ravel(), b.ravel()], axis=1)
         pairs = pairs[np.random.default_rng(split_seed).permutation(n_pairs)]
-        self._pairs = {"val": pairs[:n_val], "train": pairs[n_val:]}
-
-    def split_size(self, split: str) -> int:
-        """Number of distinct rows in ``split``."""
-        return len(self._split(split))
-
-    def rows(self, split: str, n: int | None = None, seed: int = 0) -> list[dict]:
-        pool = self._split(split)
-        if n is None:
-            n = len(pool)
-        if not isinstance(n, int) or not 0 < n <= len(pool):
-            raise ValueError(
-                f"n: expected an int in [1, {len(pool)}] for split {split!r}, got {n!r}"
-            )
-        order = np.random.default_rng(seed).permutation(len(pool))[:n]
-        return [self._row(split, int(i), pool[i]) for i in order]
+        self._pools = {"val": pairs[:n_val], "train": pairs[n_val:]}
 
     def demonstration(self, row: dict) -> str:
         return str(row["reward_model"]["ground_truth"])
-
-    def _split(self, split: str) -> np.ndarray:
-        if split not in self._pairs:
-            raise ValueError(f"split: expected one of {list(self._pairs)}, got {split!r}")
-        return self._pairs[split]
 
     def _row(self, split: str, index: int, pair: np.ndarray) -> dict:
         a, b = int(pair[0]), int(pair[1])
@@ -138,24 +140,10 @@ class DigitSumTask(Task):
         self.max_sum, self.max_digits, self.split_seed = max_sum, max_digits, split_seed
         self.max_response_chars = max_digits
         rng = np.random.default_rng(split_seed)
-        self._sums = {
+        self._pools = {
             "train": rng.integers(1, max_sum + 1, size=n_train),
             "val": rng.integers(1, max_sum + 1, size=n_val),
         }
-
-    def split_size(self, split: str) -> int:
-        """Number of rows in ``split``."""
-        return len(self._split(split))
-
-    def rows(self, split: str, n: int | None = None, seed: int = 0) -> list[dict]:
-        pool = self._split(split)
-        n = len(pool) if n is None else n
-        if not isinstance(n, int) or not 0 < n <= len(pool):
-            raise ValueError(
-                f"n: expected an int in [1, {len(pool)}] for split {split!r}, got {n!r}"
-            )
-        order = np.random.default_rng(seed).permutation(len(pool))[:n]
-        return [self._row(split, int(i), int(pool[i])) for i in order]
 
     def demonstration(self, row: dict) -> str:
         total = int(row["reward_model"]["ground_truth"])
@@ -168,12 +156,8 @@ class DigitSumTask(Task):
             digits[open_slots[rng.integers(len(open_slots))]] += 1
         return "".join(map(str, digits))
 
-    def _split(self, split: str) -> np.ndarray:
-        if split not in self._sums:
-            raise ValueError(f"split: expected one of {list(self._sums)}, got {split!r}")
-        return self._sums[split]
-
-    def _row(self, split: str, index: int, total: int) -> dict:
+    def _row(self, split: str, index: int, total: np.int64) -> dict:
+        total = int(total)
         return {
             "prompt": [{"role": "user", "content": f"{total}:"}],
             "data_source": self.data_source,
