@@ -207,17 +207,6 @@ def plot_compare(curves: dict[str, list[dict]], target: float, out_png: Path) ->
     return out_png
 
 
-def _json_safe(obj):
-    """JSON has no inf/NaN ("not reached" is inf): those become null."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_json_safe(v) for v in obj]
-    return obj
-
-
 @dataclass
 class _Run:
     """One arm × seed training run of the comparison."""
@@ -321,6 +310,7 @@ def run_compare(
     run after the others have finished.
     """
     from otbrl.config import load_config
+    from otbrl.logging import atomic_write_text, json_safe
     from otbrl.trainer import Trainer, model_path, validate_config
 
     arm_list = parse_arms(arms)
@@ -405,8 +395,10 @@ def run_compare(
         "curves": curves,
     }
     out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(_json_safe(result), indent=2, default=str) + "\n")
-    (out / "compare.md").write_text(table + "\n")
+    atomic_write_text(
+        out / "summary.json", json.dumps(json_safe(result), indent=2, default=str) + "\n"
+    )
+    atomic_write_text(out / "compare.md", table + "\n")
     plot_compare(curves, target, out / "compare.png")
     echo(table)
     echo(f"wrote {out}/summary.json, compare.md, compare.png; {seconds:.0f} s")

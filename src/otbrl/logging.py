@@ -100,15 +100,17 @@ def to_plain_dict(config: Any) -> dict[str, Any]:
     )
 
 
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
+    """A JSON-ready copy: NaN/inf -> None (JSON has neither), tensors and NumPy scalars ->
+    numbers, tuples -> lists, keys -> str."""
     if isinstance(value, float) and not math.isfinite(value):
-        return None  # JSON has no NaN / inf
+        return None
     if isinstance(value, Mapping):
-        return {str(k): _json_safe(v) for k, v in value.items()}
+        return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     if hasattr(value, "item") and callable(value.item):  # tensors, NumPy scalars
-        return _json_safe(_to_number("final", value))
+        return json_safe(_to_number("final", value))
     return value
 
 
@@ -392,7 +394,7 @@ class MetricsLogger:
         """
         if not isinstance(final, Mapping):
             raise TypeError(f"final: expected a mapping, got {type(final).__name__}")
-        out: dict[str, Any] = _json_safe(final)
+        out: dict[str, Any] = json_safe(final)
         out.setdefault("steps", self._last_step if self._last_step is not None else 0)
         out.setdefault("wall_seconds", time.monotonic() - self._start)
         out["last_metrics"] = {k: self._last[k] for k, _ in _SUMMARY_KEYS if k in self._last}

@@ -249,17 +249,6 @@ def plot_variance(result: dict, out_png) -> None:
     fig.savefig(out_png, dpi=110)
 
 
-def _finite_or_none(obj):
-    """JSON has no NaN/inf: undefined values (e.g. CIs at K = 2) become null."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite_or_none(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_finite_or_none(v) for v in obj]
-    return obj
-
-
 def check_variance_args(
     estimators: str, ns: list[int], repeats: int, prompts: int, reference_samples: int, base
 ) -> list[EstimatorSpec]:
@@ -303,7 +292,7 @@ def run_variance(
     from pathlib import Path
 
     from otbrl.data import encode_prompts
-    from otbrl.logging import atomic_write_text
+    from otbrl.logging import atomic_write_text, json_safe
     from otbrl.models import load_model_and_tokenizer
     from otbrl.rewards import resolve_reward_function
     from otbrl.trainer import estimator_options, load_rows, model_path, seed_everything
@@ -387,7 +376,7 @@ def run_variance(
     echo(format_table(result))
     out_path = Path(out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out_path, json.dumps(_finite_or_none(result), indent=2) + "\n")
+    atomic_write_text(out_path, json.dumps(json_safe(result), indent=2) + "\n")
     atomic_write_text(out_path.with_suffix(".md"), markdown_tables(result))
     png = out_path.with_suffix(".png")
     plot_variance(result, png)
