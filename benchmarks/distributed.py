@@ -89,7 +89,7 @@ def tiny_llama(layers: int, hidden: int, vocab: int, seed: int = 0):
 
 def launch(fn, world_size: int, *args) -> list:
     out = Path(tempfile.mkdtemp(prefix="otbrl-bench-"))
-    from otbrl.engine.dist import free_port
+    from otbrl.engine.world import free_port
 
     port = free_port()
     ctx = mp.get_context("spawn")
@@ -107,7 +107,7 @@ def launch(fn, world_size: int, *args) -> list:
 
 
 def _entry(fn, rank, world_size, port, out, args):
-    from otbrl.engine.dist import init_distributed, teardown_distributed
+    from otbrl.engine.world import init_distributed, teardown_distributed
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
     init_distributed(init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)

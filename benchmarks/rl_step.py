@@ -23,7 +23,7 @@ import time
 import torch
 
 from otbrl.config import load_config
-from otbrl.trainer import Trainer
+from otbrl.run.trainer import Trainer
 
 
 def snapshot(trainer: Trainer) -> dict:

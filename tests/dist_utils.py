@@ -27,8 +27,8 @@ _PRELOAD = [
     "dist_utils",
     "otbrl.engine.parallel",
     "otbrl.engine.ulysses",
-    "otbrl.engine.dist",
-    "otbrl.engine.distributed",
+    "otbrl.engine.world",
+    "otbrl.engine.engine",
 ]
 _CTX = None
 
@@ -69,7 +69,7 @@ def launch(fn, world_size: int, out_dir: Path, *args, timeout_s: float = 120.0) 
     "elapsed": seconds}. A process still alive at the deadline is killed and reported with
     exit code None, so a hang fails the test instead of the suite.
     """
-    from otbrl.engine.dist import free_port
+    from otbrl.engine.world import free_port
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -151,7 +151,7 @@ def packed_layout(seqs: list[torch.Tensor]):
     return ids, pos, cu, labels, mask
 
 
-NEEDS = frozenset({"old_log_probs", "entropy", "sum_pi_squared"})
+OUTPUTS = frozenset({"log_probs", "entropy", "sum_pi_squared"})
 
 
 def actor_config(**overrides):
@@ -164,7 +164,7 @@ def actor_config(**overrides):
 
 def ppo_batch(groups: int = 4, n: int = 2, seed: int = 7) -> dict[str, torch.Tensor]:
     """`groups` prompts × `n` responses: left-padded prompts, right-padded responses, uids."""
-    from otbrl.engine.forward import sequence_inputs
+    from otbrl.engine.layout import sequence_inputs
 
     g = torch.Generator().manual_seed(seed)
     b, lp, lr = groups * n, 4, 5
@@ -183,3 +183,43 @@ def ppo_batch(groups: int = 4, n: int = 2, seed: int = 7) -> dict[str, torch.Ten
         advantages=torch.randn(b, lr, generator=g) * response_mask,
     )
     return batch
+
+
+def split_by_groups(uid: torch.Tensor, dp_rank: int, dp_size: int) -> torch.Tensor:
+    """Row indices [B / dp] of a pre-built batch that one DP rank trains on, every `uid` group
+    whole (groups dealt in order of first appearance, contiguous blocks of equal counts) —
+    what the trainer's prompt sharding gives each rank."""
+    if uid.ndim != 1:
+        raise ValueError(f"uid: expected a 1-D [B] tensor, got shape {tuple(uid.shape)}")
+    groups, inverse, counts = torch.unique(uid, return_inverse=True, return_counts=True)
+    if groups.numel() % dp_size:
+        raise ValueError(
+            f"uid: expected a number of groups divisible by the data-parallel size {dp_size}, "
+            f"got {groups.numel()}"
+        )
+    if (counts != counts[0]).any():
+        raise ValueError(f"uid: expected groups of equal size, got sizes {counts.tolist()}")
+    first = torch.full((groups.numel(),), uid.numel(), dtype=torch.long)
+    first.scatter_reduce_(0, inverse, torch.arange(uid.numel()), reduce="amin")
+    order = torch.argsort(first)
+    per_rank = groups.numel() // dp_size
+    mine = torch.zeros(groups.numel(), dtype=torch.bool)
+    mine[order[dp_rank * per_rank : (dp_rank + 1) * per_rank]] = True
+    return mine[inverse].nonzero(as_tuple=True)[0]
+
+
+def start_test_world(rank: int, world_size: int, *, sp: int = 1, tp: int = 1):
+    """A ``World`` over gloo for a test worker (the trainer uses ``start_world`` under torchrun)."""
+    from otbrl.engine.parallel import build_mesh
+    from otbrl.engine.world import World, init_distributed
+
+    info = init_distributed(rank=rank, world_size=world_size, timeout_s=60.0)
+    mesh = build_mesh(world_size, sp=sp, tp=tp, device_type="cpu")
+    return World(rank=info.rank, size=info.world_size, device=info.device, mesh=mesh)
+
+
+def policy_loss():
+    """The PPO loss the multi-process tests train with."""
+    from otbrl.algos.losses import build_loss
+
+    return build_loss()

@@ -11,13 +11,14 @@ from otbrl import cli
 @pytest.fixture
 def no_model_loading(monkeypatch):
     """Any attempt to build a trainer or warm-start a model fails the test."""
-    import otbrl.trainer as trainer_mod
+    import otbrl.run.sft as sft_mod
+    import otbrl.run.trainer as trainer_mod
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a model was loaded before the config was validated")
 
     monkeypatch.setattr(trainer_mod, "load_model_and_tokenizer", forbidden)
-    monkeypatch.setattr(trainer_mod, "ensure_warm_start", forbidden)
+    monkeypatch.setattr(sft_mod, "ensure_warm_start", forbidden)
 
 
 @pytest.mark.parametrize(
@@ -26,7 +27,13 @@ def no_model_loading(monkeypatch):
         (["train", "actor.lrr=1e-4"], "actor.lrr"),
         (["train", "actor.lr=fast"], "actor.lr"),
         (["train", "actor.loss_agg_mode=mean"], "actor.loss_agg_mode"),
-        (["train", "data.train_batch_size=7"], "actor.ppo_mini_batch_size"),
+        (
+            ["train", "data.train_batch_size=8", "actor.ppo_mini_batch_size=3"],
+            "actor.ppo_mini_batch_size",
+        ),
+        (["train", "algorithm.adv_estimator=gae", "critic.enable=false"], "critic.enable"),
+        (["train", "actor.kl_loss_type=k5"], "actor.kl_loss_type"),
+        (["train", "critic.cliprange_value=0"], "critic.cliprange_value"),
         (["train", "actor.calculate_sum_pi_squared=false"], "actor.calculate_sum_pi_squared"),
         (["train", "algorithm.adv_estimator=gpro"], "algorithm.adv_estimator"),
         (["train", "data.train_files=/no/such.parquet"], "data.train_files"),
@@ -52,7 +59,7 @@ def test_missing_config_file_and_bad_override(tmp_path, capsys, no_model_loading
 
 
 def test_sum_pi_squared_false_is_fine_when_nobody_needs_it(capsys, monkeypatch):
-    import otbrl.trainer as trainer_mod
+    import otbrl.run.trainer as trainer_mod
 
     class Stop(Exception):
         pass

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from otbrl.compare import (
+from otbrl.research.compare import (
     arm_estimator_overrides,
     arm_label,
     arm_steps,
@@ -191,7 +191,7 @@ def test_bad_settings_name_the_option(kwargs, flag):
 
 
 def test_cli_rejects_bad_settings_before_loading_a_model(capsys):
-    from otbrl.compare import main
+    from otbrl.research.compare import main
 
     assert main(["--prompts", "5", "--updates-per-step", "2"]) == 2
     assert "--updates-per-step" in capsys.readouterr().err

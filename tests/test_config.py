@@ -110,12 +110,15 @@ def test_list_shorthand_and_round_trip():
         (["data.train_batch_size=0"], "data.train_batch_size", "> 0"),
         (["trainer.val_every=-1"], "trainer.val_every", ">= 0"),
         (["rollout.top_p=1.5"], "rollout.top_p", "1.5"),
-        (["data.train_batch_size=30"], "actor.ppo_mini_batch_size", "divisible"),
         (
-            ["rollout.n=3", "actor.ppo_mini_batch_size=32", "actor.micro_batch_size=64"],
-            "actor.micro_batch_size",
-            "96",
+            ["data.train_batch_size=30", "actor.ppo_mini_batch_size=16"],
+            "actor.ppo_mini_batch_size",
+            "divisor",
         ),
+        (["actor.ppo_mini_batch_size=0"], "actor.ppo_mini_batch_size", "divisor"),
+        (["critic.enable=maybe"], "critic.enable", "maybe"),
+        (["critic.lr=0"], "critic.lr", "> 0"),
+        (["actor.engine=ddp"], "actor.engine", "ddp"),
         (["trainer.resume=/no/such/ckpt"], "trainer.resume", "/no/such/ckpt"),
         (["reward.function=/no/such.py:fn"], "reward.function", "/no/such.py"),
         (["justakey"], "justakey", "key=value"),
@@ -141,3 +144,12 @@ def test_bad_yaml_files(tmp_path):
     typo.write_text("trainer:\n  total_step: 3\n")
     with pytest.raises(ConfigError, match=r"did you mean 'trainer\.total_steps'"):
         load_config(typo)
+
+
+def test_batch_sizes_that_work_are_accepted():
+    """The mini-batch defaults to the whole step batch and the micro-batch size is a cap, so
+    sizes that used to need hand-made divisibility load as they are."""
+    cfg = load_config(None, ["data.train_batch_size=30", "rollout.n=3"])
+    assert cfg.actor.ppo_mini_batch_size is None
+    load_config(None, ["rollout.n=3", "actor.ppo_mini_batch_size=32", "actor.micro_batch_size=64"])
+    assert load_config(None, ["critic.enable=true"]).critic.enable == "true"

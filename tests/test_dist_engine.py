@@ -1,11 +1,21 @@
-"""ShardedActor (FSDP2, Ulysses) vs the single-process Actor on the same global PPO batch."""
+"""The engine on FSDP2 / Ulysses / TP ranks vs the same engine in one process, same global batch."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dist_utils import NEEDS, actor_config, check_ok, launch, ppo_batch, tiny_llama
+from dist_utils import (
+    OUTPUTS,
+    actor_config,
+    check_ok,
+    launch,
+    policy_loss,
+    ppo_batch,
+    split_by_groups,
+    start_test_world,
+    tiny_llama,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -21,16 +31,17 @@ def full_grads(model) -> dict[str, torch.Tensor]:
 
 
 def single_process_reference(batch, model_kwargs=None):
-    """Stats and mini-batch gradients of the plain Actor on the whole batch."""
-    from otbrl.engine.actor import Actor
+    """Stats and mini-batch gradients of the one-process engine on the whole batch."""
+    from otbrl.engine.engine import Engine
+    from otbrl.engine.parallel import clip_grad_norm
 
     model = tiny_llama(**(model_kwargs or {}))
-    actor = Actor(model, actor_config(), ppo_mini_batch_size=batch["uid"].numel())
-    stats = actor.compute_stats(batch, NEEDS, 1.0)
-    mini = {**batch, "old_log_probs": stats["old_log_probs"]}
-    tally = actor.accumulate_gradients(mini)
+    engine = Engine(model, actor_config(), mini_batch_size=batch["uid"].numel())
+    stats = engine.compute(batch, OUTPUTS)
+    mini = {**batch, "old_log_probs": stats["log_probs"]}
+    tally = engine.accumulate_gradients(mini, policy_loss())
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    return stats, tally, grads, float(actor.clip_grad_norm(0.5))
+    return stats, tally, grads, float(clip_grad_norm(model.parameters(), 0.5))
 
 
 def _gloo_ops(prof) -> list[str]:
@@ -40,46 +51,49 @@ def _gloo_ops(prof) -> list[str]:
 def _engine_worker(
     rank, world_size, port, engine, sp, tp, packed, extra_steps=0, model_kwargs=None
 ):
-    from otbrl.engine.dist import init_distributed
-    from otbrl.engine.distributed import ShardedActor, split_by_groups
-    from otbrl.engine.parallel import build_mesh
+    from otbrl.engine.engine import Engine
+    from otbrl.engine.parallel import clip_grad_norm
 
-    init_distributed(rank=rank, world_size=world_size, timeout_s=60.0)
-    mesh = build_mesh(world_size, sp=sp, tp=tp, device_type="cpu")
-    dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    world = start_test_world(rank, world_size, sp=sp, tp=tp)
     batch = ppo_batch()
-    local = {k: v[split_by_groups(batch["uid"], dp_rank, dp)] for k, v in batch.items()}
-    actor = ShardedActor(
-        tiny_llama(**(model_kwargs or {})),
+    local = {
+        k: v[split_by_groups(batch["uid"], world.dp_rank, world.dp_size)] for k, v in batch.items()
+    }
+    model = tiny_llama(**(model_kwargs or {}))
+    shapes = []  # the logits each forward produced: their vocabulary / sequence extent
+    model.register_forward_hook(lambda _m, _i, out: shapes.append(tuple(out.logits.shape[-2:])))
+    actor = Engine(
+        model,
         actor_config(),
-        mesh=mesh,
-        engine=engine,
-        ppo_mini_batch_size=batch["uid"].numel(),
-        use_remove_padding=packed,
+        world=world,
+        parallelism=engine,
+        mini_batch_size=batch["uid"].numel(),
+        packed=packed,
     )
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        stats = actor.compute_stats(local, NEEDS, 1.0)
+        stats = actor.compute(local, OUTPUTS)
     collectives = _gloo_ops(prof)
-    logits_shape = actor.last_logits_shape
-    mini = {**local, "old_log_probs": stats["old_log_probs"]}
-    tally = actor.accumulate_gradients(mini)
+    logits_shape = shapes[-1]
+    mini = {**local, "old_log_probs": stats["log_probs"]}
+    tally = actor.accumulate_gradients(mini, policy_loss())
     grads = full_grads(actor.model)
-    norm = float(actor.clip_grad_norm(0.5))
-    metrics = actor.update(mini)  # a real PPO step: AdamW, then the rollout copy is refreshed
+    norm = float(clip_grad_norm(actor.model.parameters(), 0.5))
+    metrics = actor.update(mini, policy_loss())  # a real PPO step: AdamW
     for _ in range(extra_steps):
-        later = actor.update(mini)
+        later = actor.update(mini, policy_loss())
         assert all(torch.isfinite(torch.tensor(v)) for v in later.values()), later
-    inference = {k: v.clone() for k, v in actor.inference_model.state_dict().items()}
+    # the rollout copy's weights come from full_tensors(): the gathered current weights
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    streamed = dict(actor.full_tensors())
     full = get_model_state_dict(actor.model, options=StateDictOptions(full_state_dict=True))
-    synced = all(torch.equal(inference[k], full[k]) for k in full)
+    synced = set(streamed) == set(full) and all(torch.equal(streamed[k], full[k]) for k in full)
     return {
-        "rows": split_by_groups(batch["uid"], dp_rank, dp),
+        "rows": split_by_groups(batch["uid"], world.dp_rank, world.dp_size),
         "stats": stats,
-        "loss": tally["policy/loss"],
+        "tally": tally,
         "grads": grads if rank == 0 else None,
         "norm": norm,
         "metrics": metrics,
@@ -97,17 +111,18 @@ def check_against_reference(results, world_size, model_kwargs=None):
         got = results[rank]
         rows = got["rows"]
         assert torch.equal(batch["uid"][rows].unique(), batch["uid"][rows].unique_consecutive())
-        for key in sorted(NEEDS):
+        for key in sorted(OUTPUTS):
             torch.testing.assert_close(
                 got["stats"][key][mask[rows]], ref_stats[key][rows][mask[rows]], atol=2e-6, rtol=0
             )
         assert got["norm"] == pytest.approx(ref_norm, rel=1e-5)
         assert got["synced"]
         assert all(torch.isfinite(torch.tensor(v)) for v in got["metrics"].values())
-    # each DP rank's loss is its share of the global mini-batch loss
-    dp_ranks = {tuple(results[r]["rows"].tolist()): r for r in range(world_size)}
-    total = sum(results[r]["loss"] for r in dp_ranks.values())
-    assert total == pytest.approx(ref_tally["policy/loss"], abs=1e-6)
+    # each DP rank backpropagates its share of the global mini-batch loss; the metrics it
+    # reports are summed over the DP group: every rank sees the global mini-batch values
+    for rank in range(world_size):
+        for key, value in ref_tally.items():
+            assert results[rank]["tally"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
     for name, g in ref_grads.items():
         torch.testing.assert_close(results[0]["grads"][name], g, atol=1e-6, rtol=1e-5, msg=name)
     for rank in range(world_size):
@@ -117,8 +132,6 @@ def check_against_reference(results, world_size, model_kwargs=None):
 
 
 def test_split_by_groups_keeps_groups_whole():
-    from otbrl.engine.distributed import split_by_groups
-
     uid = torch.tensor([7, 7, 3, 3, 9, 9, 1, 1])
     parts = [split_by_groups(uid, r, 2) for r in range(2)]
     assert parts[0].tolist() == [0, 1, 2, 3] and parts[1].tolist() == [4, 5, 6, 7]

@@ -38,7 +38,7 @@ def test_build_mesh_rejects_bad_layouts():
 
 
 def test_init_distributed_rejects_bad_arguments(monkeypatch):
-    from otbrl.engine.dist import init_distributed
+    from otbrl.engine.world import init_distributed
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
@@ -125,14 +125,14 @@ def test_slice_for_rank_checks_shapes():
 
 
 def test_split_by_groups_checks_uid():
-    from otbrl.engine.distributed import split_by_groups
+    from dist_utils import split_by_groups
 
     with pytest.raises(ValueError, match="uid"):
         split_by_groups(torch.zeros(2, 2), 0, 1)
 
 
 def test_collective_guard_names_the_step():
-    from otbrl.engine.dist import DistributedError, collective_guard
+    from otbrl.engine.world import DistributedError, collective_guard
 
     expected = r"during the update.*Connection closed by peer"
     with pytest.raises(DistributedError, match=expected), collective_guard("the update"):
@@ -167,24 +167,33 @@ def test_collective_guard_names_the_step():
             2,
             "data.train_batch_size",
         ),
+        (["actor.engine=single"], 2, "actor.engine"),
         (
-            [
-                "actor.engine=fsdp",
-                "actor.ppo_mini_batch_size=4",
-                "data.train_batch_size=4",
-                "rollout.n=2",
-                "actor.micro_batch_size=8",
-            ],
-            2,
-            "actor.micro_batch_size",
+            ["actor.ulysses_sequence_parallel_size=2", "actor.engine=single"],
+            1,
+            "actor.ulysses_sequence_parallel_size",
         ),
+        (["actor.use_fused_kernels=true"], 2, "actor.use_fused_kernels"),
     ],
 )
 def test_parallel_config_errors_name_the_key(overrides, world_size, key):
     from otbrl.config import ConfigError, load_config
-    from otbrl.dist_trainer import check_parallel_config
+    from otbrl.run.build import validate_config
 
     cfg = load_config(None, overrides)
     with pytest.raises(ConfigError) as info:
-        check_parallel_config(cfg, world_size)
+        validate_config(cfg, world_size)
     assert info.value.key == key and key in str(info.value)
+
+
+def test_parallel_defaults_fit_any_world_size():
+    """engine=auto picks FSDP2 on several processes, one process otherwise; the micro-batch
+    size is a cap (8 > each rank's 4 sequences is fine)."""
+    from otbrl.config import load_config
+    from otbrl.run.build import validate_config
+
+    small = ["data.train_batch_size=4", "rollout.n=2", "actor.micro_batch_size=8"]
+    assert validate_config(load_config(None, small), 2).engine == "fsdp"
+    assert validate_config(load_config(None, small), 1).engine == "single"
+    tp = validate_config(load_config(None, ["actor.tensor_parallel_size=2"]), 4)
+    assert tp.engine == "tp" and tp.mini_batch_size == 32

@@ -42,8 +42,8 @@ def policy_step(model, optimizer, ids, attention_mask, advantages, global_tokens
 def _fsdp_worker(rank, world_size, port, die_mid_step=False):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from otbrl.engine.dist import collective_guard, init_distributed
     from otbrl.engine.parallel import apply_fsdp, build_mesh, clip_grad_norm, fsdp_mesh
+    from otbrl.engine.world import collective_guard, init_distributed
 
     init_distributed(rank=rank, world_size=world_size, timeout_s=30.0)
     mesh = build_mesh(world_size, device_type="cpu")

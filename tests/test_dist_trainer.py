@@ -1,9 +1,12 @@
-"""`otbrl train` with a sharded engine end to end: TP = 2 run, checkpoint, resume on 1 process."""
+"""`otbrl train` on several processes end to end: the one loop under torchrun (data parallel by
+default), and checkpoints that resume on another engine and world size."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,54 +15,87 @@ from dist_utils import check_ok, launch
 
 pytestmark = pytest.mark.distributed
 
+SMALL = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
 
 def _train_worker(rank, world_size, port, overrides):
     from otbrl.config import load_config
-    from otbrl.dist_trainer import run_distributed
+    from otbrl.run.trainer import Trainer
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    return run_distributed(load_config(None, overrides))
+    return Trainer(load_config(None, overrides)).fit()
 
 
-def test_tp_run_checkpoints_and_resumes_on_one_process(tmp_path):
-    from otbrl.cli import main
-    from otbrl.models import build_tiny_model
-
-    model = build_tiny_model(
-        tmp_path / "model",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    run = tmp_path / "run"
-    common = [
+def _common(model, run):
+    return [
         f"model.path={model}",
         f"trainer.output_dir={run}",
         "data.train_batch_size=4",
         "rollout.n=2",
-        "actor.ppo_mini_batch_size=4",
-        "actor.micro_batch_size=4",
         "data.val_size=8",
         "trainer.val_every=2",
         "trainer.logger=[jsonl]",
     ]
+
+
+def _steps(run):
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [line["step"] for line in lines if "policy/loss" in line], lines
+
+
+def test_tp_checkpoint_resumes_under_fsdp_and_on_one_process(tmp_path):
+    from otbrl.cli import main
+    from otbrl.models import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model", **SMALL)
+    run = tmp_path / "run"
+    common = _common(model, run)
     # the tiny model's vocabulary (19) is odd: TP shards it unevenly (10 + 9)
     tp_run = ["actor.engine=tp", "actor.tensor_parallel_size=2", "trainer.total_steps=2"]
     check_ok(launch(_train_worker, 2, tmp_path / "w1", [*common, *tp_run, "trainer.save_every=2"]))
-    assert (run / "checkpoints" / "step_2" / "checkpoint.json").is_file()
-    assert (run / "checkpoints" / "sharded" / "step_2" / ".metadata").is_file()
+    meta = json.loads((run / "checkpoints" / "step_2" / "checkpoint.json").read_text())
+    assert meta["world_size"] == 2
     # resume the TP checkpoint with one FSDP process for one more step
     resume = ["actor.engine=fsdp", "trainer.total_steps=3", "trainer.save_every=3"]
     check_ok(launch(_train_worker, 1, tmp_path / "w2", [*common, *resume]))
-    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    steps = [line["step"] for line in lines if "policy/loss" in line]
-    assert steps == [1, 2, 3]
+    # then on one plain process, no process group at all
+    plain = ["actor.engine=single", "trainer.total_steps=4", "trainer.save_every=4"]
+    check_ok(launch(_train_worker, 1, tmp_path / "w3", [*common, *plain]))
+    steps, lines = _steps(run)
+    assert steps == [1, 2, 3, 4]
     assert all(torch.isfinite(torch.tensor(line["policy/entropy_mean"])) for line in lines[1:])
     # export the resumed checkpoint to a plain HF directory and load it
-    assert main(["export", str(run / "checkpoints" / "step_3"), str(tmp_path / "hf")]) == 0
+    assert main(["export", str(run / "checkpoints" / "step_4"), str(tmp_path / "hf")]) == 0
     from transformers import AutoModelForCausalLM
 
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert loaded.config.vocab_size == 19
+
+
+def test_torchrun_without_engine_flag_runs_data_parallel(tmp_path):
+    """`torchrun --nproc_per_node=2 -m otbrl train` with no engine key: FSDP2 on 2 ranks; the
+    one-process checkpoint of a first segment resumes there."""
+    from otbrl.cli import main
+    from otbrl.models import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model", **SMALL)
+    run = tmp_path / "run"
+    common = _common(model, run)
+    assert main(["train", *common, "trainer.total_steps=1", "trainer.save_every=1"]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += ["-m", "otbrl", "train", *common, "trainer.total_steps=2", "trainer.save_every=2"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    meta = json.loads((run / "checkpoints" / "step_2" / "checkpoint.json").read_text())
+    assert meta["world_size"] == 2
+    config = (run / "checkpoints" / "step_2" / "config.yaml").read_text()
+    assert "engine: auto" in config
+    steps, _ = _steps(run)
+    assert steps == [1, 2]

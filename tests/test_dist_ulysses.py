@@ -33,7 +33,6 @@ def _sp_worker(rank, world_size, port):
     import torch.nn.functional as F
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from otbrl.engine.dist import init_distributed
     from otbrl.engine.parallel import apply_fsdp, build_mesh, clip_grad_norm, fsdp_mesh
     from otbrl.engine.ulysses import (
         apply_ulysses,
@@ -41,6 +40,7 @@ def _sp_worker(rank, world_size, port):
         packed_forward_kwargs,
         slice_for_rank,
     )
+    from otbrl.engine.world import init_distributed
 
     init_distributed(rank=rank, world_size=world_size, timeout_s=60.0)
     mesh = build_mesh(world_size, sp=world_size, device_type="cpu")

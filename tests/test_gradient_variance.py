@@ -13,7 +13,7 @@ import itertools
 import pytest
 import torch
 
-from otbrl.algos.gradient_variance import (
+from otbrl.research.gradient_variance import (
     GradientVarianceAccumulator,
     repeat_moments,
     variance_summary,

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from otbrl.logging import MetricsLogger
-from otbrl.plotting import (
+from otbrl.run.outputs import MetricsLogger
+from otbrl.run.plotting import (
     _figure,
     collect_series,
     load_run,

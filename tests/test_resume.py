@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from otbrl.checkpoint import latest_checkpoint
 from otbrl.data import get_task, write_parquet_rows
 from otbrl.models import build_tiny_model
+from otbrl.run.checkpoint import latest_checkpoint
 
 VOLATILE = ("timing/", "throughput/")  # wall-clock measurements differ between any two runs
 
@@ -81,7 +81,8 @@ def test_sigkill_and_resume_matches_uninterrupted(tmp_path):
     # the kill landed before the end (else this test proves nothing)
     assert not (killed / "summary.json").exists()
     resumed_from = latest_checkpoint(killed / "checkpoints")
-    first_segment = json.loads((resumed_from / "trainer_state.json").read_text())["wall_seconds"]
+    state = json.loads((resumed_from / "state" / "trainer_state.json").read_text())
+    first_segment = state["trainer"]["wall_seconds"]
 
     subprocess.run(
         command(model_dir, killed, train, val),

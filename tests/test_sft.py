@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-import otbrl.sft as sft
+import otbrl.run.sft as sft
 from otbrl.data import encode_prompts, get_task
 from otbrl.models import build_tiny_model, load_model_and_tokenizer
 from otbrl.rollout import decode_responses, generate

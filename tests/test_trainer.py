@@ -1,4 +1,4 @@
-"""otbrl.trainer end to end on a tiny random-init model (CPU, seconds per run)."""
+"""otbrl.run.trainer end to end on a tiny random-init model (CPU, seconds per run)."""
 
 import json
 import math
@@ -7,11 +7,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import otbrl.trainer as trainer_mod
+import otbrl.run.trainer as trainer_mod
 from otbrl import cli
 from otbrl.config import ConfigError, load_config
 from otbrl.data import get_task, write_parquet_rows
 from otbrl.models import build_tiny_model
+from otbrl.run.build import validate_config
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
 REQUIRED = (
@@ -108,15 +109,15 @@ def test_sum_pi_squared_reaches_the_estimator(tiny_dir, arith_files, tmp_path, m
     )
     cfg = load_config(None, overrides)
     trainer = trainer_mod.Trainer(cfg)
-    assert "sum_pi_squared" in trainer.needs
+    assert "sum_pi_squared" in trainer.plan.needs
     stats_seen = []
-    compute_stats = trainer.actor.compute_stats
+    compute = trainer.policy.compute
 
-    def stats_spy(batch, needs, temperature=None):
-        stats_seen.append(compute_stats(batch, needs, temperature))
+    def stats_spy(batch, outputs):
+        stats_seen.append(compute(batch, outputs))
         return stats_seen[-1]
 
-    monkeypatch.setattr(trainer.actor, "compute_stats", stats_spy)
+    monkeypatch.setattr(trainer.policy, "compute", stats_spy)
     trainer.fit()
     name, kwargs = seen[-1]
     assert name == "optimal_token_baseline"
@@ -137,17 +138,17 @@ def test_sum_pi_squared_reaches_the_estimator(tiny_dir, arith_files, tmp_path, m
 def test_auto_skips_sum_pi_squared_when_nobody_needs_it(tiny_dir):
     base = [f"model.path={tiny_dir}"]
     cfg = load_config(None, [*base, "algorithm.adv_estimator=grpo"])
-    assert "sum_pi_squared" not in trainer_mod.validate_config(cfg)
+    assert "sum_pi_squared" not in validate_config(cfg).needs
     cfg = load_config(
         None, [*base, "algorithm.adv_estimator=grpo", "actor.calculate_sum_pi_squared=true"]
     )
-    assert "sum_pi_squared" in trainer_mod.validate_config(cfg)
+    assert "sum_pi_squared" in validate_config(cfg).needs
     cfg = load_config(None, [*base, "actor.calculate_sum_pi_squared=false"])
     with pytest.raises(ConfigError, match=r"actor\.calculate_sum_pi_squared"):
-        trainer_mod.validate_config(cfg)
+        validate_config(cfg)
     cfg = load_config(None, [*base, "algorithm.adv_estimator=optimal_token_baselin"])
     with pytest.raises(ConfigError, match="did you mean 'optimal_token_baseline'"):
-        trainer_mod.validate_config(cfg)
+        validate_config(cfg)
 
 
 def test_hf_dir_and_parquet_two_steps(tiny_dir, tmp_path):
@@ -253,3 +254,105 @@ def test_wall_time_limit_stops_after_a_final_validation(tiny_dir, arith_files, t
     records = read_jsonl(tmp_path / "w" / "metrics.jsonl")
     assert summary["steps"] == 1 and records[-1]["step"] == 1
     assert "val/accuracy" in records[-1] and records[-1]["trainer/stopped_at_wall_limit"] == 1.0
+
+
+def _loss_modes():
+    from otbrl.algos.losses import LOSS_AGG_MODES
+
+    return LOSS_AGG_MODES
+
+
+def _estimators():
+    from otbrl.algos import ESTIMATORS
+
+    return sorted(ESTIMATORS)
+
+
+@pytest.mark.parametrize("kl", [False, True])
+@pytest.mark.parametrize("mode", _loss_modes())
+@pytest.mark.parametrize("estimator", _estimators())
+def test_every_estimator_and_loss_trains_two_steps(
+    estimator, mode, kl, tiny_dir, arith_files, tmp_path
+):
+    """Nothing registered can fail mid-run: each estimator (gae with its critic), each loss
+    aggregation, KL loss on and off, two full steps with finite metrics."""
+    overrides = tiny_overrides(
+        tiny_dir,
+        tmp_path / "run",
+        f"algorithm.adv_estimator={estimator}",
+        f"actor.loss_agg_mode={mode}",
+        f"actor.use_kl_loss={str(kl).lower()}",
+        "trainer.total_steps=2",
+        "trainer.val_every=0",
+        *files(arith_files),
+    )
+    trainer = trainer_mod.Trainer(load_config(None, overrides))
+    assert ("critic" in trainer.engines) == (estimator == "gae")
+    trainer.fit()
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert record["policy/skipped_steps"] == 0
+        assert ("policy/kl_loss" in record) == kl
+        assert ("critic/value_loss" in record) == (estimator == "gae")
+        for key, value in record.items():
+            assert value is not None and math.isfinite(value), (key, record)
+
+
+def test_batch_sizes_default_to_what_fits(tiny_dir, arith_files, tmp_path):
+    """`data.train_batch_size=4 rollout.n=2` and no other batch key: one optimizer step of the
+    whole batch, micro-batches capped (not required to divide)."""
+    overrides = [
+        f"model.path={tiny_dir}",
+        f"trainer.output_dir={tmp_path / 'run'}",
+        "trainer.total_steps=2",
+        "trainer.val_every=0",
+        "trainer.logger=[jsonl]",
+        "data.train_batch_size=4",
+        "rollout.n=2",
+        "actor.micro_batch_size=3",
+        *files(arith_files),
+    ]
+    assert cli.main(["train", *overrides]) == 0
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    # one optimizer step per RL step: warmup 20 -> lr 2/21 then 3/21 of actor.lr
+    assert records[-1]["policy/lr"] == pytest.approx(3e-4 * 3 / 21)
+
+
+COUNTING_REWARD = """
+import os
+with open(os.environ["OTBRL_TEST_IMPORTS"], "a") as f:
+    f.write("imported\\n")
+
+def score(data_source, solution_str, ground_truth, extra_info):
+    return float(solution_str == ground_truth)
+"""
+
+
+def test_reward_module_is_imported_once(tiny_dir, arith_files, tmp_path):
+    """`otbrl train reward.function=file.py:fn` executes the file once per process."""
+    import os
+    import subprocess
+    import sys
+
+    reward = tmp_path / "counting.py"
+    reward.write_text(COUNTING_REWARD)
+    log = tmp_path / "imports.log"
+    overrides = tiny_overrides(
+        tiny_dir,
+        tmp_path / "run",
+        f"reward.function={reward}:score",
+        "trainer.total_steps=1",
+        *files(arith_files),
+    )
+    env = {**os.environ, "OTBRL_TEST_IMPORTS": str(log), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "otbrl", "train", *overrides],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert log.read_text().splitlines() == ["imported"]

@@ -10,9 +10,9 @@ from otbrl import cli
 from otbrl.algos import losses
 from otbrl.algos.advantages import compute_advantage
 from otbrl.data import encode_prompts, get_task
-from otbrl.engine.forward import forward_token_stats
-from otbrl.gradient_probe import EstimatorSpec, GradientProbe, parse_estimators
+from otbrl.engine.layout import Layout, forward_outputs
 from otbrl.models import build_tiny_model, load_model_and_tokenizer
+from otbrl.research.gradient_probe import EstimatorSpec, GradientProbe, parse_estimators
 
 SMALL = {
     "hidden_size": 32,
@@ -46,7 +46,7 @@ def _probe(path, method, agg):
         temperature=1.0,
         max_new_tokens=4,
         options={"handle_zero_tail": True, "norm_adv_by_std_in_grpo": True},
-        loss_kwargs=loss_kwargs,
+        loss_fn=losses.build_loss(**loss_kwargs),
         method=method,
     )
     rows = get_task("arithmetic").rows("train", 3, seed=0)
@@ -70,8 +70,9 @@ def test_probe_gradients_match_autograd_of_each_loss(tiny_model):
     for e, spec in enumerate(specs):
         # independent reference: a fresh forward, the configured loss, one plain backward
         probe.model.zero_grad(set_to_none=True)
-        stats = forward_token_stats(probe.model, batch, sum_pi_squared=True)
-        old = stats["old_log_probs"].detach()
+        outputs = frozenset({"log_probs", "sum_pi_squared"})
+        stats = forward_outputs(probe.model, batch, Layout(), outputs=outputs)
+        old = stats["log_probs"].detach()
         adv, _ = compute_advantage(
             spec.name,
             token_level_rewards=batch["token_level_rewards"],
@@ -82,7 +83,7 @@ def test_probe_gradients_match_autograd_of_each_loss(tiny_model):
             **{**probe.options, **spec.options},
         )
         loss, _ = losses.ppo_policy_loss(
-            stats["old_log_probs"], old, adv, batch["response_mask"], **loss_kwargs
+            stats["log_probs"], old, adv, batch["response_mask"], **loss_kwargs
         )
         loss.backward()
         want = torch.cat([p.grad.reshape(-1) for p in probe.params])
@@ -160,12 +161,12 @@ def test_two_repeat_smoke_run(tiny_model, tmp_path, capsys):
     ],
 )
 def test_bad_flags_exit_2_before_loading(flags, word, capsys, monkeypatch):
-    import otbrl.trainer as trainer_mod
+    import otbrl.run.sft as sft_mod
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a model was loaded before the flags were checked")
 
-    monkeypatch.setattr(trainer_mod, "ensure_warm_start", forbidden)
+    monkeypatch.setattr(sft_mod, "ensure_warm_start", forbidden)
     assert cli.main(["variance", *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert word in err and "\n" not in err

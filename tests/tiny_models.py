@@ -1,11 +1,20 @@
-"""The random-init tiny decoder every model-level test builds (one definition, many sizes)."""
+"""The tests' default tiny decoder: ``otbrl.models.random_causal_lm`` at the tests' size."""
 
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+from otbrl.models import random_causal_lm
+
+TEST_SIZE = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 
 def tiny_causal_lm(arch: str = "llama", seed: int = 0, **overrides) -> torch.nn.Module:
@@ -14,16 +23,4 @@ def tiny_causal_lm(arch: str = "llama", seed: int = 0, **overrides) -> torch.nn.
     ``overrides`` replace any config field (``vocab_size``, ``tie_word_embeddings``, ...); the
     weights depend only on ``seed`` and the config.
     """
-    config_cls, model_cls = ARCHS[arch]
-    kwargs = dict(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    kwargs.update(overrides)
-    torch.manual_seed(seed)
-    return model_cls(config_cls(**kwargs)).float()
+    return random_causal_lm(arch, seed=seed, **{**TEST_SIZE, **overrides})

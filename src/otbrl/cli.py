@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from otbrl.config import Config, ConfigError, load_config
+from otbrl.config import ConfigError, load_config
 from otbrl.rewards.scoring import RewardError
 
 EXIT_CONFIG = 2
@@ -73,33 +73,31 @@ def _add_variance_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="variance.json", help="JSON to write (PNG beside it)")
 
 
-def _config(args: argparse.Namespace, extra: list[str] | None = None) -> tuple[Config, frozenset]:
-    from otbrl.trainer import validate_config
+def _config(args: argparse.Namespace, extra: list[str] | None = None):
+    """The loaded config and its ``Plan`` (validated once, before any model loads)."""
+    from otbrl.run.build import validate_config
 
     cfg = load_config(args.config, [*(extra or []), *args.overrides])
     return cfg, validate_config(cfg)
 
 
 def _train(args: argparse.Namespace) -> int:
-    cfg, _ = _config(args)
-    from otbrl.dist_trainer import is_distributed_run, run_distributed
+    cfg, plan = _config(args)
+    from otbrl.run.trainer import Trainer
 
-    if is_distributed_run(cfg):  # actor.engine=fsdp|tp, one process per device (torchrun)
-        return run_distributed(cfg)
-    from otbrl.trainer import Trainer
-
-    Trainer(cfg).fit()
+    # one process, or one per device under torchrun: the same loop
+    Trainer(cfg, plan).fit()
     return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
-    cfg, _ = _config(
+    cfg, plan = _config(
         args, ["trainer.output_dir=runs/demo", f"trainer.max_wall_seconds={DEMO_SECONDS}"]
     )
-    from otbrl.trainer import Trainer
+    from otbrl.run.trainer import Trainer
 
     start = time.perf_counter()
-    trainer = Trainer(cfg)  # pays for the warm start the first time, then it is cached
+    trainer = Trainer(cfg, plan)  # pays for the warm start the first time, then it is cached
     if cfg.trainer.max_wall_seconds > 0:
         # the demo's wall budget covers the warm start: RL gets what the warm start left
         spent = time.perf_counter() - start
@@ -125,7 +123,7 @@ def _sft(args: argparse.Namespace) -> int:
             "'model.path' must be 'builtin' for 'otbrl sft' (it warm-starts the built-in model)",
             "model.path",
         )
-    from otbrl.trainer import warm_start
+    from otbrl.run.build import warm_start
 
     path = warm_start(cfg)
     print(f"warm-started model: {path}")
@@ -134,7 +132,7 @@ def _sft(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     cfg, _ = _config(args)
-    from otbrl.trainer import evaluate_config
+    from otbrl.run.trainer import evaluate_config
 
     accuracy, count = evaluate_config(cfg)
     print(f"val accuracy: {accuracy:.4f} on {count} prompts ({cfg.model.path})")
@@ -142,7 +140,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from otbrl.checkpoint import export_checkpoint
+    from otbrl.run.checkpoint import export_checkpoint
 
     try:
         print(f"exported: {export_checkpoint(args.checkpoint, args.out_dir)}")
@@ -157,7 +155,7 @@ def _usage_error(err: Exception) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from otbrl.plotting import plot_run, plot_runs
+    from otbrl.run.plotting import plot_run, plot_runs
 
     try:
         if len(args.run_dirs) == 1 and args.out is None:
@@ -171,7 +169,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 def _variance(args: argparse.Namespace) -> int:
     cfg, _ = _config(args)
-    from otbrl.variance import DEFAULT_ESTIMATORS, check_variance_args, run_variance
+    from otbrl.research.variance import DEFAULT_ESTIMATORS, check_variance_args, run_variance
 
     try:
         ns = [int(x) for x in args.n.split(",")]
@@ -199,7 +197,7 @@ def _variance(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from otbrl.compare import main as compare_main
+    from otbrl.research.compare import main as compare_main
 
     return compare_main(args.args)
 
@@ -220,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``otbrl`` and ``python -m otbrl``; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
     try:
-        if argv[:1] == ["compare"]:  # has its own parser (otbrl.compare.main)
+        if argv[:1] == ["compare"]:  # has its own parser (otbrl.research.compare.main)
             args = argparse.Namespace(command="compare", args=list(argv[1:]))
         else:
             args = _build_parser().parse_args(argv)

@@ -3,7 +3,7 @@
 This module imports nothing from otbrl (it sits beside the floors). It checks what the schema
 alone can decide: unknown keys (with a did-you-mean), types, allowed values, ranges, and batch
 divisibility. Checks that need the estimator registry (estimator name, Σπ² contradictions) live
-in ``otbrl.trainer.validate_config``, which the CLI calls before any model is loaded.
+in ``otbrl.run.build.validate_config``, which the CLI calls before any model is loaded.
 """
 
 from __future__ import annotations
@@ -60,8 +60,11 @@ class ActorConfig:
     warmup_steps: int = 20  # linear warmup of optimizer steps; a cold AdamW can wreck the policy
     weight_decay: float = 0.0
     ppo_epochs: int = 1
-    ppo_mini_batch_size: int = 16  # prompts per optimizer step (x rollout.n sequences)
-    micro_batch_size: int = 64  # sequences per forward/backward (gradient accumulation)
+    # prompts per optimizer step (x rollout.n sequences); None = the whole step batch
+    ppo_mini_batch_size: int | None = None
+    # at most this many sequences per forward/backward (the last micro-batch may be smaller;
+    # gradients are accumulated exactly, as if the mini-batch ran at once)
+    micro_batch_size: int = 64
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
@@ -73,10 +76,27 @@ class ActorConfig:
     grad_clip: float = 1.0
     use_fused_kernels: bool = False
     calculate_sum_pi_squared: Any = "auto"  # "auto" | "true" | "false" (YAML booleans accepted)
-    # "single": one process; "fsdp" / "tp": one process per device under torchrun (issue 5)
-    engine: str = "single"
+    # "auto": one process, or FSDP2 when torchrun starts several; "single" | "fsdp" | "tp"
+    engine: str = "auto"
     tensor_parallel_size: int = 1  # engine=tp: ranks sharing one model's heads and vocabulary
     ulysses_sequence_parallel_size: int = 1  # ranks splitting each packed sequence
+
+
+@dataclass
+class CriticConfig:
+    """The value model of PPO with GAE: ``AutoModelForTokenClassification(num_labels=1)``
+    initialised from ``model_path`` (the policy's weights by default), trained with the clipped
+    value loss on the actor's mini-batches, under the actor's engine."""
+
+    enable: Any = "auto"  # "auto" (on when the estimator needs values) | "true" | "false"
+    model_path: str | None = None  # None: the policy's model
+    lr: float = 1e-3
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    ppo_epochs: int = 1
+    cliprange_value: float | None = 0.5  # None: no value clipping
+    micro_batch_size: int = 64
+    grad_clip: float = 1.0
 
 
 @dataclass
@@ -108,6 +128,7 @@ class TrainerConfig:
     total_steps: int = 800
     val_every: int = 50  # 0 = no validation
     save_every: int = 0  # 0 = no checkpoints
+    keep_last_checkpoints: int = 0  # delete older checkpoints beyond the newest N; 0 = keep all
     output_dir: str = "runs/default"
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     seed: int = 0
@@ -136,6 +157,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -151,9 +173,9 @@ _CHOICES = {
         "seq-mean-token-mean",
         "seq-mean-token-sum-norm",
     ),
-    "actor.kl_loss_type": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
     "actor.calculate_sum_pi_squared": ("auto", "true", "false"),
-    "actor.engine": ("single", "fsdp", "tp"),
+    "actor.engine": ("auto", "single", "fsdp", "tp"),
+    "critic.enable": ("auto", "true", "false"),
     "algorithm.otb.energy": ("logit_gradient", "uniform"),
     "reward.on_error": ("raise", "zero"),
 }
@@ -166,8 +188,10 @@ _POSITIVE = (
     "rollout.n",
     "rollout.max_new_tokens",
     "actor.ppo_epochs",
-    "actor.ppo_mini_batch_size",
     "actor.micro_batch_size",
+    "critic.lr",
+    "critic.ppo_epochs",
+    "critic.micro_batch_size",
     "actor.tensor_parallel_size",
     "actor.ulysses_sequence_parallel_size",
     "trainer.total_steps",
@@ -187,9 +211,13 @@ _NON_NEGATIVE = (
     "actor.clip_ratio_high",
     "actor.kl_loss_coef",
     "actor.grad_clip",
+    "critic.warmup_steps",
+    "critic.weight_decay",
+    "critic.grad_clip",
     "algorithm.kl_coef",
     "trainer.val_every",
     "trainer.save_every",
+    "trainer.keep_last_checkpoints",
     "trainer.max_wall_seconds",
     "sft.max_steps",
     "sft.eval_every",
@@ -281,10 +309,12 @@ def load_config(
 
 
 def _normalize(cfg: Config) -> None:
-    value = cfg.actor.calculate_sum_pi_squared
-    if isinstance(value, bool):
-        value = "true" if value else "false"
-    cfg.actor.calculate_sum_pi_squared = str(value).lower()
+    # tri-state keys take YAML booleans too
+    for group, key in ((cfg.actor, "calculate_sum_pi_squared"), (cfg.critic, "enable")):
+        value = getattr(group, key)
+        if isinstance(value, bool):
+            value = "true" if value else "false"
+        setattr(group, key, str(value).lower())
 
 
 def _get(cfg: Config, dotted: str) -> Any:
@@ -335,18 +365,17 @@ def check_config(cfg: Config) -> None:
             "trainer.resume",
         )
     batch, mini = cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size
-    if batch % mini != 0:
+    if mini is not None and (mini <= 0 or batch % mini != 0):
         raise ConfigError(
-            f"'data.train_batch_size' ({batch}) must be divisible by "
-            f"'actor.ppo_mini_batch_size' ({mini})",
+            f"'actor.ppo_mini_batch_size' ({mini}) must be a positive divisor of "
+            f"'data.train_batch_size' ({batch}), or null for the whole step batch",
             "actor.ppo_mini_batch_size",
         )
-    seqs, micro = mini * cfg.rollout.n, cfg.actor.micro_batch_size
-    if seqs % micro != 0:
+    clip = cfg.critic.cliprange_value
+    if clip is not None and not clip > 0:
         raise ConfigError(
-            f"'actor.micro_batch_size' ({micro}) must divide 'actor.ppo_mini_batch_size' x "
-            f"'rollout.n' ({mini} x {cfg.rollout.n} = {seqs} sequences)",
-            "actor.micro_batch_size",
+            f"'critic.cliprange_value' must be > 0 or null (no clipping), got {clip}",
+            "critic.cliprange_value",
         )
     if cfg.reward.function is not None and ":" in cfg.reward.function:
         file = cfg.reward.function.rsplit(":", 1)[0]

@@ -235,3 +235,117 @@ def value_loss(
         frac = masked_mean((err_clip > err).float(), m)
     total = agg_loss(loss, m, loss_agg_mode, **normalizers)
     return total, {"vf_clip_frac": frac.detach()}
+
+
+# -- TEMPORARY: the lead's stand-in for the loss registry (replaced by the algos branch) ------
+from typing import NamedTuple  # noqa: E402
+
+
+class Normalizers(NamedTuple):
+    num_tokens: Tensor
+    num_seqs: Tensor
+
+    def __getitem__(self, key):
+        return getattr(self, key) if isinstance(key, str) else tuple.__getitem__(self, key)
+
+    def keys(self):
+        return self._fields
+
+
+class _Loss:
+    def __init__(self, fn, needs, batch_keys):
+        self.fn, self.needs, self.batch_keys = fn, frozenset(needs), frozenset(batch_keys)
+
+    def __call__(self, out, batch, norms):
+        return self.fn(out, batch, norms)
+
+
+Loss = _Loss
+
+
+def build_loss(
+    *,
+    policy_loss="ppo_clip",
+    loss_agg_mode="token-mean",
+    horizon=None,
+    clip_ratio_low=0.2,
+    clip_ratio_high=0.2,
+    clip_ratio_c=3.0,
+    entropy_coeff=0.0,
+    kl_loss_coef=0.0,
+    kl_loss_type="low_var_kl",
+):
+    needs = {"log_probs"} | ({"entropy"} if entropy_coeff != 0 else set())
+    keys = {"response_mask", "old_log_probs", "advantages"}
+    if kl_loss_coef > 0:
+        keys.add("ref_log_probs")
+
+    def fn(out, batch, norms):
+        m = batch["response_mask"]
+        agg = {
+            "loss_agg_mode": loss_agg_mode,
+            "num_tokens": norms.num_tokens,
+            "num_seqs": norms.num_seqs,
+            "horizon": horizon,
+        }
+        loss, pg = ppo_policy_loss(
+            out["log_probs"],
+            batch["old_log_probs"],
+            batch["advantages"],
+            m,
+            clip_ratio_low=clip_ratio_low,
+            clip_ratio_high=clip_ratio_high,
+            clip_ratio_c=clip_ratio_c,
+            rollout_is_weights=batch.get("rollout_is_weights"),
+            **agg,
+        )
+        frac = m.sum() / norms.num_tokens.clamp(min=1.0)
+        metrics = {
+            "policy/pg_loss": loss.detach(),
+            "policy/clip_frac": pg["clip_frac"] * frac,
+            "policy/approx_kl": pg["approx_kl"] * frac,
+        }
+        if entropy_coeff != 0:
+            ent = entropy_bonus(out["entropy"], m, entropy_coeff, **agg)
+            loss = loss + ent
+            metrics["policy/entropy_loss"] = ent.detach()
+        if kl_loss_coef > 0:
+            kl = agg_loss(
+                kl_penalty(out["log_probs"], batch["ref_log_probs"], kl_loss_type), m, **agg
+            )
+            loss = loss + kl_loss_coef * kl
+            metrics["policy/kl_loss"] = kl.detach()
+        metrics["policy/loss"] = loss.detach()
+        return loss, metrics
+
+    return _Loss(fn, needs, keys)
+
+
+def build_value_loss(*, cliprange_value=0.5, loss_agg_mode="token-mean"):
+    def fn(out, batch, norms):
+        m = batch["response_mask"]
+        loss, info = value_loss(
+            out["values"],
+            batch["values"],
+            batch["returns"],
+            m,
+            clip_range=cliprange_value,
+            loss_agg_mode=loss_agg_mode,
+            num_tokens=norms.num_tokens,
+            num_seqs=norms.num_seqs,
+        )
+        frac = m.sum() / norms.num_tokens.clamp(min=1.0)
+        return loss, {
+            "critic/value_loss": loss.detach(),
+            "critic/vf_clip_frac": info["vf_clip_frac"] * frac,
+        }
+
+    return _Loss(fn, {"values"}, {"response_mask", "values", "returns"})
+
+
+_old_loss_normalizers = loss_normalizers
+
+
+def loss_normalizers(response_mask):
+    d = _old_loss_normalizers(response_mask)
+    return Normalizers(d["num_tokens"], d["num_seqs"])

@@ -1,6 +1,9 @@
-"""otbrl.engine: owns the model, optimizer and layout; computes token statistics, takes steps.
+"""otbrl.engine: owns models, optimizers and the parallel layout on 1..N processes.
 
-Modules: ``forward`` (one forward → token statistics, padded / packed / fused), ``actor``
-(single-process ``Actor`` implementing the ``Engine`` interface). Import from the modules
-directly: this package stays import-free so that sibling modules load without the others.
+Modules: ``world`` (process group, the ``World`` the loop talks to), ``parallel`` (meshes,
+TP / FSDP2 applied to a plain model), ``ulysses`` (sequence parallel), ``layout`` (one forward
+→ per-response-token outputs in every layout; the response-row alignment lives there) and
+``engine`` (``Engine``: compute, update with the loss it is handed; policy, critic and
+reference are three instances). Import from the modules directly: this package stays
+import-free so that sibling modules load without the others.
 """

@@ -1,8 +1,9 @@
-"""Parallelism as functions applied to a plain Hugging Face causal LM (torchtitan style).
+"""Parallelism as functions applied to a plain Hugging Face model (torchtitan style).
 
     mesh = build_mesh(dp=2, tp=2, device_type="cpu")
     apply_tp(model, mesh["tp"])                      # DTensor TP, logits left vocab-sharded
     apply_fsdp(model, fsdp_mesh(mesh), mixed_precision_policy(device))  # FSDP2 per block
+    parallelize(model, mesh, engine="tp")            # the two above (and Ulysses) in order
 
 The order is fixed: tensor parallel first (it rewrites parameters into DTensors on the "tp"
 dimension), then FSDP2 (it shards those along the data dimensions). Ulysses sequence
@@ -99,13 +100,17 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     output *left sharded*: `model(...).logits` is a plain local tensor [..., V/tp] holding
     vocabulary ids `vocab_shard_range(model, tp_mesh)`, ready for `vocab_parallel_token_stats`
     (the vocabulary need not divide by the TP size: shards are then uneven).
-    Tied embeddings stay tied (both shard the same [V, H] weight on dim 0).
+    Tied embeddings stay tied (both shard the same [V, H] weight on dim 0). A value model
+    (``*ForTokenClassification``: a ``score`` head of a few outputs instead of an lm_head)
+    keeps its head replicated: its input, the final hidden state, is replicated already.
     """
     tp = tp_mesh.size()
     config = model.config
     head = getattr(model, "lm_head", None)
-    if head is None:
-        raise TypeError(f"model: expected an lm_head, got {type(model).__name__} without one")
+    if head is None and not isinstance(getattr(model, "score", None), nn.Linear):
+        raise TypeError(
+            f"model: expected an lm_head or a score head, got {type(model).__name__} with neither"
+        )
     sizes = {
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": getattr(config, "num_key_value_heads", config.num_attention_heads),
@@ -138,18 +143,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
             "mlp.down_proj": RowwiseParallel(),
         }
         parallelize_module(layer, tp_mesh, plan)
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "model.embed_tokens": RowwiseParallel(
-                input_layouts=Replicate(), output_layouts=Replicate()
-            ),
-            "lm_head": ColwiseParallel(
-                input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=True
-            ),
-        },
-    )
+    plan = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    }
+    if head is not None:
+        plan["lm_head"] = ColwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=True
+        )
+    parallelize_module(model, tp_mesh, plan)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model
@@ -235,3 +236,27 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> torch
         for g in grads:
             g.mul_(coef)
     return total
+
+
+ENGINES = ("fsdp", "tp")
+
+
+def parallelize(
+    model: nn.Module, mesh: DeviceMesh, *, engine: str, device: torch.device | str = "cpu"
+) -> nn.Module:
+    """Apply the parallel layout of `engine` to `model` in place (TP, then Ulysses, then FSDP2).
+
+    engine "tp" needs mesh["tp"] > 1 and wraps FSDP2 around it only when dp > 1; engine
+    "fsdp" always shards parameters over dp × sp.
+    """
+    from otbrl.engine import ulysses
+
+    if engine not in ENGINES:
+        raise ValueError(f"engine: expected one of {ENGINES}, got {engine!r}")
+    if mesh["tp"].size() > 1:
+        apply_tp(model, mesh["tp"])
+    if mesh["sp"].size() > 1:
+        ulysses.apply_ulysses(model, mesh["sp"].get_group())
+    if engine == "fsdp" or mesh["dp"].size() > 1:
+        apply_fsdp(model, fsdp_mesh(mesh), mixed_precision_policy(device))
+    return model

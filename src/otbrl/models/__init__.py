@@ -6,6 +6,8 @@ from otbrl.models.hf import (
     build_tiny_model,
     eos_token_ids,
     load_model_and_tokenizer,
+    load_value_model,
+    random_causal_lm,
 )
 from otbrl.models.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
 
@@ -18,4 +20,6 @@ __all__ = [
     "build_tokenizer",
     "eos_token_ids",
     "load_model_and_tokenizer",
+    "load_value_model",
+    "random_causal_lm",
 ]

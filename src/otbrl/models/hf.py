@@ -10,7 +10,9 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForTokenClassification,
     AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
@@ -36,6 +38,18 @@ DEFAULT_SIZE = {
 }
 
 
+def random_causal_lm(arch: str = "llama", *, seed: int = 0, **config) -> PreTrainedModel:
+    """A random-init fp32 ``arch`` causal LM built from config fields (``vocab_size``,
+    ``hidden_size``, ...); the weights depend only on ``seed`` and the config, and the global RNG
+    is left untouched. The one builder behind ``build_tiny_model``, the tests and benchmarks."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch: expected one of {sorted(ARCHS)}, got {arch!r}")
+    config_cls, model_cls = ARCHS[arch]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return model_cls(config_cls(**config)).float()
+
+
 def build_tiny_model(
     out_dir: str | Path, *, task: str = "arithmetic", arch: str = "llama", seed: int = 0, **size
 ) -> Path:
@@ -52,16 +66,15 @@ def build_tiny_model(
         ``Path(out_dir)``, holding ``config.json``, ``model.safetensors``, the tokenizer files
         and the chat template; ``load_model_and_tokenizer(out_dir)`` loads it.
     """
-    if arch not in ARCHS:
-        raise ValueError(f"arch: expected one of {sorted(ARCHS)}, got {arch!r}")
     unknown = sorted(set(size) - set(DEFAULT_SIZE))
     if unknown:
         raise ValueError(
             f"size: unknown keys {unknown}; expected a subset of {sorted(DEFAULT_SIZE)}"
         )
     tokenizer = build_tokenizer(get_task(task).alphabet)
-    config_cls, model_cls = ARCHS[arch]
-    config = config_cls(
+    model = random_causal_lm(
+        arch,
+        seed=seed,
         vocab_size=len(tokenizer),
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
@@ -69,9 +82,6 @@ def build_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         **{**DEFAULT_SIZE, **size},
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_cls(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     out = Path(out_dir)
@@ -126,3 +136,33 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
         if i is not None and i not in ids:
             ids.append(int(i))
     return ids
+
+
+def load_value_model(path: str | Path, *, dtype: str = "float32", device: str = "cpu"):
+    """A value model from a causal-LM directory: ``AutoModelForTokenClassification`` with one
+    label, the decoder initialised from the checkpoint and a fresh scalar head (the convention
+    of verl and OpenRLHF). Dropout before the head is off, so training and scoring agree.
+
+    Returns the model; ``model(...).logits`` is [B, L, 1], the value of each prefix.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"path: expected a local model directory with config.json, got {str(path)!r}"
+        )
+    from transformers.utils import logging as hf_logging
+
+    # the lm_head is unused and the score head is new: transformers' warnings say just that
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        config = AutoConfig.from_pretrained(path, num_labels=1)
+        config.classifier_dropout = 0.0
+        model = AutoModelForTokenClassification.from_pretrained(
+            path, config=config, dtype=DTYPES[dtype]
+        )
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return model.to(device)

@@ -18,13 +18,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from otbrl.algos import losses
 from otbrl.algos.advantages import ESTIMATOR_ALIASES, compute_advantage, get_estimator
+from otbrl.algos.losses import Loss, loss_normalizers
 from otbrl.algos.metrics import trajectory_w, variance_proxy
 from otbrl.algos.otb import zero_tail_mask
-from otbrl.engine.forward import forward_token_stats
+from otbrl.engine.layout import Layout, forward_outputs, row_features, scatter_rows
 from otbrl.ops import token_stats
 from otbrl.rewards import score_responses
+from otbrl.rewards.placement import place_scores
 from otbrl.rollout import decode_responses, generate
 
 
@@ -90,8 +91,9 @@ class GradientProbe:
     """Per-estimator policy gradients of one model on freshly sampled batches.
 
     ``options``: the configured estimator options (``trainer.estimator_options``), each spec's
-    own options override them. ``loss_kwargs``: ``loss_agg_mode`` and clip settings of the
-    configured policy loss. ``method``: ``"loop"`` (one backward per estimator, graph
+    own options override them. ``loss_fn``: the configured policy loss
+    (``otbrl.run.build.policy_loss(cfg, regularizers=False)``, the trainer's own construction
+    without the entropy and KL terms). ``method``: ``"loop"`` (one backward per estimator, graph
     retained) or ``"batched"`` (one batched vector-Jacobian product, ``is_grads_batched``).
     """
 
@@ -103,7 +105,7 @@ class GradientProbe:
         temperature: float,
         max_new_tokens: int,
         options: dict,
-        loss_kwargs: dict,
+        loss_fn: Loss,
         reward_fn: Callable | None = None,
         on_error: str = "raise",
         method: str = "loop",
@@ -114,7 +116,7 @@ class GradientProbe:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.num_params = sum(p.numel() for p in self.params)
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
-        self.options, self.loss_kwargs = options, loss_kwargs
+        self.options, self.loss_fn = options, loss_fn
         self.reward_fn, self.on_error, self.method = reward_fn, on_error, method
 
     def sample(self, enc: dict[str, Tensor], rows: list[dict], n: int, seed: int) -> dict:
@@ -135,11 +137,7 @@ class GradientProbe:
         scores, _ = score_responses(
             texts, repeated, function=self.reward_fn, on_error=self.on_error
         )
-        lengths = mask.sum(1).long()
-        rewards = torch.zeros_like(mask)
-        has = lengths > 0
-        rewards[has.nonzero().squeeze(1), lengths[has] - 1] = torch.tensor(scores)[has]
-        batch["token_level_rewards"] = rewards
+        batch["token_level_rewards"] = place_scores(torch.tensor(scores), mask)
         return batch
 
     def gradients(self, batch: dict, specs: list[EstimatorSpec]) -> tuple[Tensor, dict]:
@@ -151,14 +149,14 @@ class GradientProbe:
         if self.method == "batched":
             stats = self._vmappable_stats(batch)
         else:
-            stats = forward_token_stats(
+            stats = forward_outputs(
                 self.model,
                 batch,
+                Layout(),
+                outputs=frozenset({"log_probs", "entropy", "sum_pi_squared"}),
                 temperature=self.temperature,
-                entropy=True,
-                sum_pi_squared=True,
             )
-        log_probs, mask = stats["old_log_probs"], batch["response_mask"]
+        log_probs, mask = stats["log_probs"], batch["response_mask"]
         old = log_probs.detach()
         common = {
             "token_level_rewards": batch["token_level_rewards"],
@@ -168,12 +166,14 @@ class GradientProbe:
             "sum_pi_squared": stats["sum_pi_squared"],
         }
         w_score = trajectory_w(mask, old, stats["sum_pi_squared"])
+        norms = loss_normalizers(mask)
         cotangents, power = [], {}
         for spec in specs:
             adv, _ = compute_advantage(spec.name, **common, **{**self.options, **spec.options})
             # ∂loss/∂log π at ratio 1 from the configured loss itself, on a cheap leaf
             leaf = old.clone().requires_grad_()
-            loss, _ = losses.ppo_policy_loss(leaf, old, adv.detach(), mask, **self.loss_kwargs)
+            micro = {"response_mask": mask, "old_log_probs": old, "advantages": adv.detach()}
+            loss, _ = self.loss_fn({"log_probs": leaf}, micro, norms)
             cotangents.append(torch.autograd.grad(loss, leaf)[0])
             proxy = variance_proxy(adv.detach(), mask, w_score)
             power[spec.label] = float(proxy["variance_proxy/total_power"])
@@ -213,30 +213,17 @@ class GradientProbe:
         return out, extras
 
     def _vmappable_stats(self, batch: dict) -> dict[str, Tensor]:
-        """The padded-layout stats of ``forward_token_stats`` with log-probs from plain
-        ``log_softmax``: the fused op's backward writes in place, which ``is_grads_batched``
-        (vmap over the backward) rejects. Σπ² and entropy carry no gradient here."""
-        resp_len = batch["responses"].shape[1]
-        logits = (
-            self.model(
-                input_ids=batch["input_ids"],
-                attention_mask=batch["attention_mask"],
-                position_ids=batch["position_ids"],
-                use_cache=False,
-                logits_to_keep=resp_len + 1,
-            )
-            .logits[:, :-1]
-            .float()
-            / self.temperature
-        )
-        valid = batch["response_mask"] > 0
-        labels = batch["responses"].masked_fill(~valid, 0)
-        log_probs = torch.log_softmax(logits, -1).gather(-1, labels[..., None])[..., 0]
+        """The padded layout's outputs with log-probs from plain ``log_softmax``: the fused
+        op's backward writes in place, which ``is_grads_batched`` (vmap over the backward)
+        rejects. Σπ² and entropy carry no gradient here."""
+        rows, logits, labels, _ = row_features(self.model, batch, Layout())
+        logits = logits.float() / self.temperature
+        log_probs = torch.log_softmax(logits, -1).gather(-1, labels[:, None])[:, 0]
         extra = token_stats(logits.detach(), labels, temperature=1.0)
         return {
-            "old_log_probs": log_probs * valid,
-            "entropy": extra.entropy * valid,
-            "sum_pi_squared": extra.sum_pi_squared * valid,
+            "log_probs": scatter_rows(log_probs, rows.valid),
+            "entropy": scatter_rows(extra.entropy, rows.valid),
+            "sum_pi_squared": scatter_rows(extra.sum_pi_squared, rows.valid),
         }
 
     def reference(

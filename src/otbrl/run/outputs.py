@@ -5,8 +5,9 @@ run killed at any moment leaves every finished step on disk. Resuming from a che
 k drops the lines with ``step > k`` (they belong to steps the resumed run will redo), which makes
 the file of a resumed run equal to the file of an uninterrupted one.
 
-This module is ``otbrl.logging``; inside the package every import is absolute, so it does not
-shadow the standard library's ``logging``.
+This module is the one place for run output files: the metrics log, the summary, and the
+atomic-write helpers (temp file in the same folder, fsync, rename) every other writer uses.
+It imports no torch, so tools that only read runs start fast.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ _SUMMARY_KEYS = (
 )
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync a directory, so a rename inside it survives a crash."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -72,7 +74,16 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and folder under ``root`` (before renaming it into place)."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(Path(dirpath))
 
 
 def _plain(value: Any) -> Any:

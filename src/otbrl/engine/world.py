@@ -1,9 +1,14 @@
-"""Process-group setup and teardown for multi-process runs.
+"""Who this process is in the job: process-group setup and the ``World`` the loop talks to.
 
 One process per device, launched by `torchrun` (which sets RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT) or spawned by a test with an explicit `tcp://` init method.
 Backend: gloo on CPU, NCCL on CUDA. Every collective carries a timeout, so a rank that dies
 makes the survivors fail with `DistributedError` in bounded time instead of hanging.
+
+``World`` is what the training loop sees of parallelism (torchtitan's ``ParallelDims`` in
+miniature): this data-parallel rank's share of the prompts, the reduction of metrics over
+ranks, and which rank writes files. At world size 1 it is the identity and needs no process
+group, so one loop serves every world size.
 """
 
 from __future__ import annotations
@@ -11,11 +16,15 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from collections.abc import Iterator
-from typing import NamedTuple
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -140,3 +149,85 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the job; the identity at world size 1.
+
+    ``mesh`` is the ("dp", "sp", "tp") device mesh of a multi-process run (None in one process
+    without a process group). Ranks of one SP/TP group hold the same data, so sharding and
+    metric reduction follow the data-parallel dimension.
+    """
+
+    rank: int = 0
+    size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    mesh: DeviceMesh | None = None
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the process that prints and writes the run directory."""
+        return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        return 0 if self.mesh is None else self.mesh["dp"].get_local_rank()
+
+    @property
+    def dp_size(self) -> int:
+        return 1 if self.mesh is None else self.mesh["dp"].size()
+
+    def shard(self, items: Sequence[T]) -> list[T]:
+        """This data-parallel rank's contiguous share of ``items`` (all of them at dp = 1)."""
+        if len(items) % self.dp_size:
+            raise ValueError(
+                f"items: expected a multiple of the data-parallel size {self.dp_size}, "
+                f"got {len(items)}"
+            )
+        share = len(items) // self.dp_size
+        return list(items[self.dp_rank * share : (self.dp_rank + 1) * share])
+
+    def sum(self, values: Sequence[float], *, over: str = "world") -> list[float]:
+        """Element-wise float64 sum over every rank (``over="world"``) or over the
+        data-parallel group (``over="dp"``: SP/TP peers hold the same data); the values
+        themselves when there is nobody to sum with."""
+        if over not in ("world", "dp"):
+            raise ValueError(f"over: expected 'world' or 'dp', got {over!r}")
+        if self.mesh is None or (over == "dp" and self.dp_size == 1):
+            return [float(v) for v in values]
+        tally = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        dist.all_reduce(tally, group=self.mesh["dp"].get_group() if over == "dp" else None)
+        return tally.tolist()
+
+    def mean_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Metrics averaged over the ranks that report them; ``throughput/*`` summed."""
+        if self.mesh is None:
+            return dict(metrics)
+        gathered: list[dict] = [{} for _ in range(self.size)]
+        dist.all_gather_object(gathered, metrics)
+        out = {}
+        for key in metrics:
+            values = [float(g[key]) for g in gathered if key in g]
+            total = sum(values)
+            out[key] = total if key.startswith("throughput/") else total / len(values)
+        return out
+
+    def barrier(self) -> None:
+        """Wait for every rank (nothing to wait for at world size 1)."""
+        if self.mesh is not None:
+            dist.barrier()
+
+
+def start_world(
+    *, distributed: bool, sp: int = 1, tp: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> World:
+    """The ``World`` of this process: a process group and mesh when ``distributed`` (torchrun,
+    or a sharded engine asked for explicitly), else the identity world without one."""
+    if not distributed:
+        return World()
+    from otbrl.engine.parallel import build_mesh
+
+    info = init_distributed(timeout_s=timeout_s)
+    mesh = build_mesh(info.world_size, sp=sp, tp=tp, device_type=info.device.type)
+    return World(rank=info.rank, size=info.world_size, device=info.device, mesh=mesh)

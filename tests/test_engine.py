@@ -1,14 +1,28 @@
-"""otbrl.engine: token statistics in padded / packed / fused layouts, and the PPO update."""
-
-import dataclasses
+"""otbrl.engine: outputs in padded / packed / fused layouts, and the update with a loss."""
 
 import pytest
 import torch
 
+from otbrl.algos.losses import build_loss
 from otbrl.config import ActorConfig
-from otbrl.engine.actor import Actor, warmup_schedule
-from otbrl.engine.forward import block_causal_mask, forward_token_stats, sequence_inputs
+from otbrl.engine.engine import Engine, warmup_schedule
+from otbrl.engine.layout import Layout, forward_outputs, sequence_inputs
 from tiny_models import tiny_causal_lm
+
+ALL = frozenset({"log_probs", "entropy", "sum_pi_squared"})
+
+
+def forward_token_stats(
+    model, batch, *, temperature=1.0, entropy=False, sum_pi_squared=False, packed=False, fused=False
+):
+    """The layout forward with the old call shape of these tests."""
+    outputs = {"log_probs"} | ({"entropy"} if entropy else set())
+    outputs |= {"sum_pi_squared"} if sum_pi_squared else set()
+    layout = Layout(packed=packed, head="fused" if fused else "logits")
+    return forward_outputs(
+        model, batch, layout, outputs=frozenset(outputs), temperature=temperature
+    )
+
 
 VOCAB = 37
 
@@ -67,7 +81,6 @@ def test_layouts_agree_with_float64_reference(arch):
     layouts = {
         "padded": {},
         "packed": {"packed": True},
-        "packed_explicit_mask": {"packed": True, "packed_mask": "explicit"},
         "fused": {"fused": True},
         "packed_fused": {"packed": True, "fused": True},
     }
@@ -76,7 +89,7 @@ def test_layouts_agree_with_float64_reference(arch):
             stats = forward_token_stats(
                 model, batch, temperature=0.7, entropy=True, sum_pi_squared=True, **kwargs
             )
-        for key, ref_key in (("old_log_probs", "lp"), ("entropy", "h"), ("sum_pi_squared", "s")):
+        for key, ref_key in (("log_probs", "lp"), ("entropy", "h"), ("sum_pi_squared", "s")):
             got = stats[key]
             assert got.dtype == torch.float32 and got.shape == mask.shape, (name, key)
             torch.testing.assert_close(
@@ -90,9 +103,9 @@ def test_only_requested_stats_and_gradients():
     batch = make_batch(bsz=3)
     for fused in (False, True):
         stats = forward_token_stats(model, batch, fused=fused)
-        assert set(stats) == {"old_log_probs"}
+        assert set(stats) == {"log_probs"}
         stats = forward_token_stats(model, batch, entropy=True, sum_pi_squared=True, fused=fused)
-        assert stats["old_log_probs"].requires_grad and stats["entropy"].requires_grad
+        assert stats["log_probs"].requires_grad and stats["entropy"].requires_grad
         assert not stats["sum_pi_squared"].requires_grad
 
 
@@ -103,19 +116,10 @@ def test_packed_gradients_match_padded():
     for kwargs in ({}, {"packed": True}, {"fused": True}):
         model.zero_grad()
         stats = forward_token_stats(model, batch, entropy=True, **kwargs)
-        (stats["old_log_probs"].sum() + 0.1 * stats["entropy"].sum()).backward()
+        (stats["log_probs"].sum() + 0.1 * stats["entropy"].sum()).backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(grads[2], grads[0], atol=1e-5, rtol=1e-4)
-
-
-def test_block_causal_mask():
-    mask = block_causal_mask(torch.tensor([0, 2, 5], dtype=torch.int32))
-    allowed = mask[0, 0] == 0
-    expected = torch.zeros(5, 5, dtype=torch.bool)
-    expected[:2, :2] = torch.ones(2, 2).tril().bool()
-    expected[2:, 2:] = torch.ones(3, 3).tril().bool()
-    assert torch.equal(allowed, expected)
 
 
 def test_bad_inputs():
@@ -123,31 +127,40 @@ def test_bad_inputs():
     batch = make_batch(bsz=2)
     with pytest.raises(ValueError, match="temperature"):
         forward_token_stats(model, batch, temperature=0.0)
-    with pytest.raises(ValueError, match="packed_mask"):
-        forward_token_stats(model, batch, packed=True, packed_mask="dense")
+    with pytest.raises(ValueError, match="outputs"):
+        forward_outputs(model, batch, Layout(), outputs=frozenset({"values"}))
+    with pytest.raises(ValueError, match="head"):
+        Layout(head="dense")
     with pytest.raises(ValueError, match="batch dim"):
         sequence_inputs(
             batch["prompts"][:1], batch["prompts"][:1], batch["responses"], batch["response_mask"]
         )
-    cfg = ActorConfig(micro_batch_size=3)
     with pytest.raises(ValueError, match="micro_batch_size"):
-        Actor(model, cfg, ppo_mini_batch_size=4)
-    with pytest.raises(ValueError, match="ref_model"):
-        Actor(model, ActorConfig(use_kl_loss=True, micro_batch_size=2), ppo_mini_batch_size=4)
+        Engine(model, ActorConfig(micro_batch_size=0))
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        Engine(model, None)  # a frozen engine needs its own cap
+    engine = Engine(model, ActorConfig(micro_batch_size=2))
+    batch = rl_batch(engine)
+    del batch["ref_log_probs"]
+    with pytest.raises(ValueError, match="ref_log_probs"):
+        engine.update(batch, build_loss(kl_loss_coef=0.1))
+    frozen = Engine(model, None, micro_batch_size=2)
+    with pytest.raises(ValueError, match="frozen"):
+        frozen.update(batch, build_loss())
 
 
-def rl_batch(actor, bsz=8, seed=0):
+def rl_batch(engine, bsz=8, seed=0):
     batch = make_batch(bsz=bsz, seed=seed)
-    stats = actor.compute_stats(batch, frozenset({"old_log_probs"}))
+    stats = engine.compute(batch, frozenset({"log_probs"}))
     g = torch.Generator().manual_seed(seed + 1)
-    batch["old_log_probs"] = stats["old_log_probs"] - 0.05 * torch.rand(
-        stats["old_log_probs"].shape, generator=g
+    batch["old_log_probs"] = stats["log_probs"] - 0.05 * torch.rand(
+        stats["log_probs"].shape, generator=g
     )
     batch["advantages"] = (
         torch.randn(batch["responses"].shape, generator=g) * batch["response_mask"]
     )
-    batch["ref_log_probs"] = stats["old_log_probs"] + 0.1 * torch.randn(
-        stats["old_log_probs"].shape, generator=g
+    batch["ref_log_probs"] = stats["log_probs"] + 0.1 * torch.randn(
+        stats["log_probs"].shape, generator=g
     )
     return batch
 
@@ -155,46 +168,56 @@ def rl_batch(actor, bsz=8, seed=0):
 @pytest.mark.parametrize(
     "mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 )
-def test_gradient_accumulation_is_exact(mode):
-    """Micro-batches of 2 accumulate exactly the gradient of the whole mini-batch at once."""
-    cfg = ActorConfig(
-        loss_agg_mode=mode,
-        entropy_coeff=0.01,
-        use_kl_loss=True,
-        kl_loss_coef=0.1,
-        micro_batch_size=8,
+@pytest.mark.parametrize("micro", [2, 3])
+def test_gradient_accumulation_is_exact(mode, micro):
+    """Micro-batches (of 2, or a cap of 3 with a smaller last one) accumulate exactly the
+    gradient and the metrics of the whole mini-batch at once."""
+    loss = build_loss(
+        loss_agg_mode=mode, horizon=7, entropy_coeff=0.01, kl_loss_coef=0.1, kl_loss_type="k3"
     )
-    grads = []
-    for micro in (8, 2):
-        model, ref = tiny_model(), tiny_model(seed=1)
-        actor = Actor(
-            model,
-            dataclasses.replace(cfg, micro_batch_size=micro),
-            ppo_mini_batch_size=8,
-            ref_model=ref,
-        )
-        batch = rl_batch(actor)
-        actor.model.train()
-        actor.accumulate_gradients(batch)
+    grads, metrics = [], []
+    for cap in (8, micro):
+        model = tiny_model()
+        engine = Engine(model, ActorConfig(micro_batch_size=cap))
+        batch = rl_batch(engine)
+        engine.model.train()
+        metrics.append(engine.accumulate_gradients(batch, loss))
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert grads[0].abs().sum() > 0
     torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-4)
+    assert metrics[1].keys() == metrics[0].keys()
+    for key, value in metrics[0].items():
+        assert metrics[1][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
 
 
 def test_update_metrics_and_steps():
     model = tiny_model()
     cfg = ActorConfig(lr=1e-3, warmup_steps=2, ppo_epochs=2, micro_batch_size=2, grad_clip=0.5)
-    actor = Actor(model, cfg, ppo_mini_batch_size=4)
-    batch = rl_batch(actor)
+    engine = Engine(model, cfg, mini_batch_size=4)
+    batch = rl_batch(engine)
     before = [p.detach().clone() for p in model.parameters()]
-    metrics = actor.update(batch)
+    metrics = engine.update(batch, build_loss())
     for key in ("policy/grad_norm", "policy/clip_frac", "policy/approx_kl", "policy/lr"):
         assert key in metrics and torch.isfinite(torch.tensor(metrics[key]))
     assert 0.0 <= metrics["policy/clip_frac"] <= 1.0
+    assert metrics["policy/skipped_steps"] == 0
     # 2 epochs x 2 mini-batches = 4 optimizer steps; warmup of 2 -> full lr afterwards
-    assert actor.scheduler.last_epoch == 4
+    assert engine.scheduler.last_epoch == 4
     assert metrics["policy/lr"] == pytest.approx(1e-3)
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    with pytest.raises(ValueError, match="mini-batch"):
+        Engine(tiny_model(), cfg, mini_batch_size=3).update(batch, build_loss())
+
+
+def test_non_finite_gradient_skips_the_step():
+    model = tiny_model()
+    engine = Engine(model, ActorConfig(micro_batch_size=8))
+    batch = rl_batch(engine)
+    batch["advantages"] = torch.where(batch["response_mask"] > 0, float("inf"), 0.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    metrics = engine.update(batch, build_loss())
+    assert metrics["policy/skipped_steps"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
 def test_warmup_schedule():
@@ -204,9 +227,9 @@ def test_warmup_schedule():
 
 def test_state_dict_round_trip():
     cfg = ActorConfig(micro_batch_size=4)
-    a = Actor(tiny_model(), cfg, ppo_mini_batch_size=4, seed=3)
-    a.update(rl_batch(a))
-    b = Actor(tiny_model(), cfg, ppo_mini_batch_size=4, seed=99)
+    a = Engine(tiny_model(), cfg, mini_batch_size=4, seed=3)
+    a.update(rl_batch(a), build_loss())
+    b = Engine(tiny_model(), cfg, mini_batch_size=4, seed=99)
     b.load_state_dict(a.state_dict())
     assert torch.equal(a.generator.get_state(), b.generator.get_state())
     assert a.scheduler.last_epoch == b.scheduler.last_epoch
@@ -216,14 +239,51 @@ def test_update_moves_log_probs_along_the_advantage():
     """After PPO steps, responses with A > 0 gain log-probability relative to A < 0 ones."""
     model = tiny_model()
     cfg = ActorConfig(lr=3e-3, warmup_steps=0, ppo_epochs=3, micro_batch_size=8)
-    actor = Actor(model, cfg, ppo_mini_batch_size=8)
+    engine = Engine(model, cfg, mini_batch_size=8)
     batch = make_batch(bsz=8, seed=3)
     mask = batch["response_mask"]
-    old = actor.compute_stats(batch, frozenset({"old_log_probs"}))["old_log_probs"]
+    old = engine.compute(batch, frozenset({"log_probs"}))["log_probs"]
     sign = torch.tensor([1.0, -1.0] * 4)
     batch["old_log_probs"] = old
     batch["advantages"] = sign[:, None] * mask
-    actor.update(batch)
-    new = actor.compute_stats(batch, frozenset({"old_log_probs"}))["old_log_probs"]
+    engine.update(batch, build_loss())
+    new = engine.compute(batch, frozenset({"log_probs"}))["log_probs"]
     delta = ((new - old) * mask).sum(1)
     assert delta[sign > 0].mean() > 0 > delta[sign < 0].mean()
+
+
+def test_value_head_outputs_match_the_model():
+    """A value model's outputs: the score of the position before each response token."""
+    batch = make_batch()
+    for packed in (False, True):
+        value = _value_model()
+        engine = Engine(value, None, value=True, packed=packed, micro_batch_size=4)
+        got = engine.compute(batch, frozenset({"values"}))["values"]
+        with torch.no_grad():
+            scores = value(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                position_ids=batch["position_ids"],
+            ).logits[..., 0]
+        lp = batch["input_ids"].shape[1] - batch["responses"].shape[1]
+        mask = batch["response_mask"].bool()
+        want = scores[:, lp - 1 : -1]
+        torch.testing.assert_close(got[mask], want[mask], atol=1e-5, rtol=1e-5)
+        assert (got[~mask] == 0).all()
+
+
+def _value_model():
+    from transformers import LlamaConfig, LlamaForTokenClassification
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_labels=1,
+    )
+    config.classifier_dropout = 0.0
+    return LlamaForTokenClassification(config).eval()

@@ -5,7 +5,7 @@ number of prompts per step; the budget is a number of *sampled responses*, so an
 n = 16 takes 4x fewer steps than one with n = 4. Reported per arm, over seeds: generated tokens
 consumed until the validation accuracy first reaches the target, final validation accuracy
 (mean ± std) and the max / median gradient norm. Orchestration only: training is
-``otbrl.trainer.Trainer``, curves come from each run's ``metrics.jsonl``.
+``otbrl.run.trainer.Trainer``, curves come from each run's ``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def parse_arms(text: str) -> list[tuple[str, int]]:
 def arm_estimator_overrides(name: str) -> list[str]:
     """Config overrides that select arm estimator ``name`` (an alias also sets its options)."""
     from otbrl.algos import ESTIMATOR_ALIASES
-    from otbrl.trainer import ESTIMATOR_OPTION_KEYS
+    from otbrl.run.build import ESTIMATOR_OPTION_KEYS
 
     estimator, options = ESTIMATOR_ALIASES.get(name, (name, {}))
     return [f"algorithm.adv_estimator={estimator}"] + [
@@ -92,7 +92,7 @@ def run_curves(run_dir: Path, responses_per_step: int) -> dict:
     length × responses; ``late_accuracy`` = mean of the validations in the last quarter of the
     run's tokens (one validation is a noisy end point: a few prompts flipping moves it).
     """
-    from otbrl.logging import read_metrics
+    from otbrl.run.outputs import read_metrics
 
     tokens, acc_tokens, accuracy, grad_norm = 0.0, [], [], []
     for record in read_metrics(run_dir):
@@ -310,8 +310,9 @@ def run_compare(
     run after the others have finished.
     """
     from otbrl.config import load_config
-    from otbrl.logging import atomic_write_text, json_safe
-    from otbrl.trainer import Trainer, model_path, validate_config
+    from otbrl.run.build import model_path, validate_config
+    from otbrl.run.outputs import atomic_write_text, json_safe
+    from otbrl.run.trainer import Trainer
 
     arm_list = parse_arms(arms)
     check_settings(seeds, budget_responses, prompts, updates_per_step, jobs)
@@ -424,7 +425,7 @@ def check_settings(seeds, budget_responses, prompts, updates_per_step, jobs) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m otbrl.compare [--config F] [key=value ...] [--arms ...] [--seeds S] ...``"""
+    """``python -m otbrl.research.compare [--config F] [key=value ...] [--arms ...] ...``"""
     parser = argparse.ArgumentParser(
         prog="otbrl compare",
         description="OTB vs GRPO (or any estimators) trained at an equal token budget over "

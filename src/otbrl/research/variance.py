@@ -3,9 +3,9 @@
 For a fixed policy and a fixed set of P prompts, each of K repeats samples N responses per
 prompt once, runs one forward (log-probs with their graph, Σπ², entropy), computes every
 estimator's advantages on those same samples and takes the parameter gradient of the configured
-policy loss at ratio = 1 for each (``otbrl.gradient_probe``: one vector-Jacobian product per
-estimator on one graph). The statistics (variance, signal scale along an unbiased high-sample
-RLOO reference, paired bootstrap CIs) live in ``otbrl.algos.gradient_variance``.
+policy loss at ratio = 1 for each (``otbrl.research.gradient_probe``: one vector-Jacobian
+product per estimator on one graph). The statistics (variance, signal scale along an unbiased
+high-sample RLOO reference, paired bootstrap CIs) live in ``otbrl.research.gradient_variance``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from otbrl.algos.gradient_variance import GradientVarianceAccumulator, variance_summary
-from otbrl.gradient_probe import EstimatorSpec, GradientProbe, parse_estimators
+from otbrl.research.gradient_probe import EstimatorSpec, GradientProbe, parse_estimators
+from otbrl.research.gradient_variance import GradientVarianceAccumulator, variance_summary
+from otbrl.run.build import step_seed
 
 DEFAULT_ESTIMATORS = "grpo,drgrpo,rloo,otb,otb_notail"
 # exact Gram matrices keep E·K·P float32 gradients; above this the CountSketch takes over
@@ -70,7 +71,7 @@ def measure(
     tail = tokens = 0.0
     start = time.perf_counter()
     for k in range(repeats):
-        batch = probe.sample(enc, rows, n, seed=seed * 1_000_003 + n * 10_007 + k)
+        batch = probe.sample(enc, rows, n, seed=step_seed(seed, n * 10_007 + k))
         grads, extras = probe.gradients(batch, specs)
         acc.add(grads)
         for label, value in extras["power"].items():
@@ -292,10 +293,16 @@ def run_variance(
     from pathlib import Path
 
     from otbrl.data import encode_prompts
-    from otbrl.logging import atomic_write_text, json_safe
     from otbrl.models import load_model_and_tokenizer
     from otbrl.rewards import resolve_reward_function
-    from otbrl.trainer import estimator_options, load_rows, model_path, seed_everything
+    from otbrl.run.build import (
+        estimator_options,
+        load_rows,
+        model_path,
+        policy_loss,
+        seed_everything,
+    )
+    from otbrl.run.outputs import atomic_write_text, json_safe
 
     specs = check_variance_args(estimators, ns, repeats, prompts, reference_samples, base)
     labels = [s.label for s in specs]
@@ -309,20 +316,13 @@ def run_variance(
     order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(seed))
     rows = [train_rows[i] for i in order[:prompts].tolist()]
     enc = encode_prompts(rows, tokenizer, cfg.data.max_prompt_length)
-    actor = cfg.actor
     probe = GradientProbe(
         model,
         tokenizer,
         temperature=cfg.rollout.temperature,
         max_new_tokens=cfg.rollout.max_new_tokens,
         options=estimator_options(cfg),
-        loss_kwargs={
-            "loss_agg_mode": actor.loss_agg_mode,
-            "clip_ratio_low": actor.clip_ratio_low,
-            "clip_ratio_high": actor.clip_ratio_high,
-            "clip_ratio_c": actor.clip_ratio_c,
-            "horizon": cfg.rollout.max_new_tokens,
-        },
+        loss_fn=policy_loss(cfg, regularizers=False),
         reward_fn=resolve_reward_function(cfg.reward.function),
         on_error=cfg.reward.on_error,
         method=method,

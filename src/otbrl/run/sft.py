@@ -27,10 +27,10 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import otbrl
-from otbrl.data import encode_prompts, get_task, render_prompts
+from otbrl.data import get_task, render_prompts
 from otbrl.models import build_tiny_model, load_model_and_tokenizer
-from otbrl.rewards import score_responses
-from otbrl.rollout import decode_responses, generate
+from otbrl.run.evaluate import evaluate_accuracy
+from otbrl.run.outputs import atomic_write_text
 
 logger = logging.getLogger(__name__)
 IGNORE = -100  # label of tokens the loss skips (prompt and padding)
@@ -72,49 +72,6 @@ def _eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
     if tokenizer.eos_token_id is None:
         raise ValueError("tokenizer: expected an EOS token to end demonstrations, got none")
     return int(tokenizer.eos_token_id)
-
-
-@torch.no_grad()
-def evaluate_accuracy(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    rows: Sequence[dict],
-    *,
-    max_new_tokens: int,
-    greedy: bool = True,
-    batch_size: int = 512,
-    temperature: float = 1.0,
-    seed: int = 0,
-    function=None,
-) -> float:
-    """Mean reward of one response per row (greedy by default), batched.
-
-    ``function`` as in ``score_responses`` (``None``: the built-in for each ``data_source``);
-    with 0/1 rewards this is the accuracy. Errors in the reward function raise.
-    """
-    if not rows:
-        raise ValueError("rows: expected at least one row to evaluate, got none")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size: expected an int ≥ 1, got {batch_size!r}")
-    total = 0.0
-    for start in range(0, len(rows), batch_size):
-        chunk = list(rows[start : start + batch_size])
-        enc = encode_prompts(chunk, tokenizer, max_prompt_length=10**9)
-        out = generate(
-            model,
-            tokenizer,
-            enc["input_ids"].to(model.device),
-            enc["attention_mask"].to(model.device),
-            n=1,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            do_sample=not greedy,
-            seed=seed + start,
-        )
-        texts = decode_responses(tokenizer, out["responses"], out["response_mask"])
-        scores, _ = score_responses(texts, chunk, function=function)
-        total += sum(scores)
-    return total / len(rows)
 
 
 def run_sft(
@@ -379,7 +336,4 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
+    atomic_write_text(path, json.dumps(obj, indent=2))

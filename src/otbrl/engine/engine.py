@@ -1,0 +1,267 @@
+"""The engine: one model, its optimizer and LR schedule, its parallel layout — on 1..N processes.
+
+The policy, the critic and the frozen reference policy are three instances of ``Engine``. The
+engine never decides which statistics exist nor which loss is trained: ``compute(batch,
+outputs)`` runs the forwards the trainer asks for, and ``update(batch, loss_fn)`` takes PPO
+epochs × mini-batches × micro-batches of the loss it is handed (``otbrl.algos.losses``).
+
+On more than one process the model is sharded in place when the engine is built (tensor
+parallel, then Ulysses, then FSDP2: ``otbrl.engine.parallel.parallelize``); every method is then
+collective and every rank calls it with its own share of the batch (whole ``uid`` groups). Each
+rank backpropagates its share of the *global* mini-batch loss (normalisers summed over the
+data-parallel group) and FSDP2 sums the gradients, so the update equals the one-process update.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from otbrl.algos.losses import Loss, Normalizers, loss_normalizers
+from otbrl.engine import parallel
+from otbrl.engine.layout import Layout, forward_outputs
+from otbrl.engine.world import World
+
+
+def warmup_schedule(warmup_steps: int):
+    """LR multiplier: linear from 1/(warmup+1) to 1 over ``warmup_steps`` steps, then constant."""
+
+    def factor(step: int) -> float:
+        return min(1.0, (step + 1) / (warmup_steps + 1))
+
+    return factor
+
+
+class Engine:
+    """A model with its optimizer on this process's share of the job.
+
+    Args:
+        model: a plain HF model — a causal LM (policy, reference) or a
+            ``*ForTokenClassification`` with one label (critic). Sharded in place when
+            ``world`` has a mesh.
+        optim: the optimizer settings (the ``actor`` or ``critic`` config group: ``lr``,
+            ``warmup_steps``, ``weight_decay``, ``ppo_epochs``, ``micro_batch_size``,
+            ``grad_clip``; nothing else is read), or None for a frozen model (``compute`` only;
+            ``micro_batch_size`` then comes from ``micro_batch_size``).
+        world: where this process sits (``World()``: one process).
+        name: metric prefix of ``update`` (``policy``, ``critic``).
+        parallelism: ``"fsdp"`` or ``"tp"`` on a multi-process world (ignored without a mesh).
+        packed: remove padding ([1, nnz] forward); implied by Ulysses.
+        fused: fused lm_head statistics (the [N, V] logits never exist); one process only.
+        value: the model has a value head (outputs ``values``) instead of an lm_head.
+        temperature: the rollout temperature; statistics use ``logits / temperature``.
+        mini_batch_size: *global* sequences per optimizer step (None: the whole batch).
+        micro_batch_size: cap on sequences per forward of a frozen engine.
+        seed: seeds the mini-batch shuffling generator (kept in ``state_dict``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optim: Any = None,
+        *,
+        world: World | None = None,
+        name: str = "policy",
+        parallelism: str = "fsdp",
+        packed: bool = False,
+        fused: bool = False,
+        value: bool = False,
+        temperature: float = 1.0,
+        mini_batch_size: int | None = None,
+        micro_batch_size: int | None = None,
+        seed: int = 0,
+    ):
+        self.world = world or World()
+        self.name = name
+        self.optim = optim
+        self.temperature = temperature
+        micro = optim.micro_batch_size if optim is not None else micro_batch_size
+        if not isinstance(micro, int) or micro < 1:
+            raise ValueError(f"micro_batch_size: expected an int >= 1, got {micro!r}")
+        self.micro_batch_size = micro
+        mesh = self.world.mesh
+        dp = self.world.dp_size
+        if mini_batch_size is not None and (mini_batch_size < 1 or mini_batch_size % dp):
+            raise ValueError(
+                f"mini_batch_size: expected a positive multiple of the data-parallel size {dp}, "
+                f"got {mini_batch_size}"
+            )
+        self.mini_batch_size = None if mini_batch_size is None else mini_batch_size // dp
+        model.to(self.world.device)
+        head = "value" if value else ("fused" if fused else "logits")
+        sp_group = tp_group = None
+        vocab_start = 0
+        if mesh is not None:
+            if fused:
+                # FSDP2 unshards the root parameters in the root's forward, which the fused
+                # path bypasses (it calls the decoder, then the head weight directly).
+                raise ValueError("fused: the fused lm_head is not supported on several processes")
+            parallel.parallelize(model, mesh, engine=parallelism, device=self.world.device)
+            if mesh["sp"].size() > 1:
+                sp_group, packed = mesh["sp"].get_group(), True
+            if mesh["tp"].size() > 1 and not value:
+                head, tp_group = "vocab_parallel", mesh["tp"].get_group()
+                vocab_start = parallel.vocab_shard_range(model, mesh["tp"])[0]
+        self.model = model
+        self.layout = Layout(
+            packed=packed, head=head, sp_group=sp_group, tp_group=tp_group, vocab_start=vocab_start
+        )
+        self.generator = torch.Generator().manual_seed(seed)
+        self.optimizer = self.scheduler = None
+        if optim is None:
+            model.requires_grad_(False)
+        else:
+            self.optimizer = torch.optim.AdamW(
+                [p for p in model.parameters() if p.requires_grad],
+                lr=optim.lr,
+                weight_decay=optim.weight_decay,
+                betas=(0.9, 0.999),
+            )
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer, warmup_schedule(optim.warmup_steps)
+            )
+
+    # -- forwards ----------------------------------------------------------------------------
+    def forward(self, micro: dict[str, Tensor], outputs: frozenset[str]) -> dict[str, Tensor]:
+        """One forward of a micro-batch -> {output: [B, Lr] float32} on the batch's device.
+
+        The batch may live on the CPU (the trainer's batches do): inputs go to this rank's
+        device and the outputs come back (differentiably).
+        """
+        home = micro["input_ids"].device
+        device = self.world.device
+        micro = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in micro.items()}
+        out = forward_outputs(
+            self.model, micro, self.layout, outputs=outputs, temperature=self.temperature
+        )
+        return {k: v.to(home) for k, v in out.items()}
+
+    @torch.no_grad()
+    def compute(self, batch: dict[str, Tensor], outputs: frozenset[str]) -> dict[str, Tensor]:
+        """``outputs`` (e.g. ``{"log_probs", "sum_pi_squared"}`` or ``{"values"}``) of the whole
+        batch, micro-batch by micro-batch, each [B, Lr] float32 (0 where not scored)."""
+        self.model.eval()
+        parts = [self.forward(micro, outputs) for micro in split(batch, self.micro_batch_size)]
+        return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+
+    # -- training ----------------------------------------------------------------------------
+    def update(self, batch: dict[str, Tensor], loss_fn: Loss) -> dict[str, float]:
+        """PPO epochs over shuffled mini-batches, exact gradient accumulation over micro-batches.
+
+        ``batch``: this rank's rows with the model inputs and ``loss_fn.batch_keys``. One
+        optimizer + scheduler step per mini-batch; a non-finite gradient norm skips the step.
+        Returns the loss's metrics (summed over micro-batches and ranks, i.e. mini-batch
+        values) averaged over optimizer steps, plus ``<name>/grad_norm``, ``<name>/lr`` and
+        ``<name>/skipped_steps``.
+        """
+        if self.optimizer is None:
+            raise ValueError("update: this engine is frozen (built without optimizer settings)")
+        missing = sorted(set(loss_fn.batch_keys) - set(batch))
+        if missing:
+            raise ValueError(f"batch: the loss needs {missing}, which the batch lacks")
+        size = batch["input_ids"].shape[0]
+        mini = self.mini_batch_size or size
+        if size % mini:
+            raise ValueError(
+                f"batch: {size} sequences on this rank is not a multiple of the mini-batch "
+                f"share {mini}"
+            )
+        self.model.train()
+        sums: dict[str, float] = {}
+        steps = skipped = 0
+        for _ in range(self.optim.ppo_epochs):
+            order = torch.randperm(size, generator=self.generator)
+            for start in range(0, size, mini):
+                idx = order[start : start + mini]
+                metrics, finite = self._optimizer_step(
+                    {k: v[idx] for k, v in batch.items()}, loss_fn
+                )
+                for key, value in metrics.items():
+                    sums[key] = sums.get(key, 0.0) + value
+                steps += 1
+                skipped += not finite
+        out = {key: value / steps for key, value in sums.items()}
+        out[f"{self.name}/lr"] = self.scheduler.get_last_lr()[0]
+        out[f"{self.name}/skipped_steps"] = float(skipped)
+        return out
+
+    def accumulate_gradients(self, mini: dict[str, Tensor], loss_fn: Loss) -> dict[str, float]:
+        """Zero the gradients, then backpropagate the mini-batch loss micro-batch by micro-batch.
+
+        Every micro-batch loss is normalised by the whole (global) mini-batch's counts, so the
+        accumulated gradient equals that of the mini-batch loss taken at once, for every
+        ``loss_agg_mode`` and any micro-batch cap. Returns the loss's metrics, summed over
+        micro-batches and data-parallel ranks (mini-batch values).
+        """
+        norms = self.normalizers(mini["response_mask"])
+        self.optimizer.zero_grad(set_to_none=True)
+        tally: dict[str, float] = {}
+        for micro in split(mini, self.micro_batch_size):
+            out = self.forward(micro, frozenset(loss_fn.needs))
+            loss, metrics = loss_fn(out, micro, norms)
+            loss.backward()
+            for key, value in metrics.items():
+                tally[key] = tally.get(key, 0.0) + float(value)
+        keys = sorted(tally)
+        return dict(zip(keys, self.world.sum([tally[k] for k in keys], over="dp")))
+
+    def _optimizer_step(self, mini: dict[str, Tensor], loss_fn: Loss) -> tuple[dict, bool]:
+        metrics = self.accumulate_gradients(mini, loss_fn)
+        clip = self.optim.grad_clip if self.optim.grad_clip > 0 else float("inf")
+        grad_norm = parallel.clip_grad_norm(self.model.parameters(), clip)
+        finite = bool(torch.isfinite(grad_norm))
+        # a non-finite gradient skips the step (and shows in the metrics) instead of writing
+        # NaNs into the weights
+        if finite:
+            self.optimizer.step()
+        with warnings.catch_warnings():
+            # a skipped step still takes its slot of the schedule (torch warns about the order)
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+            self.scheduler.step()
+        metrics[f"{self.name}/grad_norm"] = float(grad_norm)
+        return metrics, finite
+
+    def normalizers(self, response_mask: Tensor) -> Normalizers:
+        """Token and sequence counts of the global mini-batch (summed over data parallel)."""
+        local = loss_normalizers(response_mask)
+        tokens, seqs = self.world.sum([float(local.num_tokens), float(local.num_seqs)], over="dp")
+        device = response_mask.device
+        return Normalizers(
+            torch.tensor(tokens, dtype=torch.float32, device=device),
+            torch.tensor(seqs, dtype=torch.float32, device=device),
+        )
+
+    # -- weights and state ---------------------------------------------------------------------
+    def full_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """(name, full tensor) of every entry of the model's state dict, one at a time.
+
+        Collective on several processes (each sharded tensor is gathered with
+        ``full_tensor()``): every rank must consume the iterator to the end.
+        """
+        for name, value in self.model.state_dict().items():
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            yield name, full.detach()
+
+    def state_dict(self) -> dict:
+        """Scheduler and shuffling-generator state (weights and optimizer: ``run.checkpoint``)."""
+        state: dict[str, Any] = {"generator": self.generator.get_state()}
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` returned."""
+        self.generator.set_state(state["generator"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+
+
+def split(batch: dict[str, Tensor], cap: int) -> list[dict[str, Tensor]]:
+    """Consecutive micro-batches of at most ``cap`` rows (the last one may be smaller)."""
+    total = batch["input_ids"].shape[0]
+    return [{k: v[i : i + cap] for k, v in batch.items()} for i in range(0, total, cap)]

@@ -1,0 +1,444 @@
+"""The RL loop for 1..N processes, orchestration only: every equation lives in ``ops``/``algos``.
+
+One step: this rank's prompts → rollout → reward → old statistics (policy: log-probs and
+exactly the stats the estimator and the enabled metrics need, in one forward; reference:
+``ref_log_probs``; critic: ``values``) → advantages via the registry → critic and policy
+updates with the losses built from the config → rollout weights synced → metrics (reduced over
+ranks) → validation → checkpoint.
+
+Under ``torchrun`` every rank runs this same loop. The ``World`` deals each data-parallel rank
+a contiguous share of the step's prompts; all ``rollout.n`` responses of a prompt are
+generated and trained on the rank that owns it, so group-relative estimators (GRPO, RLOO,
+OTB) compute exactly the one-process advantages locally. Only rank 0 prints and writes the run
+directory; checkpoints are collective and resume on any engine and world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from otbrl.algos import losses
+from otbrl.algos._common import masked_mean
+from otbrl.algos.advantages import compute_advantage
+from otbrl.algos.metrics import otb_metrics
+from otbrl.config import Config, to_dict
+from otbrl.data import PromptDataset, encode_prompts
+from otbrl.engine.engine import Engine
+from otbrl.engine.world import collective_guard, start_world, teardown_distributed
+from otbrl.models import eos_token_ids, load_model_and_tokenizer, load_value_model
+from otbrl.rewards import score_responses
+from otbrl.rollout import decode_responses, generate
+from otbrl.run import checkpoint
+from otbrl.run.build import (
+    POLICY_STATS,
+    Plan,
+    critic_loss,
+    estimator_options,
+    load_rows,
+    model_path,
+    policy_loss,
+    seed_everything,
+    step_seed,
+    validate_config,
+)
+from otbrl.run.evaluate import evaluate_accuracy
+from otbrl.run.outputs import MetricsLogger
+from otbrl.run.plotting import plot_run
+
+
+@contextlib.contextmanager
+def _timed(timing: dict, name: str):
+    start = time.perf_counter()
+    yield
+    timing[f"timing/{name}"] = time.perf_counter() - start
+
+
+class Trainer:
+    """Builds the run from a ``Config`` (and the ``Plan`` that validated it) and runs ``fit()``.
+
+    Every process of a ``torchrun`` job constructs one; on one process no process group is
+    created. ``plan`` defaults to ``validate_config(cfg)`` (the CLI passes the one it made).
+    """
+
+    def __init__(self, cfg: Config, plan: Plan | None = None):
+        self.cfg = cfg
+        self.plan = plan = plan or validate_config(cfg)
+        a = cfg.actor
+        self.world = world = start_world(
+            distributed=plan.distributed,
+            sp=a.ulysses_sequence_parallel_size,
+            tp=a.tensor_parallel_size,
+        )
+        if cfg.model.path == "builtin" and world.is_main:
+            model_path(cfg)  # one rank trains (or finds) the cached warm start; the others read it
+        world.barrier()
+        seed_everything(cfg.trainer.seed)
+        self.output_dir = Path(cfg.trainer.output_dir)
+        self.ckpt_root = self.output_dir / "checkpoints"
+        path = model_path(cfg)
+        model, self.tokenizer = load_model_and_tokenizer(path, dtype=cfg.model.dtype)
+        # One process generates with the training model itself; several keep an unsharded copy
+        # for generation, synced after every update.
+        self.rollout_model = model if world.mesh is None else copy.deepcopy(model).eval()
+        if world.mesh is not None:
+            self.rollout_model.requires_grad_(False).to(world.device)
+        common = {
+            "world": world,
+            "parallelism": plan.engine,
+            "packed": cfg.model.use_remove_padding,
+            "temperature": cfg.rollout.temperature,
+            "seed": cfg.trainer.seed,
+        }
+        sequences = plan.mini_batch_size * cfg.rollout.n
+        self.engines: dict[str, Engine] = {
+            "policy": Engine(
+                model,
+                a,
+                name="policy",
+                fused=a.use_fused_kernels,
+                mini_batch_size=sequences,
+                **common,
+            )
+        }
+        if plan.use_critic:
+            value_model = load_value_model(cfg.critic.model_path or path, dtype=cfg.model.dtype)
+            self.engines["critic"] = Engine(
+                value_model,
+                cfg.critic,
+                name="critic",
+                value=True,
+                mini_batch_size=sequences,
+                **common,
+            )
+        if plan.use_reference:
+            ref_model, _ = load_model_and_tokenizer(path, dtype=cfg.model.dtype)
+            self.reference = Engine(
+                ref_model, None, name="reference", micro_batch_size=a.micro_batch_size, **common
+            )
+        self.policy_loss = policy_loss(cfg)
+        self.critic_loss = critic_loss(cfg) if plan.use_critic else None
+        self.eos_ids = torch.tensor(eos_token_ids(model, self.tokenizer))
+        train_rows, self.val_rows = load_rows(cfg)
+        self.dataset = PromptDataset(
+            train_rows,
+            self.tokenizer,
+            max_prompt_length=cfg.data.max_prompt_length,
+            batch_size=cfg.data.train_batch_size,
+            seed=cfg.data.seed,
+        )
+        self.step = 0
+        self.initial_val_accuracy: float | None = None
+        self.last_val_accuracy: float | None = None
+        # wall time of the steps so far: earlier (resumed) segments + this fit() call's
+        self._earlier_wall_seconds = 0.0
+        self._fit_start = time.perf_counter()
+
+    @property
+    def policy(self) -> Engine:
+        return self.engines["policy"]
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def _resume_path(self) -> Path | None:
+        """The checkpoint ``trainer.resume`` names: none, the latest under the run, or a path."""
+        cfg = self.cfg.trainer
+        if cfg.resume == "never":
+            return None
+        path = checkpoint.latest_checkpoint(self.ckpt_root) if cfg.resume == "auto" else cfg.resume
+        return None if path is None else Path(path)
+
+    def _resume(self) -> None:
+        path = self._resume_path()
+        if path is None:
+            return
+        state = checkpoint.load_checkpoint(path, engines=self.engines)
+        self._sync_rollout_weights()
+        self.step = int(state["step"])
+        self.dataset.load_state_dict(state["dataset"])
+        checkpoint.restore_rng_state(state["rng"])
+        self.initial_val_accuracy = state.get("initial_val_accuracy")
+        self.last_val_accuracy = state.get("last_val_accuracy")
+        self._earlier_wall_seconds = float(state.get("wall_seconds", 0.0))
+
+    def _save(self) -> None:
+        state = {
+            "step": self.step,
+            "dataset": self.dataset.state_dict(),
+            "rng": checkpoint.capture_rng_state(),
+            "initial_val_accuracy": self.initial_val_accuracy,
+            "last_val_accuracy": self.last_val_accuracy,
+            "wall_seconds": self._wall_seconds(),
+        }
+        checkpoint.save_checkpoint(
+            self.ckpt_root,
+            self.step,
+            engines=self.engines,
+            tokenizer=self.tokenizer,
+            trainer_state=state,
+            config=to_dict(self.cfg),
+            keep_last=self.cfg.trainer.keep_last_checkpoints or None,
+        )
+
+    def _wall_seconds(self) -> float:
+        """Wall time of the run so far, summed over resumed segments (time a killed segment
+        spent after its last checkpoint is not counted: those steps were redone)."""
+        return self._earlier_wall_seconds + time.perf_counter() - self._fit_start
+
+    def _sync_rollout_weights(self) -> None:
+        """Copy the trained weights into the rollout model (collective; nothing to do when the
+        rollout generates with the training model itself)."""
+        if self.rollout_model is self.policy.model:
+            return
+        target = self.rollout_model.state_dict()
+        with torch.no_grad():
+            for name, tensor in self.policy.full_tensors():
+                target[name].copy_(tensor)
+
+    # -- one step ---------------------------------------------------------------------------------
+    def rollout(self) -> tuple[dict[str, Tensor], list[dict]]:
+        """This rank's share of the next prompts, n responses each; (batch, repeated rows)."""
+        cfg = self.cfg
+        rows = self.world.shard(self.dataset.next_batch())
+        enc = encode_prompts(rows, self.tokenizer, cfg.data.max_prompt_length)
+        device = self.world.device
+        out = generate(
+            self.rollout_model,
+            self.tokenizer,
+            enc["input_ids"].to(device),
+            enc["attention_mask"].to(device),
+            n=cfg.rollout.n,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            top_k=cfg.rollout.top_k,
+            do_sample=True,
+            seed=step_seed(cfg.trainer.seed, self.step, self.world.dp_rank),
+        )
+        batch = {k: v.cpu() for k, v in out.items()}
+        batch["uid"] = batch["uid"] + self.world.dp_rank * len(rows)  # global prompt index
+        return batch, [row for row in rows for _ in range(cfg.rollout.n)]
+
+    def reward(self, batch: dict[str, Tensor], rows: list[dict]) -> dict[str, float]:
+        """Score decoded responses; the scalar reward sits on the last response token."""
+        mask = batch["response_mask"]
+        lengths = mask.sum(dim=1).long()
+        texts = decode_responses(self.tokenizer, batch["responses"], mask)
+        scores, info = score_responses(
+            texts, rows, function=self.plan.reward_fn, on_error=self.cfg.reward.on_error
+        )
+        score = torch.tensor(scores, dtype=torch.float32)
+        last = batch["responses"].gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
+        ended_with_eos = torch.isin(last, self.eos_ids) & (lengths > 0)
+        token_scores = torch.zeros_like(mask)
+        has_tokens = lengths > 0
+        rows_idx = torch.nonzero(has_tokens).squeeze(1)
+        token_scores[rows_idx, lengths[has_tokens] - 1] = score[has_tokens]
+        batch["token_level_scores"] = token_scores
+        metrics = {
+            "train/reward_mean": float(score.mean()),
+            "train/reward_max": float(score.max()),
+            "train/response_length_mean": float(lengths.float().mean()),
+            # truncated = ended at the length cap without an EOS
+            "train/response_clip_ratio": float((~ended_with_eos).float().mean()),
+        }
+        metrics.update({k: float(v) for k, v in info.items()})
+        return metrics
+
+    def old_stats(self, batch: dict[str, Tensor], timing: dict) -> None:
+        """The statistics of the sampling-time models, each from the engine that provides it."""
+        with _timed(timing, "old_stats"):
+            stats = self.policy.compute(batch, self.plan.policy_outputs)
+            batch.update({key: stats[out] for key, out in POLICY_STATS.items() if out in stats})
+        if self.plan.use_reference:
+            with _timed(timing, "ref"):
+                batch["ref_log_probs"] = self.reference.compute(batch, frozenset({"log_probs"}))[
+                    "log_probs"
+                ]
+        if self.plan.use_critic:
+            with _timed(timing, "values"):
+                batch["values"] = self.engines["critic"].compute(batch, frozenset({"values"}))[
+                    "values"
+                ]
+
+    def advantage(self, batch: dict[str, Tensor]) -> dict[str, float]:
+        """Token rewards (minus the in-reward KL when on), then the registry's estimator."""
+        cfg = self.cfg.algorithm
+        metrics = {}
+        rewards = batch["token_level_scores"]
+        if cfg.use_kl_in_reward:
+            rewards, kl = losses.kl_in_reward(
+                rewards,
+                batch["old_log_probs"],
+                batch["ref_log_probs"],
+                batch["response_mask"],
+                coef=cfg.kl_coef,
+            )
+            metrics["train/kl_in_reward"] = float(kl)
+        batch["token_level_rewards"] = rewards
+        batch["advantages"], batch["returns"] = compute_advantage(
+            cfg.adv_estimator, **batch, index=batch["uid"], **estimator_options(self.cfg)
+        )
+        metrics["train/advantage_mean"] = float(
+            masked_mean(batch["advantages"], batch["response_mask"])
+        )
+        return metrics
+
+    def train_step(self) -> dict[str, float]:
+        """One full RL step on every rank; returns its metrics (reduced over ranks)."""
+        with collective_guard(f"training step {self.step}"):
+            timing: dict[str, float] = {}
+            start = time.perf_counter()
+            with _timed(timing, "rollout"):
+                batch, rows = self.rollout()
+            with _timed(timing, "reward"):
+                metrics = self.reward(batch, rows)
+            self.old_stats(batch, timing)
+            with _timed(timing, "adv"):
+                metrics.update(self.advantage(batch))
+            with _timed(timing, "update"):
+                if self.critic_loss is not None:
+                    metrics.update(self.engines["critic"].update(batch, self.critic_loss))
+                metrics.update(self.policy.update(batch, self.policy_loss))
+                self._sync_rollout_weights()
+            metrics.update(self._batch_metrics(batch, metrics))
+            timing["timing/step"] = time.perf_counter() - start
+            tokens = float(batch["attention_mask"].sum())
+            metrics["throughput/tokens_per_s"] = tokens / timing["timing/step"]
+            metrics.update(timing)
+            return self.world.mean_metrics(metrics)
+
+    def _batch_metrics(self, batch: dict[str, Tensor], metrics: dict) -> dict[str, float]:
+        mask = batch["response_mask"]
+        out = {"policy/entropy_mean": float(masked_mean(batch["entropy"], mask))}
+        if "sum_pi_squared" in batch:
+            out["policy/sum_pi_squared_mean"] = float(masked_mean(batch["sum_pi_squared"], mask))
+            # the update's mean pre-clip grad norm stands in for the batch-gradient norm
+            extra = otb_metrics(
+                batch["advantages"],
+                mask,
+                batch["uid"],
+                batch["old_log_probs"],
+                batch["sum_pi_squared"],
+                grad_norm=metrics["policy/grad_norm"],
+            )
+            out.update({k: float(v) for k, v in extra.items()})
+        if "values" in batch:
+            out["critic/values_mean"] = float(masked_mean(batch["values"], mask))
+            out["critic/returns_mean"] = float(masked_mean(batch["returns"], mask))
+        return out
+
+    def validate(self) -> float:
+        """Accuracy on the validation rows (greedy unless ``trainer.val_greedy=false``); each
+        rank scores its share with the rollout model."""
+        cfg = self.cfg
+        rows = self.val_rows[self.world.rank :: self.world.size]
+        accuracy = 0.0
+        if rows:
+            accuracy = evaluate_accuracy(
+                self.rollout_model,
+                self.tokenizer,
+                rows,
+                max_new_tokens=cfg.rollout.max_new_tokens,
+                greedy=cfg.trainer.val_greedy,
+                temperature=cfg.trainer.val_temperature,
+                batch_size=cfg.trainer.val_batch_size,
+                seed=step_seed(cfg.trainer.seed, self.step),
+                function=self.plan.reward_fn,
+            )
+        total, count = self.world.sum([accuracy * len(rows), len(rows)])
+        return total / max(count, 1.0)
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        """Train ``trainer.total_steps`` steps (resuming if asked); returns the summary dict.
+
+        Collective: tears the process group down at the end of a multi-process run.
+        """
+        try:
+            return self._fit()
+        finally:
+            teardown_distributed()
+
+    def _fit(self) -> dict:
+        cfg = self.cfg.trainer
+        self._fit_start = time.perf_counter()
+        self._resume()
+        logger = None
+        if self.world.is_main:
+            logger = MetricsLogger(
+                self.output_dir,
+                backends=cfg.logger,
+                total_steps=cfg.total_steps,
+                config=to_dict(self.cfg),
+                initial_step=self.step,
+            )
+        log = logger.log if logger is not None else (lambda step, metrics: None)
+        validating = cfg.val_every > 0 and bool(self.val_rows)
+        summary: dict = {}
+        try:
+            if validating and self.step == 0:
+                self.initial_val_accuracy = self.last_val_accuracy = self.validate()
+                log(0, {"val/accuracy": self.initial_val_accuracy})
+            while self.step < cfg.total_steps:
+                self.step += 1
+                metrics = self.train_step()
+                elapsed = time.perf_counter() - self._fit_start
+                # every rank stops at the same step: rank clocks differ, the vote does not
+                out_of_time = self.world.sum([0 < cfg.max_wall_seconds <= elapsed])[0] > 0
+                last = self.step == cfg.total_steps or out_of_time
+                if validating and (self.step % cfg.val_every == 0 or last):
+                    start = time.perf_counter()
+                    self.last_val_accuracy = self.validate()
+                    metrics["val/accuracy"] = self.last_val_accuracy
+                    metrics["timing/val"] = time.perf_counter() - start
+                log(self.step, metrics)
+                if cfg.save_every > 0 and (self.step % cfg.save_every == 0 or last):
+                    self._save()
+                if out_of_time:
+                    log(self.step, {"trainer/stopped_at_wall_limit": 1.0})
+                    break
+            segment = time.perf_counter() - self._fit_start
+            if logger is not None:
+                summary = logger.summary(
+                    {
+                        "initial_val_accuracy": self.initial_val_accuracy,
+                        "final_val_accuracy": self.last_val_accuracy,
+                        "steps": self.step,
+                        "wall_seconds": self._earlier_wall_seconds + segment,
+                        "segment_wall_seconds": segment,
+                        "adv_estimator": self.cfg.algorithm.adv_estimator,
+                    }
+                )
+        finally:
+            if logger is not None:
+                logger.close()
+        if self.world.is_main:
+            plot_run(self.output_dir)
+        return summary
+
+
+def evaluate_config(cfg: Config) -> tuple[float, int]:
+    """(accuracy, number of prompts) of ``model.path`` on the validation rows (``otbrl eval``)."""
+    from otbrl.config import ConfigError
+
+    plan = validate_config(cfg)
+    model, tokenizer = load_model_and_tokenizer(model_path(cfg), dtype=cfg.model.dtype)
+    _, val_rows = load_rows(cfg)
+    if not val_rows:
+        raise ConfigError("'data.val_files' is empty: nothing to evaluate", "data.val_files")
+    accuracy = evaluate_accuracy(
+        model,
+        tokenizer,
+        val_rows,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        greedy=cfg.trainer.val_greedy,
+        temperature=cfg.trainer.val_temperature,
+        batch_size=cfg.trainer.val_batch_size,
+        function=plan.reward_fn,
+    )
+    return accuracy, len(val_rows)
