@@ -8,7 +8,7 @@
 2. TP = 2 model collectives per forward / backward for 2 and 4 decoder blocks, measured with
    the profiler (one `gloo:*` event per collective) and a byte counter; the per-block and
    fixed terms are what docs/distributed.md extrapolates to 7B / 70B.
-3. DP = 2 (FSDP2) vs one process on the same global PPO batch: compute_stats + update time.
+3. DP = 2 (FSDP2) vs one process on the same global PPO batch: compute + update time.
 
 Prints tables and ends with one summary line of ratios measured in this run.
 """
@@ -71,10 +71,11 @@ def median_time(fn, repeats: int) -> float:
 
 
 def tiny_llama(layers: int, hidden: int, vocab: int, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from otbrl.models import random_causal_lm
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
+    return random_causal_lm(
+        "llama",
+        seed=seed,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
@@ -84,7 +85,6 @@ def tiny_llama(layers: int, hidden: int, vocab: int, seed: int = 0):
         max_position_embeddings=256,
         attn_implementation="sdpa",
     )
-    return LlamaForCausalLM(cfg).float()
 
 
 def launch(fn, world_size: int, *args) -> list:
@@ -165,23 +165,20 @@ def _tp_model_worker(rank, world_size, layers, tokens, hidden, vocab):
 
 
 # -- 3. DP = 2 step time ------------------------------------------------------------------
-def ppo_batch(groups: int, n: int, prompt_len: int, resp_len: int, vocab: int):
-    from otbrl.engine.forward import sequence_inputs
+def ppo_batch(model, groups: int, n: int, prompt_len: int, resp_len: int, vocab: int):
+    """A real rollout of `model` (n samples of `groups` random prompts) with random advantages."""
+    from types import SimpleNamespace
+
+    from otbrl.rollout import generate
 
     g = torch.Generator().manual_seed(7)
-    b = groups * n
-    prompts = torch.randint(1, vocab, (groups, prompt_len), generator=g).repeat_interleave(n, 0)
-    prompt_mask = torch.ones_like(prompts)
-    responses = torch.randint(1, vocab, (b, resp_len), generator=g)
-    lens = torch.randint(1, resp_len + 1, (b,), generator=g)
-    response_mask = (torch.arange(resp_len)[None] < lens[:, None]).float()
-    batch = sequence_inputs(prompts, prompt_mask, responses, response_mask)
-    batch.update(
-        responses=responses,
-        response_mask=response_mask,
-        uid=torch.arange(groups).repeat_interleave(n),
-        advantages=torch.randn(b, resp_len, generator=g) * response_mask,
+    prompts = torch.randint(2, vocab, (groups, prompt_len), generator=g)
+    ids = SimpleNamespace(pad_token_id=0, eos_token_id=1)  # all generate needs of a tokenizer
+    batch = generate(
+        model, ids, prompts, torch.ones_like(prompts), n=n, max_new_tokens=resp_len, seed=7
     )
+    mask = batch["response_mask"]
+    batch["advantages"] = torch.randn(mask.shape, generator=g) * mask
     return batch
 
 
@@ -191,40 +188,43 @@ def _actor_config(micro: int):
     return ActorConfig(lr=1e-4, warmup_steps=0, micro_batch_size=micro, grad_clip=1.0)
 
 
-NEEDS = frozenset({"old_log_probs", "entropy", "sum_pi_squared"})
+OUTPUTS = frozenset({"log_probs", "entropy", "sum_pi_squared"})
 
 
-def _step(actor, batch):
-    stats = actor.compute_stats(batch, NEEDS, 1.0)
-    actor.update({**batch, "old_log_probs": stats["old_log_probs"]})
+def _step(engine, batch):
+    from otbrl.algos.losses import build_loss
+
+    stats = engine.compute(batch, OUTPUTS)
+    engine.update({**batch, "old_log_probs": stats["log_probs"]}, build_loss())
 
 
 def _dp_worker(rank, world_size, model_args, batch_args, repeats):
-    from otbrl.engine.distributed import ShardedActor, split_by_groups
+    from otbrl.engine.engine import Engine
     from otbrl.engine.parallel import build_mesh
+    from otbrl.engine.world import World
 
-    mesh = build_mesh(world_size)
-    batch = ppo_batch(*batch_args)
-    local = {k: v[split_by_groups(batch["uid"], rank, world_size)] for k, v in batch.items()}
+    world = World(rank=rank, size=world_size, mesh=build_mesh(world_size))
+    batch = ppo_batch(tiny_llama(*model_args), *batch_args)
     size = batch["uid"].numel()
-    actor = ShardedActor(
+    rows = torch.tensor(world.shard(range(size)))  # whole groups: they are contiguous
+    local = {k: v[rows] for k, v in batch.items()}
+    engine = Engine(
         tiny_llama(*model_args),
         _actor_config(size // world_size),
-        mesh=mesh,
-        engine="fsdp",
-        ppo_mini_batch_size=size,
+        world=world,
+        mini_batch_size=size,
     )
-    return median_time(lambda: _step(actor, local), repeats)
+    return median_time(lambda: _step(engine, local), repeats)
 
 
 def single_process_step(model_args, batch_args, repeats, threads: int) -> float:
-    from otbrl.engine.actor import Actor
+    from otbrl.engine.engine import Engine
 
     torch.set_num_threads(threads)
-    batch = ppo_batch(*batch_args)
+    batch = ppo_batch(tiny_llama(*model_args), *batch_args)
     size = batch["uid"].numel()
-    actor = Actor(tiny_llama(*model_args), _actor_config(size), ppo_mini_batch_size=size)
-    return median_time(lambda: _step(actor, batch), repeats)
+    engine = Engine(tiny_llama(*model_args), _actor_config(size), mini_batch_size=size)
+    return median_time(lambda: _step(engine, batch), repeats)
 
 
 MODELS = {  # name: (hidden, blocks, vocabulary, parameters)
@@ -298,7 +298,7 @@ def main() -> None:
     one = single_process_step(model_args, batch_args, 3, cores)
     one_thread = single_process_step(model_args, batch_args, 3, 1)
     two = max(launch(_dp_worker, 2, model_args, batch_args, 3))
-    print("\n3. PPO step (compute_stats + update), 32 sequences x 48 tokens, 4 blocks, H=128")
+    print("\n3. PPO step (compute + update), 32 sequences x 48 tokens, 4 blocks, H=128")
     print(f"{'layout':<36}{'s/step':>10}")
     print(f"{f'one process, {cores} threads':<36}{one:>10.3f}")
     print(f"{'one process, 1 thread':<36}{one_thread:>10.3f}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -27,16 +28,20 @@ from otbrl.run.trainer import Trainer
 
 
 def snapshot(trainer: Trainer) -> dict:
+    policy = trainer.policy
     return {
-        "model": copy.deepcopy(trainer.model.state_dict()),
-        "actor": copy.deepcopy(trainer.actor.state_dict()),
+        "model": copy.deepcopy(policy.model.state_dict()),
+        "optimizer": copy.deepcopy(policy.optimizer.state_dict()),
+        "engine": copy.deepcopy(policy.state_dict()),
         "data": trainer.dataset.state_dict(),
     }
 
 
 def restore(trainer: Trainer, state: dict) -> None:
-    trainer.model.load_state_dict(state["model"])
-    trainer.actor.load_state_dict(copy.deepcopy(state["actor"]))
+    policy = trainer.policy
+    policy.model.load_state_dict(state["model"])
+    policy.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+    policy.load_state_dict(copy.deepcopy(state["engine"]))
     trainer.dataset.load_state_dict(state["data"])
     trainer.step = 0  # the rollout seed is a function of the step: same samples every time
 
@@ -49,9 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     out = tempfile.mkdtemp(prefix="otbrl-bench-")
-    cfg = load_config(None, [f"trainer.output_dir={out}", *args.overrides])
+    # the demo's preset (otbrl demo): two optimizer steps per RL step
+    demo = ["actor.ppo_mini_batch_size=16"]
+    cfg = load_config(None, [f"trainer.output_dir={out}", *demo, *args.overrides])
     trainer = Trainer(cfg)
-    with_needs = trainer.needs | {"sum_pi_squared"}
+    with_needs = trainer.plan.needs | {"sum_pi_squared"}
     variants = {
         "with Σπ²": (with_needs, cfg.algorithm.otb.energy),
         "without Σπ²": (with_needs - {"sum_pi_squared"}, "uniform"),
@@ -67,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in order:
             needs, energy = variants[name]
             restore(trainer, state)
-            trainer.needs = needs
+            trainer.plan = dataclasses.replace(trainer.plan, needs=needs)
             trainer.cfg.algorithm.otb.energy = energy
             start = time.perf_counter()
             metrics = trainer.train_step()

@@ -99,3 +99,23 @@ def test_torchrun_without_engine_flag_runs_data_parallel(tmp_path):
     assert "engine: auto" in config
     steps, _ = _steps(run)
     assert steps == [1, 2]
+
+
+def test_critic_trains_under_tp_and_fsdp_and_resumes_across_them(tmp_path):
+    """PPO with GAE on 2 processes: the critic is an engine on the actor's layout (TP, then
+    FSDP2), checkpointed and resumed with the actor."""
+    from otbrl.models import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model", **SMALL)
+    run = tmp_path / "run"
+    common = [*_common(model, run), "algorithm.adv_estimator=gae", "critic.lr=0.01"]
+    tp_run = ["actor.tensor_parallel_size=2", "trainer.total_steps=2", "trainer.save_every=2"]
+    check_ok(launch(_train_worker, 2, tmp_path / "w1", [*common, *tp_run]))
+    assert (run / "checkpoints" / "step_2" / "critic" / "model.safetensors").is_file()
+    assert list((run / "checkpoints" / "step_2" / "state" / "critic").glob("shard-*.safetensors"))
+    check_ok(launch(_train_worker, 2, tmp_path / "w2", [*common, "trainer.total_steps=3"]))
+    steps, lines = _steps(run)
+    assert steps == [1, 2, 3]
+    for line in lines[1:]:
+        assert torch.isfinite(torch.tensor(line["critic/value_loss"])), line
+        assert line["critic/skipped_steps"] == 0

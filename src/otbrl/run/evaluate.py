@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from otbrl.config import Config, ConfigError
 from otbrl.data import encode_prompts
 from otbrl.rewards import score_responses
 from otbrl.rollout import decode_responses, generate
@@ -53,3 +54,26 @@ def evaluate_accuracy(
         scores, _ = score_responses(texts, chunk, function=function)
         total += sum(scores)
     return total / len(rows)
+
+
+def evaluate_config(cfg: Config) -> tuple[float, int]:
+    """(accuracy, number of prompts) of ``model.path`` on the validation rows (``otbrl eval``)."""
+    from otbrl.models import load_model_and_tokenizer
+    from otbrl.run.build import load_rows, model_path, validate_config
+
+    plan = validate_config(cfg)
+    model, tokenizer = load_model_and_tokenizer(model_path(cfg), dtype=cfg.model.dtype)
+    _, val_rows = load_rows(cfg)
+    if not val_rows:
+        raise ConfigError("'data.val_files' is empty: nothing to evaluate", "data.val_files")
+    accuracy = evaluate_accuracy(
+        model,
+        tokenizer,
+        val_rows,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        greedy=cfg.trainer.val_greedy,
+        temperature=cfg.trainer.val_temperature,
+        batch_size=cfg.trainer.val_batch_size,
+        function=plan.reward_fn,
+    )
+    return accuracy, len(val_rows)

@@ -420,25 +420,3 @@ class Trainer:
         if self.world.is_main:
             plot_run(self.output_dir)
         return summary
-
-
-def evaluate_config(cfg: Config) -> tuple[float, int]:
-    """(accuracy, number of prompts) of ``model.path`` on the validation rows (``otbrl eval``)."""
-    from otbrl.config import ConfigError
-
-    plan = validate_config(cfg)
-    model, tokenizer = load_model_and_tokenizer(model_path(cfg), dtype=cfg.model.dtype)
-    _, val_rows = load_rows(cfg)
-    if not val_rows:
-        raise ConfigError("'data.val_files' is empty: nothing to evaluate", "data.val_files")
-    accuracy = evaluate_accuracy(
-        model,
-        tokenizer,
-        val_rows,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        greedy=cfg.trainer.val_greedy,
-        temperature=cfg.trainer.val_temperature,
-        batch_size=cfg.trainer.val_batch_size,
-        function=plan.reward_fn,
-    )
-    return accuracy, len(val_rows)
