@@ -11,6 +11,7 @@ verl = pytest.importorskip("verl")
 from types import SimpleNamespace  # noqa: E402
 
 from tensordict import TensorDict  # noqa: E402
+from verl.models.transformers import monkey_patch  # noqa: E402
 from verl.models.transformers.monkey_patch import apply_monkey_patch  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.utils.dataset.dataset_utils import DatasetPadMode  # noqa: E402
@@ -160,6 +161,6 @@ def test_vision_language_model_refused():
     cfg = Qwen2VLConfig()
     fake = SimpleNamespace(config=cfg, lm_head=None, model=None)
     with pytest.raises(NotImplementedError, match="vision-language"):
-        apply_monkey_patch.__globals__["patch_forward_with_backends"](
+        monkey_patch.patch_forward_with_backends(
             fake, use_fused_kernels=True, fused_kernels_backend="otbrl"
         )

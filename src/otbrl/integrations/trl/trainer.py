@@ -54,9 +54,9 @@ class OTBGRPOTrainer(GRPOTrainer):
                 "model: OTBGRPOTrainer covers text models; vision-language models are not "
                 "supported (their extra forward inputs are not carried)"
             )
-        names = ("optimal_token_baseline",) if args.otb_estimator == "auto" else ()
-        names = names or (args.otb_estimator,)
-        self._otb_needs = ESTIMATORS[names[0]].needs_for(**args.otb_options)
+        # OTB and TIR-OTB need the same statistics, so "auto" can be decided per batch.
+        name = "optimal_token_baseline" if args.otb_estimator == "auto" else args.otb_estimator
+        self._otb_needs = ESTIMATORS[name].needs_for(**args.otb_options)
         self._otb_sink: list | None = None  # log Σπ² chunks of the forward being captured
         self._otb_arm = False  # capture the next policy forward
         self._otb_spp = None
