@@ -5,23 +5,42 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.otbrl-installed
 TORCH_CPU ?= torch==2.13.0
+# verl pins transformers<5.11 and tensordict<=0.10, which TRL 1.16 and vLLM's CPU build do not
+# fit: the verl plug-in is tested in an environment of its own (`make test` builds both).
+VERL_VENV ?= .venv-verl
+VERL_PY := $(VERL_VENV)/bin/python
+VERL_STAMP := $(VERL_VENV)/.otbrl-installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup setup-verl demo test test-verl lint bench clean
 
 setup: $(STAMP)
+
+setup-verl: $(VERL_STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_CPU)"
 	@$(PY) -m pip install -q -e ".[dev]"
+	@$(PY) -m pip install -q -e ".[trl]"
+	@touch $@
+
+$(VERL_STAMP): pyproject.toml
+	@test -x $(VERL_PY) || python3 -m venv $(VERL_VENV)
+	@$(VERL_PY) -c "import torch" 2>/dev/null || $(VERL_PY) -m pip install -q "$(TORCH_CPU)"
+	@$(VERL_PY) -m pip install -q -e ".[dev,verl]"
 	@touch $@
 
 demo: $(STAMP)
 	$(PY) -m otbrl demo
 
-test: $(STAMP)
+# The verl tests skip in .venv (no verl there) and run in .venv-verl; the TRL tests run in .venv.
+test: $(STAMP) $(VERL_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
+	$(VERL_PY) -m pytest -q tests/test_integrations_verl_*.py
+
+test-verl: $(VERL_STAMP)
+	$(VERL_PY) -m pytest -q tests/test_integrations_verl_*.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
@@ -32,4 +51,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/advantages.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache build src/*.egg-info
+	rm -rf $(VENV) $(VERL_VENV) .pytest_cache build src/*.egg-info
