@@ -59,7 +59,9 @@ def test_critic_follows_the_model_path_and_config(tiny_dir, tmp_path):
 @pytest.mark.slow
 def test_ppo_with_gae_learns_the_builtin_task(tmp_path):
     """`otbrl train algorithm.adv_estimator=gae` from the built-in warm start: greedy
-    validation accuracy rises by at least 0.2 and the value loss falls."""
+    validation accuracy rises by at least 0.2 within 80 steps (checked then), and by 300 steps
+    the value loss has fallen: the critic tracks a success rate that approaches 1. (In between
+    it rises with the reward variance p(1 - p) as the accuracy crosses 0.5.)"""
     from otbrl.run.trainer import Trainer
 
     cfg = load_config(
@@ -67,17 +69,35 @@ def test_ppo_with_gae_learns_the_builtin_task(tmp_path):
         [
             "algorithm.adv_estimator=gae",
             "actor.ppo_mini_batch_size=16",
-            "trainer.total_steps=80",
+            "trainer.total_steps=300",
             "trainer.val_every=80",
+            "data.val_size=300",
             "trainer.logger=[jsonl]",
             f"trainer.output_dir={tmp_path / 'run'}",
             f"sft.cache_dir={tmp_path / 'cache'}",
         ],
     )
     summary = Trainer(cfg).fit()
-    gain = summary["final_val_accuracy"] - summary["initial_val_accuracy"]
-    assert gain >= 0.2, summary
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    accuracy = {r["step"]: r["val/accuracy"] for r in records if "val/accuracy" in r}
+    assert accuracy[80] - accuracy[0] >= 0.2, accuracy
+    assert summary["final_val_accuracy"] - summary["initial_val_accuracy"] >= 0.2, summary
     losses = [r["critic/value_loss"] for r in records if "critic/value_loss" in r]
-    assert len(losses) == 80
-    assert sum(losses[-10:]) < 0.8 * sum(losses[:10]), losses
+    assert len(losses) == 300
+    assert sum(losses[-20:]) < 0.6 * sum(losses[:20]), losses[:20] + losses[-20:]
+
+
+def test_explained_variance_matches_a_float64_reference():
+    from otbrl.algos.metrics import explained_variance
+
+    g = torch.Generator().manual_seed(0)
+    returns = torch.randn(6, 5, generator=g)
+    values = returns + 0.5 * torch.randn(6, 5, generator=g)
+    mask = (torch.rand(6, 5, generator=g) > 0.3).float()
+    values[mask == 0] = float("nan")  # masked positions cannot leak in
+    r, v = returns[mask > 0].double(), values[mask > 0].double()
+    want = 1 - (r - v).var(unbiased=False) / r.var(unbiased=False)
+    got = explained_variance(values, returns, mask)
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+    assert float(explained_variance(returns, returns, mask)) == pytest.approx(1.0)
+    assert float(explained_variance(values, torch.ones(6, 5), mask)) == 0.0

@@ -129,3 +129,22 @@ def otb_metrics(
     out.update(masked_summary(w, rows, "otb/w_score"))
     out.update(variance_proxy(advantages, response_mask, w, grad_norm))
     return out
+
+
+def explained_variance(values: Tensor, returns: Tensor, response_mask: Tensor) -> Tensor:
+    """How much of the returns' variance the value estimates explain, over masked tokens:
+    1 − Var(R − V) / Var(R) (1 = perfect, 0 = no better than the mean, < 0 = worse).
+
+    Shapes: ``[B, L]`` -> 0-dim tensor; 0 when the returns do not vary.
+    """
+    m = check_tensor("response_mask", response_mask, values.shape) > 0
+    r = check_tensor("returns", returns, values.shape)
+    v = check_tensor("values", values, values.shape)
+
+    def var(x: Tensor) -> Tensor:
+        n = m.sum().clamp(min=1)
+        mean = torch.where(m, x, 0.0).sum() / n
+        return torch.where(m, (x - mean) ** 2, 0.0).sum() / n
+
+    total = var(r)
+    return torch.where(total > 0, 1.0 - var(r - v) / total.clamp(min=1e-12), torch.zeros(()))

@@ -26,7 +26,7 @@ from torch import Tensor
 from otbrl.algos import losses
 from otbrl.algos._common import masked_mean
 from otbrl.algos.advantages import compute_advantage
-from otbrl.algos.metrics import otb_metrics
+from otbrl.algos.metrics import explained_variance, otb_metrics
 from otbrl.config import Config, to_dict
 from otbrl.data import PromptDataset, encode_prompts
 from otbrl.engine.engine import Engine
@@ -330,6 +330,8 @@ class Trainer:
         if "values" in batch:
             out["critic/values_mean"] = float(masked_mean(batch["values"], mask))
             out["critic/returns_mean"] = float(masked_mean(batch["returns"], mask))
+            ev = explained_variance(batch["values"], batch["returns"], mask)
+            out["critic/explained_variance"] = float(ev)
         return out
 
     def validate(self) -> float:
