@@ -20,6 +20,16 @@ settings.load_profile("otbrl")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for the test (modules with tiny models use it for all their tests:
+    thread hand-offs cost more than the math, badly so on shared cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -4,7 +4,6 @@ import json
 import math
 
 import pytest
-import torch
 
 from otbrl.research.compare import (
     arm_estimator_overrides,
@@ -20,14 +19,7 @@ from otbrl.research.compare import (
     tokens_to_target,
 )
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: thread hand-offs cost more than the math, badly so on shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_parse_arms_and_steps():

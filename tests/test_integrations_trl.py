@@ -25,13 +25,7 @@ from otbrl.integrations.trl import OTBGRPOConfig, OTBGRPOTrainer
 from otbrl.ops import sum_pi_squared
 from tiny_models import tiny_causal_lm
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -23,15 +23,9 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead  # no
 
 from tiny_models import tiny_causal_lm  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TEMPERATURE = 0.7
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(params=["qwen2", "llama"])

@@ -5,15 +5,7 @@ from otbrl.data import encode_prompts, get_task
 from otbrl.models import build_tiny_model, load_model_and_tokenizer
 from otbrl.rollout import decode_responses, eos_response_mask, generate, sample_next_token
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models gain nothing from a second thread, and on a busy 2-core machine two threads
-    # spin against each other (measured 25x slower); restore the suite's setting afterwards.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])

@@ -14,6 +14,8 @@ from otbrl.engine.layout import Layout, forward_outputs
 from otbrl.models import build_tiny_model, load_model_and_tokenizer
 from otbrl.research.gradient_probe import EstimatorSpec, GradientProbe, parse_estimators
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 SMALL = {
     "hidden_size": 32,
     "intermediate_size": 64,
@@ -21,15 +23,6 @@ SMALL = {
     "num_attention_heads": 2,
     "num_key_value_heads": 2,
 }
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: thread hand-offs cost more than the math, badly so on shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

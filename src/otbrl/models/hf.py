@@ -108,13 +108,7 @@ def load_model_and_tokenizer(
         EOS token when the model ships none); the model's generation config carries that pad id
         and stops at every id in ``eos_token_ids``.
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ValueError(
-            f"path: expected a local model directory with config.json, got {str(path)!r}"
-        )
+    path = _model_dir(path, dtype)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.eos_token_id is None:
         raise ValueError(f"path: the tokenizer in {str(path)!r} has no EOS token to end responses")
@@ -145,13 +139,7 @@ def load_value_model(path: str | Path, *, dtype: str = "float32", device: str = 
 
     Returns the model; ``model(...).logits`` is [B, L, 1], the value of each prefix.
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ValueError(
-            f"path: expected a local model directory with config.json, got {str(path)!r}"
-        )
+    path = _model_dir(path, dtype)
     from transformers.utils import logging as hf_logging
 
     # the lm_head is unused and the score head is new: transformers' warnings say just that
@@ -166,3 +154,15 @@ def load_value_model(path: str | Path, *, dtype: str = "float32", device: str = 
     finally:
         hf_logging.set_verbosity(verbosity)
     return model.to(device)
+
+
+def _model_dir(path: str | Path, dtype: str) -> Path:
+    """``path`` as a Path after checking it is an HF model directory and ``dtype`` is known."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"path: expected a local model directory with config.json, got {str(path)!r}"
+        )
+    return path
