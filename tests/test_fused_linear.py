@@ -115,8 +115,8 @@ def test_full_logits_never_exist():
     with LargestTensor() as mode:
         fused = fused_linear_token_stats(hidden, weight, labels, bias=b, chunk_size=chunk)
         grads(fused, w, (hidden, weight, b))
-    # Biggest: the [3, chunk, V] scratch of one chunk, the [V, H] weight or [T, H] hidden
-    # gradient; the [T, V] logits would be bigger than all of them.
+    # Biggest: the [2, chunk, V] scratch of one chunk (3 allowed), the [V, H] weight or [T, H]
+    # hidden gradient; the [T, V] logits would be bigger than all of them.
     biggest_allowed = max(3 * chunk * vocab, vocab * hidden_size, tokens * hidden_size)
     assert mode.largest <= biggest_allowed < tokens * vocab
     with LargestTensor() as mode:

@@ -1,105 +1,56 @@
 """Row-chunked kernels shared by every op in ``otbrl.ops``.
 
 For raw logits x [n, V], a per-row shift m (the row max) and scale = 1/temperature, the kernels
-work with the base-2 shifted logits s = (x − m)·scale·log2(e) and e = 2**s, so that
+work with the shifted logits s = (x − m)·scale and e = exp(s), so that
 
-    log π(y) = (s_y − lse2)·ln 2,  lse2 = log2 Σe
-    H        = (lse2 − mu2)·ln 2,  mu2 = Σe·s / Σe
+    log π(y) = s_y − lse,  lse = log Σe
+    H        = lse − mu,   mu  = Σe·s / Σe
     Σπ²      = Σe² / (Σe)²
 
-Base 2 because ``torch.exp2`` runs ~2.5× faster than ``torch.exp`` on this CPU (AVX2; exp is
-the bottleneck); x − m is exact, so the change of base costs one rounding. A chunk of rows is
+The shift is subtracted before scaling, so no rounding of m·scale enters s. A chunk of rows is
 processed in a scratch buffer reused across chunks: allocating per chunk (and faulting its
 pages in) measured slower than the arithmetic. Nothing of size [n, V] is allocated.
+
+The chunks run one after the other in the calling thread; each op over a chunk is parallel
+over the chunk's rows through torch's own intra-op threads. A private pool of single-threaded
+workers (one per thread, rows split between them) measured slower on a quiet machine: two
+Python threads issuing small ops contend for the GIL, and the workers' own OpenMP teams kept
+spinning against torch's (2 threads, T=2048, V=32768: 1.1–1.9 × ``torch.log_softmax`` with
+the pool against 0.75 × inline, same kernels). The price: on a heavily loaded machine each op's
+fork/join barrier waits for descheduled threads (with 14 busy processes on 2 cores a 2-thread
+call took over 12 s where the pool took 0.8 s); there, as for any torch code, use one thread.
+With at least as many rows per chunk as threads, results are bit-identical for any thread
+count (torch gives each row's reductions to one thread, and exp's scalar tail at a split point
+rounds like its vector body — exp2's did not).
 """
 
 from __future__ import annotations
 
 import math
-import os
-import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import Tensor
 
+# The compiled and Triton kernels work in base 2 (exp2 is the native GPU instruction); the
+# eager kernels here use exp, which measured 1.5 × (AVX-512) to 2.5 × (AVX2) faster than exp2
+# with torch 2.13 on the development CPU.
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
 
-# ~256K elements per chunk (1 MiB in float32): the chunk's scratch stays in L2/L3, which is what
-# lets the single pass beat torch.log_softmax's full-size write.
-_CHUNK_ELEMENTS = 1 << 18
+# ~128K elements (512 KiB in float32) per intra-op thread and chunk: the logits and the two
+# scratch slices a thread touches then stay in its 2 MiB L2; twice that measured 10–17 % slower.
+_CHUNK_ELEMENTS_PER_THREAD = 1 << 17
 
 
 def default_chunk_size(vocab_size: int) -> int:
-    """Rows per chunk so that one chunk holds about 2**18 elements (at least 1 row)."""
-    return max(1, _CHUNK_ELEMENTS // max(1, vocab_size))
+    """Rows per chunk: about 2**17 elements per intra-op thread (at least 1 row)."""
+    elements = _CHUNK_ELEMENTS_PER_THREAD * max(1, torch.get_num_threads())
+    return max(1, elements // max(1, vocab_size))
 
 
 def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation/output dtype for logits of ``dtype``: float64 stays, the rest use float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-_POOL: tuple[int, int, ThreadPoolExecutor] | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def _row_workers() -> tuple[ThreadPoolExecutor | None, int]:
-    """A pool of ``torch.get_num_threads()`` workers whose own torch ops run single-threaded.
-
-    Per-chunk ops are small (~1 MiB): run with intra-op threads, each op is a fork/join
-    barrier, and on a loaded machine every barrier waits for a descheduled thread — measured
-    20 s instead of 0.5 s for T=2048, V=32768 with 2 threads at load 15. Splitting the rows
-    over workers that each run single-threaded ops has no barrier per op. ``set_num_threads(1)``
-    in a worker sets that thread's OpenMP/MKL count; the process-wide value is restored below.
-    """
-    global _POOL
-    threads = torch.get_num_threads()
-    if threads <= 1:
-        return None, 1
-    with _POOL_LOCK:
-        # A forked child or a new thread count gets its own pool.
-        if _POOL is None or _POOL[0] != os.getpid() or _POOL[1] != threads:
-            _POOL = (os.getpid(), threads, _start_pool(threads))
-    return _POOL[2], threads
-
-
-def _start_pool(threads: int) -> ThreadPoolExecutor:
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="otbrl-ops")
-    barrier = threading.Barrier(threads)
-
-    def init() -> None:
-        torch.set_num_threads(1)
-        barrier.wait()  # every worker thread exists and is initialized before we go on
-
-    for f in [pool.submit(init) for _ in range(threads)]:
-        f.result()
-    torch.set_num_threads(threads)
-    return pool
-
-
-def _no_grad_call(fn: Callable[[int, int], None], start: int, stop: int) -> None:
-    # Grad mode is per thread; the kernels run inside autograd.Function bodies (no grad).
-    with torch.no_grad():
-        fn(start, stop)
-
-
-def split_rows(fn: Callable[[int, int], None], n: int, chunk: int, device: torch.device) -> None:
-    """Run ``fn(start, stop)`` over row ranges covering [0, n): in parallel workers on CPU
-    when there are at least two chunks per worker, else inline. ``fn`` must write disjoint
-    rows only."""
-    pool, threads = _row_workers() if device.type == "cpu" else (None, 1)
-    parts = min(threads, n // (2 * chunk))
-    if parts <= 1:
-        fn(0, n)
-        return
-    # Boundaries on chunk multiples, so the chunks are the same as in one sequential pass.
-    per = -(-n // (parts * chunk)) * chunk
-    futures = [pool.submit(_no_grad_call, fn, a, min(a + per, n)) for a in range(0, n, per)]
-    for f in futures:
-        f.result()
 
 
 def row_sums(
@@ -113,7 +64,7 @@ def row_sums(
     shift: Tensor | None = None,
     out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Per-row sums of e = 2**s, one pass over x [n, V], ``chunk`` rows at a time.
+    """Per-row sums of e = exp(s), one pass over x [n, V], ``chunk`` rows at a time.
 
     Args:
         x: [n, V] raw logits, any float dtype; not modified. V may be 0.
@@ -132,28 +83,29 @@ def row_sums(
         shift = torch.full((n, 1), float("-inf"), dtype=acc, device=x.device)
     if n == 0 or vocab == 0:
         return sums, shift
-
-    def rows(start: int, stop: int) -> None:
-        work = torch.empty(3, min(stop - start, chunk), vocab, dtype=acc, device=x.device)
-        for a in range(start, stop, chunk):
-            b = min(a + chunk, stop)
-            s, e, prod = work[0, : b - a], work[1, : b - a], work[2, : b - a]
-            if own_shift:
-                # In the accumulation dtype, so that x − max is not rounded to bf16/fp16.
-                shift[a:b] = x[a:b].amax(dim=-1, keepdim=True)
-            torch.sub(x[a:b], shift[a:b], out=s)
-            s.mul_(scale * LOG2E)
-            torch.exp2(s, out=e)
-            torch.sum(e, dim=-1, out=sums[0, a:b])
-            if want_entropy:
-                torch.sum(torch.mul(e, s, out=prod), dim=-1, out=sums[1, a:b])
-            if want_spp:
-                # ‖e‖² through the norm kernel: a pure reduction, no product written (~3×
-                # faster than mul + sum here); sqrt-then-square costs two roundings.
-                torch.linalg.vector_norm(e, dim=-1, out=sums[2, a:b]).square_()
-            sums[3, a:b] = s.gather(-1, labels[a:b].unsqueeze(-1)).squeeze(-1)
-
-    split_rows(rows, n, chunk, x.device)
+    work = torch.empty(2, min(n, chunk), vocab, dtype=acc, device=x.device)
+    for a in range(0, n, chunk):
+        b = min(a + chunk, n)
+        xa, ma, s, e = x[a:b], shift[a:b], work[0, : b - a], work[1, : b - a]
+        if own_shift:
+            # In the accumulation dtype, so that x − max is not rounded to bf16/fp16.
+            ma.copy_(xa.amax(dim=-1, keepdim=True))
+        torch.sub(xa, ma, out=s)
+        if scale != 1.0:
+            s.mul_(scale)
+        torch.exp(s, out=e)
+        torch.sum(e, dim=-1, out=sums[0, a:b])
+        if want_spp:
+            # ‖e‖² through the norm kernel: a pure reduction, no product written (~3×
+            # faster than mul + sum here); sqrt-then-square costs two roundings.
+            torch.linalg.vector_norm(e, dim=-1, out=sums[2, a:b]).square_()
+        if want_entropy:
+            # s is not needed any more: e·s overwrites it (a third buffer costs L2 room).
+            torch.sum(s.mul_(e), dim=-1, out=sums[1, a:b])
+    # s at the label, with the same two roundings as in the chunk, for all rows at once.
+    torch.sub(x.gather(-1, labels.unsqueeze(-1)), shift, out=sums[3].unsqueeze(-1))
+    if scale != 1.0:
+        sums[3].mul_(scale)
     if want_entropy:
         _fix_masked_dots(x, shift, scale, sums[1])
     return sums, shift
@@ -167,36 +119,36 @@ def _fix_masked_dots(x: Tensor, shift: Tensor, scale: float, dot: Tensor) -> Non
     if not bool(broken.any()):
         return
     rows = broken.nonzero().squeeze(-1)
-    s = (x[rows].to(dot.dtype) - shift[rows]) * (scale * LOG2E)
-    e = torch.exp2(s)
+    s = (x[rows].to(dot.dtype) - shift[rows]) * scale
+    e = torch.exp(s)
     dot[rows] = torch.where(e > 0, e * s, 0.0).sum(dim=-1)
 
 
 def finish_stats(
     sums: Tensor, want_entropy: bool, want_spp: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(log π(y), H, Σπ², lse2, mu2), each [n], from ``row_sums``'s [4, n] sums.
+    """(log π(y), H, Σπ², lse, mu), each [n], from ``row_sums``'s [4, n] sums.
 
-    Entropy, Σπ² and mu2 are empty tensors when not asked for.
+    Entropy, Σπ² and mu are empty tensors when not asked for.
     """
     total, dot, sq, s_label = sums
-    lse2 = total.log2()
-    log_probs = (s_label - lse2) * LN2
-    entropy = mu2 = spp = total.new_empty(0)
+    lse = total.log()
+    log_probs = s_label - lse
+    entropy = mu = spp = total.new_empty(0)
     if want_entropy:
-        mu2 = dot / total
-        entropy = (lse2 - mu2) * LN2
+        mu = dot / total
+        entropy = lse - mu
     if want_spp:
         spp = sq / (total * total)
-    return log_probs, entropy, spp, lse2, mu2
+    return log_probs, entropy, spp, lse, mu
 
 
 def grad_rows(
     x: Tensor,
     labels: Tensor,
     shift: Tensor,
-    lse2: Tensor,
-    mu2: Tensor,
+    lse: Tensor,
+    mu: Tensor,
     g_lp: Tensor | None,
     g_ent: Tensor | None,
     scale: float,
@@ -206,39 +158,43 @@ def grad_rows(
 ) -> Tensor:
     """Gradient w.r.t. x [n, V] of Σ g_lp·log π(y) + Σ g_ent·H, written into ``out`` [n, V].
 
-    With z = x·scale and π = 2**(s − lse2): ∂log π(y)/∂z = onehot(y) − π and
-    ∂H/∂z = −π (s − mu2)·ln 2; ∂z/∂x = scale. ``g_lp``/``g_ent`` [n] are the upstream
-    gradients (``None``: not used; ``g_lp`` must be 0 on ignored labels); ``g_label`` [n] is
-    what the onehot term adds at ``labels`` (default ``g_lp``; the vocab-parallel op zeroes it
-    for labels held by another rank). ``out`` may have any float dtype.
+    With z = x·scale and π = exp(s − lse): ∂log π(y)/∂z = onehot(y) − π and
+    ∂H/∂z = −π (s − mu); ∂z/∂x = scale. ``g_lp``/``g_ent`` [n] are the upstream gradients
+    (``None``: not used; ``g_lp`` must be 0 on ignored labels); ``g_label`` [n] is what the
+    onehot term adds at ``labels`` (default ``g_lp``; the vocab-parallel op zeroes it for
+    labels held by another rank). ``out`` may have any float dtype and may be ``x`` itself.
     """
     n, vocab = x.shape
     if n == 0 or vocab == 0:
         return out
     if g_label is None:
         g_label = g_lp
-
-    def rows(start: int, stop: int) -> None:
-        work = torch.empty(2, min(stop - start, chunk), vocab, dtype=lse2.dtype, device=x.device)
-        for a in range(start, stop, chunk):
-            b = min(a + chunk, stop)
-            s, p = work[0, : b - a], work[1, : b - a]
-            torch.sub(x[a:b], shift[a:b], out=s)
-            s.mul_(scale * LOG2E)
-            torch.sub(s, lse2[a:b].unsqueeze(-1), out=p).exp2_()
-            if g_ent is not None:
-                # factor = −g_lp − g_ent·ln2·(s − mu2). π is exactly 0 below s = −1e4 even in
-                # float64, so clamping there changes nothing but keeps 0·(−inf) = NaN out.
-                s.clamp_(min=-1e4).sub_(mu2[a:b].unsqueeze(-1))
-                s.mul_(g_ent[a:b].unsqueeze(-1) * -LN2)
-                if g_lp is not None:
-                    s.sub_(g_lp[a:b].unsqueeze(-1))
-                p.mul_(s)
-            else:
-                p.mul_(-g_lp[a:b].unsqueeze(-1))
-            if g_lp is not None:
-                p.scatter_add_(-1, labels[a:b].unsqueeze(-1), g_label[a:b].unsqueeze(-1))
-            torch.mul(p, scale, out=out[a:b])
-
-    split_rows(rows, n, chunk, x.device)
+    if g_ent is not None:
+        # factor = −g_lp − g_ent·(s − mu) = slope·s + offset, two ops per chunk instead of three.
+        slope = -g_ent.unsqueeze(-1)
+        offset = (g_ent * mu if g_lp is None else g_ent * mu - g_lp).unsqueeze(-1)
+    # π·factor is built in place in ``out`` when it has the accumulation dtype (no copy).
+    direct = out.dtype == lse.dtype
+    work = torch.empty(1 if direct else 2, min(n, chunk), vocab, dtype=lse.dtype, device=x.device)
+    for a in range(0, n, chunk):
+        b = min(a + chunk, n)
+        s = work[0, : b - a]
+        p = out[a:b] if direct else work[1, : b - a]
+        # s is taken from x before p is written: ``out`` may alias ``x``.
+        torch.sub(x[a:b], shift[a:b], out=s)
+        if scale != 1.0:
+            s.mul_(scale)
+        torch.sub(s, lse[a:b].unsqueeze(-1), out=p).exp_()
+        if g_ent is not None:
+            # π is exactly 0 below s = −1e4 even in float64, so clamping there changes
+            # nothing but keeps 0·(−inf) = NaN out.
+            p.mul_(s.clamp_(min=-1e4).mul_(slope[a:b]).add_(offset[a:b]))
+        else:
+            p.mul_(-g_lp[a:b].unsqueeze(-1))
+        if g_lp is not None:
+            p.scatter_add_(-1, labels[a:b].unsqueeze(-1), g_label[a:b].unsqueeze(-1))
+        if scale != 1.0:
+            p.mul_(scale)
+        if not direct:
+            out[a:b].copy_(p)
     return out

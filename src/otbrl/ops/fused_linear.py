@@ -58,9 +58,9 @@ class _FusedLinearTokenStats(torch.autograd.Function):
                 chunk=inner,
                 out=sums[:, a:b],
             )
-        lp, ent, spp, lse2, mu2 = finish_stats(sums, want_entropy, want_spp)
+        lp, ent, spp, lse, mu = finish_stats(sums, want_entropy, want_spp)
         lp.masked_fill_(ignored, 0.0)
-        ctx.save_for_backward(hidden, weight, bias, safe_labels, ignored, shift, lse2, mu2)
+        ctx.save_for_backward(hidden, weight, bias, safe_labels, ignored, shift, lse, mu)
         ctx.scale, ctx.chunk, ctx.inner = scale, chunk, inner
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(spp)
@@ -68,9 +68,9 @@ class _FusedLinearTokenStats(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_lp, g_ent, _g_spp):
-        hidden, weight, bias, safe_labels, ignored, shift, lse2, mu2 = ctx.saved_tensors
+        hidden, weight, bias, safe_labels, ignored, shift, lse, mu = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        g_lp, g_ent = upstream_grads(g_lp, g_ent, ignored, lse2.dtype)
+        g_lp, g_ent = upstream_grads(g_lp, g_ent, ignored, lse.dtype)
         (n, hidden_size), vocab = hidden.shape, weight.shape[0]
         grad_h = torch.zeros_like(hidden) if need_h else None
         grad_w = torch.zeros_like(weight) if need_w else None
@@ -84,8 +84,8 @@ class _FusedLinearTokenStats(torch.autograd.Function):
         block = max(1, min(vocab, ctx.chunk * vocab // n))
         # The hidden gradient sums over vocabulary blocks: in float32 for low-precision inputs.
         acc_h = grad_h
-        if need_h and hidden.dtype != lse2.dtype:
-            acc_h = torch.zeros(n, hidden_size, dtype=lse2.dtype, device=hidden.device)
+        if need_h and hidden.dtype != lse.dtype:
+            acc_h = torch.zeros(n, hidden_size, dtype=lse.dtype, device=hidden.device)
         for v0 in range(0, vocab, block):
             v1 = min(v0 + block, vocab)
             logits = _chunk_logits(hidden, weight[v0:v1], None if bias is None else bias[v0:v1])
@@ -96,8 +96,8 @@ class _FusedLinearTokenStats(torch.autograd.Function):
                 logits,
                 local.masked_fill(~here, 0),
                 shift,
-                lse2,
-                mu2,
+                lse,
+                mu,
                 g_lp,
                 g_ent,
                 ctx.scale,
@@ -110,7 +110,7 @@ class _FusedLinearTokenStats(torch.autograd.Function):
             if need_h:
                 acc_h.addmm_(dz.to(acc_h.dtype), weight[v0:v1].to(acc_h.dtype))
             if need_b:
-                grad_b[v0:v1] = dz.sum(dim=0, dtype=lse2.dtype)
+                grad_b[v0:v1] = dz.sum(dim=0, dtype=lse.dtype)
         if need_h and acc_h is not grad_h:
             grad_h.copy_(acc_h)
         return grad_h, grad_w, grad_b, None, None, None, None, None

@@ -7,8 +7,8 @@ For logits z (already divided by the temperature) of one token and its label y:
     H        = lse − Σ_v π_v z_v
     Σπ²      = Σ_v exp(2 (z_v − lse))
 
-All three come from the same max-shifted exponentials e = exp(z − max z) (computed in base 2,
-see ``otbrl.ops.chunked``), so one pass over a cache-sized chunk of rows yields them, accumulated in
+All three come from the same max-shifted exponentials e = exp(z − max z) (see
+``otbrl.ops.chunked``), so one pass over a cache-sized chunk of rows yields them, accumulated in
 float32 (float64 for float64 logits). Nothing of size [T, V] is ever written: the backward
 recomputes each chunk from the logits and the per-row scalars (lse and Σπ(z − max)) kept
 from the forward.
@@ -114,9 +114,9 @@ class _TokenStatsFunction(torch.autograd.Function):
         sums, shift = row_sums(
             logits, safe_labels, scale, want_entropy=want_entropy, want_spp=want_spp, chunk=chunk
         )
-        lp, ent, spp, lse2, mu2 = finish_stats(sums, want_entropy, want_spp)
+        lp, ent, spp, lse, mu = finish_stats(sums, want_entropy, want_spp)
         lp.masked_fill_(ignored, 0.0)
-        ctx.save_for_backward(logits, safe_labels, ignored, shift, lse2, mu2)
+        ctx.save_for_backward(logits, safe_labels, ignored, shift, lse, mu)
         ctx.scale, ctx.chunk = scale, chunk
         # Unused outputs then arrive as None in backward instead of zero tensors to multiply.
         ctx.set_materialize_grads(False)
@@ -125,12 +125,12 @@ class _TokenStatsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_lp, g_ent, _g_spp):
-        logits, safe_labels, ignored, shift, lse2, mu2 = ctx.saved_tensors
-        g_lp, g_ent = upstream_grads(g_lp, g_ent, ignored, lse2.dtype)
+        logits, safe_labels, ignored, shift, lse, mu = ctx.saved_tensors
+        g_lp, g_ent = upstream_grads(g_lp, g_ent, ignored, lse.dtype)
         if g_lp is None and g_ent is None:
             return torch.zeros_like(logits), None, None, None, None, None
         grad = torch.empty_like(logits)
-        grad_rows(logits, safe_labels, shift, lse2, mu2, g_lp, g_ent, ctx.scale, ctx.chunk, grad)
+        grad_rows(logits, safe_labels, shift, lse, mu, g_lp, g_ent, ctx.scale, ctx.chunk, grad)
         return grad, None, None, None, None, None
 
 
@@ -160,9 +160,9 @@ def token_stats(
         labels: [...] int64 token ids in [0, V), or −100 for "no label" (log-prob 0).
         temperature: positive; statistics are those of softmax(logits / temperature).
         entropy, sum_pi_squared: compute these fields (else they are ``None``).
-        chunk_size: rows per chunk (default: about 2**18 elements per chunk); results do not
-            depend on it. CUDA tensors go through one-pass Triton kernels when triton is
-            installed (``otbrl.ops.triton_token_stats``), which ignore it.
+        chunk_size: rows per chunk (default: about 2**17 elements per intra-op thread);
+            results do not depend on it. CUDA tensors go through one-pass Triton kernels when
+            triton is installed (``otbrl.ops.triton_token_stats``), which ignore it.
     Returns:
         ``TokenStats`` with fields of shape ``logits.shape[:-1]``, float32 (float64 for float64
         logits). ``log_probs`` and ``entropy`` are differentiable w.r.t. ``logits``.

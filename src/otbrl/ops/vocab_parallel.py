@@ -10,8 +10,7 @@ sums with the shard's own row max, then the forward makes exactly two collective
    rank's V_local (so every rank learns the global V and can check the labels).
 
 From the global sums every rank derives the same log π(y) = s_y − log Σe, entropy
-log Σe − Σe·s/Σe and Σπ² = Σe²/(Σe)² (``finish_stats``; the code works in base 2 like
-``token_stats``). Shards may be uneven (or empty).
+log Σe − Σe·s/Σe and Σπ² = Σe²/(Σe)² (``finish_stats``). Shards may be uneven (or empty).
 
 The backward needs no collective: for the local columns, ∂log π(y)/∂z = onehot_local − π_local
 and ∂H/∂z = −π_local (s − Σπ s), where Σπ s and log Σe are the global values already kept.
@@ -23,14 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from otbrl.ops.chunked import (
-    LOG2E,
-    default_chunk_size,
-    finish_stats,
-    grad_rows,
-    row_sums,
-    stats_dtype,
-)
+from otbrl.ops.chunked import default_chunk_size, finish_stats, grad_rows, row_sums, stats_dtype
 from otbrl.ops.token_stats import (
     IGNORE_INDEX,
     TokenStats,
@@ -67,10 +59,10 @@ class _VocabParallelTokenStats(torch.autograd.Function):
         # Collective 1 of 2. Called through the module so that tests can count it.
         dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group)
 
-        # With δ = (m_local − m)·scale·log2(e) ≤ 0, s_global = s_local + δ, so
-        # Σe ← 2**δ Σe, Σe·s ← 2**δ (Σe·s + δ Σe), Σe² ← 4**δ Σe², s_y ← s_y + δ.
-        delta = ((local_shift - shift) * (scale * LOG2E)).squeeze(-1)
-        factor = torch.exp2(delta)
+        # With δ = (m_local − m)·scale ≤ 0, s_global = s_local + δ, so
+        # Σe ← e**δ Σe, Σe·s ← e**δ (Σe·s + δ Σe), Σe² ← e**2δ Σe², s_y ← s_y + δ.
+        delta = ((local_shift - shift) * scale).squeeze(-1)
+        factor = torch.exp(delta)
         total, dot, sq, s_y = rows[:4]
         has_mass = total > 0  # else δ may be −inf and δ·Σe = NaN for an empty sum
         if want_entropy:
@@ -93,10 +85,10 @@ class _VocabParallelTokenStats(torch.autograd.Function):
                 f"labels: expected global ids in [0, {vocab}) or {IGNORE_INDEX} (ignored), got "
                 f"{value} (held by {int(hits[bad][0])} ranks; shards must tile the vocabulary)"
             )
-        log_probs, entropy, spp, lse2, mu2 = finish_stats(rows[:4], want_entropy, want_spp)
+        log_probs, entropy, spp, lse, mu = finish_stats(rows[:4], want_entropy, want_spp)
         log_probs.masked_fill_(ignored, 0.0)
 
-        ctx.save_for_backward(x, local, on_shard, ignored, shift, lse2, mu2)
+        ctx.save_for_backward(x, local, on_shard, ignored, shift, lse, mu)
         ctx.scale, ctx.chunk = scale, chunk
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(spp)
@@ -104,15 +96,15 @@ class _VocabParallelTokenStats(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_lp, g_ent, _g_spp):
-        x, local, on_shard, ignored, shift, lse2, mu2 = ctx.saved_tensors
-        g_lp, g_ent = upstream_grads(g_lp, g_ent, ignored, lse2.dtype)
+        x, local, on_shard, ignored, shift, lse, mu = ctx.saved_tensors
+        g_lp, g_ent = upstream_grads(g_lp, g_ent, ignored, lse.dtype)
         none = (None,) * 6
         if g_lp is None and g_ent is None:
             return torch.zeros_like(x), *none
         g_label = None if g_lp is None else g_lp.masked_fill(~on_shard, 0.0)
         grad = torch.empty_like(x)
         grad_rows(
-            x, local, shift, lse2, mu2, g_lp, g_ent, ctx.scale, ctx.chunk, grad, g_label=g_label
+            x, local, shift, lse, mu, g_lp, g_ent, ctx.scale, ctx.chunk, grad, g_label=g_label
         )
         return grad, *none
 
