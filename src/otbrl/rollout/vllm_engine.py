@@ -27,10 +27,12 @@ CPU; on GPU the CUDA ``vllm`` package runs the same calls). What it relies on:
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.util
 import logging
 import os
 import random
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -46,6 +48,7 @@ INSTALL_HINT = (
 )
 _SEED_MIX = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: spreads consecutive seeds apart
 _SEED_MASK = (1 << 62) - 1
+_LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()
 
 
 def check_vllm_installed() -> None:
@@ -108,6 +111,13 @@ class VLLMRollout:
         if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
             raise ValueError(f"max_model_len: expected an int ≥ 2 or None, got {max_model_len!r}")
         check_vllm_installed()
+        if any(engine.llm is not None for engine in _LIVE_ENGINES):
+            # vLLM keeps its parallel groups in process globals: closing one of two engines
+            # breaks the other ("pipeline model parallel group is not initialized").
+            raise RuntimeError(
+                "VLLMRollout: another engine is alive in this process; close() it first "
+                "(one in-process engine per process / data-parallel rank)"
+            )
         # The engine must live in this process (weights are synced by reference), and its INFO
         # lines would drown the trainer's console; both stay overridable from the environment.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -135,18 +145,39 @@ class VLLMRollout:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         kwargs.update(engine_kwargs)
         set_num_threads = torch.set_num_threads
+        # Under torchrun the trainer's process group exists already: vLLM then builds its own
+        # (size-1) groups on top of it, a collective, so every rank builds its engine at the same
+        # point of the program. Remember who owns the default group for close().
+        caller_owns_dist = torch.distributed.is_available() and torch.distributed.is_initialized()
         with _saved_rng_state(), _quiet(_STARTUP_NOISE):
             try:
                 self.llm = vllm.LLM(**kwargs)
             finally:
                 torch.set_num_threads = set_num_threads
         model_config = self.llm.llm_engine.model_config
+        if self.on_cpu:
+            _check_cpu_head_size(int(model_config.get_head_size()))
         self.vocab_size = int(model_config.get_vocab_size())
         self.max_model_len = int(model_config.max_model_len)
         self.model_dir = model_dir
         self.sleep_mode = enable_sleep_mode
         self._asleep = False
         self._draws = np.random.default_rng(seed)
+        # Runs on close(), when this object is collected, or at exit — before vLLM's own
+        # finalizer (finalizers run newest first), which it detaches.
+        self._finalizer = weakref.finalize(self, _shutdown, self.llm, caller_owns_dist)
+        _LIVE_ENGINES.add(self)
+
+    def close(self) -> None:
+        """Shut the engine down and free it (idempotent; also runs at exit).
+
+        vLLM's shutdown destroys torch.distributed's default process group; when that group
+        was the caller's (created before the engine, e.g. by torchrun) it is kept, so the
+        trainer can close the engine before or after ``destroy_process_group``.
+        """
+        self._finalizer()
+        self.llm = None
+        _LIVE_ENGINES.discard(self)
 
     def generate(
         self,
@@ -210,6 +241,8 @@ class VLLMRollout:
             self._asleep = False
 
     def _check_awake(self, what: str) -> None:
+        if self.llm is None:
+            raise RuntimeError(f"{what}: the vLLM engine was closed")
         if self._asleep:
             raise RuntimeError(f"{what}: the vLLM engine is asleep; call wake_up() first")
 
@@ -226,6 +259,39 @@ class VLLMRollout:
             logprobs=0,
             seed=None if greedy else seed,
             detokenize=False,
+        )
+
+
+def _shutdown(llm, caller_owns_dist: bool) -> None:
+    import torch.distributed as dist
+
+    destroy = dist.destroy_process_group
+
+    def destroy_own_groups_only(group=None):
+        # vLLM tears down its groups, then the default one; only the former are its own.
+        if not dist.is_initialized() or group is None or group is dist.GroupMember.WORLD:
+            return
+        destroy(group)
+
+    if caller_owns_dist:
+        dist.destroy_process_group = destroy_own_groups_only
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        dist.destroy_process_group = destroy
+    gc.collect()
+
+
+def _check_cpu_head_size(head_size: int) -> None:
+    # vLLM's CPU attention fails only at the first forward ("Unsupported CPU attention
+    # configuration: head_dim=16"); say so at start-up, naming the model's setting.
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_size not in supported:
+        raise ValueError(
+            f"model_dir: head_dim {head_size} (hidden_size / num_attention_heads) is not "
+            f"supported by vLLM's CPU attention; supported: {supported}"
         )
 
 
