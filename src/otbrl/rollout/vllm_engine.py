@@ -154,19 +154,23 @@ class VLLMRollout:
                 self.llm = vllm.LLM(**kwargs)
             finally:
                 torch.set_num_threads = set_num_threads
+        # Runs on close(), when this object is collected, or at exit — before vLLM's own
+        # finalizer (finalizers run newest first), which it detaches.
+        self._finalizer = weakref.finalize(self, _shutdown, self.llm, caller_owns_dist)
+        _LIVE_ENGINES.add(self)
         model_config = self.llm.llm_engine.model_config
         if self.on_cpu:
-            _check_cpu_head_size(int(model_config.get_head_size()))
+            try:
+                _check_cpu_head_size(int(model_config.get_head_size()))
+            except ValueError:
+                self.close()
+                raise
         self.vocab_size = int(model_config.get_vocab_size())
         self.max_model_len = int(model_config.max_model_len)
         self.model_dir = model_dir
         self.sleep_mode = enable_sleep_mode
         self._asleep = False
         self._draws = np.random.default_rng(seed)
-        # Runs on close(), when this object is collected, or at exit — before vLLM's own
-        # finalizer (finalizers run newest first), which it detaches.
-        self._finalizer = weakref.finalize(self, _shutdown, self.llm, caller_owns_dist)
-        _LIVE_ENGINES.add(self)
 
     def close(self) -> None:
         """Shut the engine down and free it (idempotent; also runs at exit).
