@@ -34,6 +34,7 @@ import os
 import random
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -165,6 +166,7 @@ class VLLMRollout:
             except ValueError:
                 self.close()
                 raise
+        self._tied_head = bool(self.llm.collective_rpc(_has_tied_lm_head)[0])
         self.vocab_size = int(model_config.get_vocab_size())
         self.max_model_len = int(model_config.max_model_len)
         self.model_dir = model_dir
@@ -208,9 +210,14 @@ class VLLMRollout:
         ]
         with _saved_rng_state():
             outputs = self.llm.generate(requests, sampling, use_tqdm=False)
-        return [
+        groups = [
             [_completion(o) for o in sorted(out.outputs, key=lambda o: o.index)] for out in outputs
         ]
+        if params.greedy and params.n > 1:
+            # vLLM refuses n > 1 with greedy decoding; the n argmax samples are all the same.
+            groups = [[replace(g[0], token_ids=list(g[0].token_ids), logprobs=list(g[0].logprobs))
+                       for _ in range(params.n)] for g in groups]  # fmt: skip
+        return groups
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Load HF-named tensors into the engine, streamed: the engine consumes the iterable
@@ -219,10 +226,13 @@ class VLLMRollout:
         prefix cache (KV blocks of the old weights) is dropped.
         """
         self._check_awake("sync_weights")
-        with _quiet(_RELOAD_NOISE):
+        noise = _RELOAD_NOISE + (_TIED_HEAD_NOISE if self._tied_head else ())
+        with _quiet(noise):
             self.llm.collective_rpc(
                 "reload_weights", kwargs={"weights_iterator": _detached(named_tensors)}
             )
+            if self._tied_head and self.on_cpu:
+                self.llm.collective_rpc(_repack_tied_lm_head)
         if not self.llm.reset_prefix_cache():
             raise RuntimeError(
                 "sync_weights: vLLM could not drop its prefix cache (requests still running); "
@@ -253,7 +263,7 @@ class VLLMRollout:
     def _sampling_params(self, params: SamplingParams, budget: int, seed: int):
         greedy = params.greedy
         return self._vllm.SamplingParams(
-            n=params.n,
+            n=1 if greedy else params.n,
             temperature=0.0 if greedy else float(params.temperature),
             top_p=1.0 if greedy else float(params.top_p),
             top_k=0 if greedy else int(params.top_k),
@@ -284,6 +294,30 @@ def _shutdown(llm, caller_owns_dist: bool) -> None:
     finally:
         dist.destroy_process_group = destroy
     gc.collect()
+
+
+def _tied_lm_head(worker):
+    model = worker.model_runner.model
+    head = getattr(model, "lm_head", None)
+    weight = getattr(head, "weight", None)
+    if weight is None or not hasattr(head, "quant_method"):
+        return None
+    # Tied = another module (the input embedding) holds the very same parameter.
+    tied = any(m is not head and getattr(m, "weight", None) is weight for m in model.modules())
+    return head if tied else None
+
+
+def _has_tied_lm_head(worker) -> bool:
+    return _tied_lm_head(worker) is not None
+
+
+def _repack_tied_lm_head(worker) -> None:
+    # A tied lm_head shares the embedding's weight, which the reload updates in place, but the
+    # checkpoint has no lm_head entry, so the reload never re-runs the head's processing: on CPU
+    # its prepacked GEMM copy keeps the OLD weights (measured: log-prob mismatch 0.1-0.4 after
+    # one AdamW step on a tied Qwen2). Repacking from the updated weight fixes that.
+    head = _tied_lm_head(worker)
+    head.quant_method.process_weights_after_loading(head)
 
 
 def _check_cpu_head_size(head_size: int) -> None:
@@ -337,6 +371,14 @@ _RELOAD_NOISE = (
         "vllm.model_executor.model_loader.reload.layerwise",
         "%s: Failed to load weights",
         "RotaryEmbedding",
+    ),
+)
+# A tied lm_head has no checkpoint entry of its own; _repack_tied_lm_head handles it.
+_TIED_HEAD_NOISE = (
+    (
+        "vllm.model_executor.model_loader.reload.layerwise",
+        "%s: Failed to load weights",
+        "ParallelLMHead",
     ),
 )
 
