@@ -8,7 +8,7 @@ adds per optimizer step); the sync share is sync / step. The mismatch column is 
 |trainer − engine| log-prob over the timed batch's tokens (the trainer's forward, fp32).
 
     python benchmarks/rollout.py [--prompts 64] [--n 8] [--new-tokens 64] [--reps 3]
-        [--threads 2] [--models demo,30m]
+        [--threads 2] [--models demo,30m] [--max-num-seqs N]
 
 Last line: the vllm/hf tokens/s ratio per model and the sync share of a step.
 """
@@ -81,7 +81,8 @@ def bench_model(name: str, args, root: Path) -> dict:
     out["hf_s"], comps = timed(lambda: hf.generate(prompts, params), args.reps)
     out["hf_mismatch"] = mismatch(model, enc, comps, tok.pad_token_id, params.temperature)
 
-    engine = VLLMRollout(path, max_model_len=128, seed=0)
+    extra = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}
+    engine = VLLMRollout(path, max_model_len=128, seed=0, **extra)
     try:
         out["vllm_s"], comps = timed(lambda: engine.generate(prompts, params), args.reps)
         out["vllm_mismatch"] = mismatch(model, enc, comps, tok.pad_token_id, params.temperature)
@@ -100,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3, help="timed calls per backend")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=None,
+        help="vLLM's batch of sequences (its CPU default is 256)",
+    )  # fmt: skip
     parser.add_argument("--models", default="demo,30m", help=f"comma list of {sorted(MODELS)}")
     args = parser.parse_args(argv)
     names = args.models.split(",")
