@@ -18,7 +18,13 @@ CPU; on GPU the CUDA ``vllm`` package runs the same calls). What it relies on:
   batch was bit-identical across calls and batch compositions (tested).
 - Weights: ``collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`` re-runs the
   loader (and the CPU backend's repacking of linear weights) layer by layer as the iterator is
-  consumed, then ``reset_prefix_cache()`` drops KV blocks computed with the old weights.
+  consumed, then ``reset_prefix_cache()`` drops KV blocks computed with the old weights. On
+  CPU a tied lm_head (no checkpoint entry of its own) is repacked by hand afterwards.
+- Process groups: vLLM builds its (size-1) groups on torch.distributed — on top of the
+  trainer's group under torchrun (a collective: all ranks start their engines together), or
+  on a world-size-1 gloo group it creates itself in a plain process (``dist.is_initialized()``
+  is then True until ``close()``). Its shutdown destroys the default group; ``close()`` keeps a
+  caller's. Its groups are process globals: one live engine per process.
 - CPU side effects of start-up, undone here: vLLM seeds the global RNGs, replaces
   ``torch.set_num_threads`` with a no-op, and its CPU sampler draws from the global torch RNG on
   every step; the engine is built and run inside a saved/restored RNG state.
@@ -365,22 +371,11 @@ def _saved_rng_state():
 # (logger, format string, text its first argument must contain or None):
 # - start-up without a tokenizer: the chat-template warm-up fails by design;
 # - reload: rotary embeddings hold derived buffers, never weights of a checkpoint.
+# - a tied lm_head has no checkpoint entry of its own (_repack_tied_lm_head handles it).
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 _STARTUP_NOISE = (("vllm.renderers.base", "Chat template warmup failed", None),)
-_RELOAD_NOISE = (
-    (
-        "vllm.model_executor.model_loader.reload.layerwise",
-        "%s: Failed to load weights",
-        "RotaryEmbedding",
-    ),
-)
-# A tied lm_head has no checkpoint entry of its own; _repack_tied_lm_head handles it.
-_TIED_HEAD_NOISE = (
-    (
-        "vllm.model_executor.model_loader.reload.layerwise",
-        "%s: Failed to load weights",
-        "ParallelLMHead",
-    ),
-)
+_RELOAD_NOISE = ((_RELOAD_LOGGER, "%s: Failed to load weights", "RotaryEmbedding"),)
+_TIED_HEAD_NOISE = ((_RELOAD_LOGGER, "%s: Failed to load weights", "ParallelLMHead"),)
 
 
 class _DropKnown(logging.Filter):
