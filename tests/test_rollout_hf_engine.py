@@ -1,0 +1,201 @@
+"""HFRollout: the shared-prefix sampler behind the rollout protocol.
+
+Through HFRollout.generate + completions_to_batch the batch is bit-identical to generate()'s;
+its log-probs equal the trainer's forward; budgets, stop ids and weight sync do what they say.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from otbrl.data import encode_prompts, get_task
+from otbrl.engine.forward import forward_token_stats
+from otbrl.models import build_tiny_model, eos_token_ids, load_model_and_tokenizer
+from otbrl.rollout import (
+    HFRollout,
+    RolloutEngine,
+    SamplingParams,
+    completions_to_batch,
+    generate,
+    unpad_prompts,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def policy(request, tmp_path_factory):
+    path = build_tiny_model(
+        tmp_path_factory.mktemp("tiny"), arch=request.param, hidden_size=32,
+        intermediate_size=64, num_hidden_layers=2,
+    )  # fmt: skip
+    model, tok = load_model_and_tokenizer(path)
+    with torch.no_grad():
+        # Spread the near-uniform random-init logits so EOS shows up and samples differ.
+        model.lm_head.weight.mul_(20.0)
+        model.lm_head.weight[tok.eos_token_id] += 0.4 * model.lm_head.weight.mean(0)
+    rows = get_task("arithmetic").rows("val", 10, seed=0)
+    rows[0] = {**rows[0], "prompt": [{"role": "user", "content": "1+2="}]}  # a shorter prompt
+    enc = encode_prompts(rows, tok, max_prompt_length=16)
+    return model, tok, enc["input_ids"], enc["attention_mask"]
+
+
+def _batch(engine, tok, ids, mask, params, max_tokens=None):
+    comps = engine.generate(unpad_prompts(ids, mask), params, max_tokens=max_tokens)
+    return comps, completions_to_batch(ids, mask, comps, pad_id=tok.pad_token_id)
+
+
+SETTINGS = [
+    dict(n=3, temperature=1.0, seed=0),
+    dict(n=2, temperature=0.7, top_p=0.9, top_k=6, seed=11),
+    dict(n=4, temperature=1.3, top_k=3, seed=12),
+    dict(n=2, greedy=True),
+]
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: "-".join(map(str, s.values())))
+def test_batch_is_bit_identical_to_generate(policy, setting):
+    model, tok, ids, mask = policy
+    stops = tuple(eos_token_ids(model, tok))
+    params = SamplingParams(max_tokens=7, stop_token_ids=stops, **setting)
+    ref = generate(
+        model, tok, ids, mask, n=params.n, max_new_tokens=7, temperature=params.temperature,
+        top_p=params.top_p, top_k=params.top_k, do_sample=not params.greedy, seed=params.seed,
+    )  # fmt: skip
+    comps, batch = _batch(HFRollout(model, tok), tok, ids, mask, params)
+    for key, value in ref.items():
+        assert batch[key].dtype == value.dtype, key
+        assert torch.equal(batch[key], value), key
+    # Same batch again with per-row budgets all equal to max_tokens (the agent-loop path).
+    _, again = _batch(HFRollout(model, tok), tok, ids, mask, params, [7] * ids.shape[0])
+    assert all(torch.equal(again[k], v) for k, v in ref.items())
+    reasons = {c.finish_reason for group in comps for c in group}
+    if not params.greedy:
+        assert reasons == {"stop", "length"}  # both endings are covered
+
+
+@pytest.mark.parametrize("setting", SETTINGS[:3], ids=["t1", "t0.7-topk-topp", "t1.3-topk"])
+def test_log_probs_equal_the_trainer_forward(policy, setting):
+    model, tok, ids, mask = policy
+    params = SamplingParams(max_tokens=7, stop_token_ids=(tok.eos_token_id,), **setting)
+    _, batch = _batch(HFRollout(model, tok), tok, ids, mask, params)
+    with torch.no_grad():
+        stats = forward_token_stats(model, batch, temperature=params.temperature)
+    m = batch["response_mask"].bool()
+    # Full-vocabulary tempered log-probs, whatever top-k / top-p did to the sampling.
+    assert (stats["old_log_probs"] - batch["rollout_log_probs"])[m].abs().max() <= 1e-5
+    assert (batch["rollout_log_probs"][~m] == 0).all()
+
+
+def test_greedy_log_probs_are_untempered(policy):
+    model, tok, ids, mask = policy
+    params = SamplingParams(max_tokens=5, temperature=0.5, greedy=True)
+    _, batch = _batch(HFRollout(model, tok), tok, ids, mask, params)
+    with torch.no_grad():
+        stats = forward_token_stats(model, batch, temperature=1.0)
+    m = batch["response_mask"].bool()
+    assert (stats["old_log_probs"] - batch["rollout_log_probs"])[m].abs().max() <= 1e-5
+
+
+def test_per_row_budgets_and_custom_stop_ids(policy):
+    model, tok, ids, mask = policy
+    engine = HFRollout(model, tok)
+    prompts = unpad_prompts(ids, mask)
+    budgets = [1 + i % 6 for i in range(len(prompts))]
+    free = SamplingParams(n=3, max_tokens=6, seed=5)  # no stop id: only budgets end rows
+    full = engine.generate(prompts, free)
+    cut = engine.generate(prompts, free, max_tokens=budgets)
+    for i, b in enumerate(budgets):
+        for whole, part in zip(full[i], cut[i]):
+            assert len(whole.token_ids) == 6 and whole.finish_reason == "length"
+            # A smaller budget draws the same samples, cut short.
+            assert part.token_ids == whole.token_ids[:b] and part.logprobs == whole.logprobs[:b]
+            assert part.finish_reason == "length"
+    # A non-EOS stop id (e.g. a tool-call end token) ends completions and is kept.
+    counts = torch.bincount(torch.tensor([t for g in full for c in g for t in c.token_ids]))
+    stop = int(counts.argmax())
+    params = SamplingParams(n=3, max_tokens=6, seed=5, stop_token_ids=(stop,))
+    stopped = 0
+    for i, group in enumerate(engine.generate(prompts, params, max_tokens=budgets)):
+        assert len(group) == 3
+        for c in group:
+            assert 1 <= len(c.token_ids) <= budgets[i]
+            assert stop not in c.token_ids[:-1]
+            if c.finish_reason == "stop":
+                assert c.token_ids[-1] == stop
+                stopped += 1
+            else:
+                assert len(c.token_ids) == budgets[i] and c.token_ids[-1] != stop
+    assert stopped > 0
+
+
+def test_seeds_and_the_callers_rng(policy):
+    model, tok, ids, mask = policy
+    engine = HFRollout(model, tok)
+    prompts = unpad_prompts(ids, mask)
+    seeded = SamplingParams(n=2, max_tokens=5, seed=3)
+    torch.manual_seed(123)
+    a = engine.generate(prompts, seeded)
+    after = torch.rand(1)
+    torch.manual_seed(123)
+    assert engine.generate(prompts, seeded) == a  # reproducible
+    assert torch.equal(torch.rand(1), after)  # a seeded call leaves the global RNG alone
+    unseeded = SamplingParams(n=2, max_tokens=5)
+    assert engine.generate(prompts, unseeded) != engine.generate(prompts, unseeded)
+
+
+def test_sync_weights_into_a_separate_copy(policy):
+    model, tok, ids, mask = policy
+    trained = copy.deepcopy(model)
+    copy_engine = HFRollout(copy.deepcopy(model), tok, owns_copy=True)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    params = SamplingParams(n=2, max_tokens=5, seed=1)
+    prompts = unpad_prompts(ids, mask)
+    reference = HFRollout(trained, tok).generate(prompts, params)
+    assert copy_engine.generate(prompts, params) != reference
+    copy_engine.sync_weights((n, p) for n, p in trained.named_parameters())
+    assert copy_engine.generate(prompts, params) == reference  # bitwise, log-probs included
+    named = list(trained.named_parameters())
+    with pytest.raises(ValueError, match="not a parameter"):
+        copy_engine.sync_weights([("model.nope.weight", named[0][1])])
+    with pytest.raises(ValueError, match="shape"):
+        copy_engine.sync_weights([(named[0][0], named[0][1][:1])])
+    with pytest.raises(ValueError, match="not given"):
+        copy_engine.sync_weights(named[:-1])
+
+
+def test_sharing_the_training_model_makes_sync_a_no_op(policy):
+    model, tok, _, _ = policy
+
+    def must_not_run():
+        raise AssertionError("a shared engine consumed the weights")
+        yield
+
+    engine = HFRollout(model, tok)
+    engine.sync_weights(must_not_run())
+    engine.sleep()
+    engine.wake_up()
+    assert engine.name == "hf" and isinstance(engine, RolloutEngine)
+
+
+def test_bad_input_is_rejected_before_sampling(policy):
+    model, tok, _, _ = policy
+    engine = HFRollout(model, tok)
+    vocab = model.get_input_embeddings().num_embeddings
+    with pytest.raises(ValueError, match=r"prompts\[1\].*vocabulary"):
+        engine.generate([[1, 2], [3, vocab]], SamplingParams())
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        engine.generate([[1, 2]], SamplingParams(stop_token_ids=(vocab + 3,)))
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.generate([[1, 2]], SamplingParams(), max_tokens=[2, 3])
+    with pytest.raises(TypeError, match="owns_copy"):
+        HFRollout(model, tok, owns_copy="yes")
