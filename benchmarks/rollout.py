@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from otbrl.data import encode_prompts, get_task
-from otbrl.engine.forward import forward_token_stats
+from otbrl.engine.layout import Layout, forward_outputs
 from otbrl.models import build_tiny_model, load_model_and_tokenizer
 from otbrl.rollout import (
     HFRollout,
@@ -33,6 +33,8 @@ from otbrl.rollout import (
     completions_to_batch,
     unpad_prompts,
 )
+
+LOG_PROBS = frozenset({"log_probs"})  # the trainer forward's sampled-token log-probs
 
 # The demo's model, with room for 64 new tokens (the demo itself uses 64 positions).
 MODELS = {
@@ -61,9 +63,9 @@ def timed(fn, reps: int) -> tuple[float, object]:
 def mismatch(model, enc, comps, pad_id, temperature) -> float:
     batch = completions_to_batch(enc["input_ids"], enc["attention_mask"], comps, pad_id=pad_id)
     with torch.no_grad():
-        stats = forward_token_stats(model, batch, temperature=temperature)
+        stats = forward_outputs(model, batch, Layout(), outputs=LOG_PROBS, temperature=temperature)
     m = batch["response_mask"].bool()
-    return float((stats["old_log_probs"] - batch["rollout_log_probs"])[m].abs().max())
+    return float((stats["log_probs"] - batch["rollout_log_probs"])[m].abs().max())
 
 
 def bench_model(name: str, args, root: Path) -> dict:

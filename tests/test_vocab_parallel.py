@@ -1,6 +1,7 @@
 """vocab_parallel_token_stats over 2 and 3 gloo processes equals token_stats on the full logits."""
 
 import functools
+import os
 import socket
 
 import pytest
@@ -130,6 +131,9 @@ def worker(rank, world, port):
         check_case(rank, world, 2, torch.float32, 1.0, seed=4)  # an empty shard with 3 ranks
     finally:
         dist.destroy_process_group()
+    # Every check passed. torch 2.13's profiler can abort a spawned process at interpreter
+    # exit ("terminate called without an active exception", ~1 run in 4): skip that teardown.
+    os._exit(0)
 
 
 def free_port():

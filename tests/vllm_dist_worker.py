@@ -14,9 +14,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from otbrl.engine.forward import forward_token_stats
+from otbrl.engine.layout import Layout, forward_outputs
 from otbrl.models import load_model_and_tokenizer
 from otbrl.rollout import SamplingParams, VLLMRollout, completions_to_batch, left_pad
+
+LOG_PROBS = frozenset({"log_probs"})  # the trainer forward's sampled-token log-probs
 
 
 def main(model_dir: str, out_dir: str) -> None:
@@ -36,16 +38,20 @@ def main(model_dir: str, out_dir: str) -> None:
         comps = engine.generate(prompts, params)
         batch = completions_to_batch(ids, mask, comps, pad_id=tok.pad_token_id)
         with torch.no_grad():
-            stats = forward_token_stats(model, batch, temperature=params.temperature)
+            stats = forward_outputs(
+                model, batch, Layout(), outputs=LOG_PROBS, temperature=params.temperature
+            )
         m = batch["response_mask"].bool()
-        return batch, float((stats["old_log_probs"] - batch["rollout_log_probs"])[m].abs().max())
+        return batch, float((stats["log_probs"] - batch["rollout_log_probs"])[m].abs().max())
 
     batch, result["mismatch_initial"] = batch_and_mismatch()
     result["mismatch_after_sync"] = []
     for _ in range(2):
-        stats = forward_token_stats(model, batch, temperature=params.temperature)
+        stats = forward_outputs(
+            model, batch, Layout(), outputs=LOG_PROBS, temperature=params.temperature
+        )
         m = batch["response_mask"]
-        (-(stats["old_log_probs"] * m).sum() / m.sum()).backward()
+        (-(stats["log_probs"] * m).sum() / m.sum()).backward()
         for p in model.parameters():  # the trainer's group, after vLLM built its own groups
             dist.all_reduce(p.grad)
             p.grad /= world
