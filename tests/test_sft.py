@@ -8,8 +8,9 @@ import torch
 
 import otbrl.run.sft as sft
 from otbrl.data import encode_prompts, get_task
-from otbrl.models import build_tiny_model, load_model_and_tokenizer
-from otbrl.rollout import decode_responses, generate
+from otbrl.models import build_tiny_model, eos_token_ids, load_model_and_tokenizer
+from otbrl.rollout import HFRollout, decode_responses, generate
+from otbrl.run.evaluate import evaluate_accuracy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -126,7 +127,14 @@ def test_evaluate_accuracy_counts_exact_greedy_answers(tiny):
         truth = greedy[i] if i % 2 == 0 else greedy[i] + "0"
         row["reward_model"] = {"ground_truth": truth}
     for batch_size in (3, 512):
-        acc = sft.evaluate_accuracy(model, tok, rows, max_new_tokens=4, batch_size=batch_size)
+        acc = evaluate_accuracy(
+            HFRollout(model, tok),
+            tok,
+            rows,
+            stop_token_ids=eos_token_ids(model, tok),
+            max_new_tokens=4,
+            batch_size=batch_size,
+        )
         assert acc == 0.5
 
 
@@ -202,4 +210,4 @@ def test_bad_arguments(tiny):
     with pytest.raises(ValueError, match="max_steps"):
         sft.run_sft(model, tok, rows, demos, max_steps=0)
     with pytest.raises(ValueError, match="rows"):
-        sft.evaluate_accuracy(model, tok, [], max_new_tokens=2)
+        evaluate_accuracy(HFRollout(model, tok), tok, [], stop_token_ids=[1], max_new_tokens=2)

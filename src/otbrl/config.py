@@ -45,13 +45,25 @@ class ModelConfig:
 
 
 @dataclass
+class VLLMConfig:
+    """The in-process vLLM engine (``rollout.name=vllm``); one per data-parallel rank."""
+
+    dtype: str = "float32"  # engine dtype; float32 matches an fp32 trainer's log-probs to 1e-5
+    enforce_eager: bool = True  # no CUDA graphs / compilation: faster start
+    gpu_memory_utilization: float = 0.5  # GPU only: the share of GPU memory vLLM may take
+    kv_cache_gib: float = 1.0  # CPU only: KV-cache size
+    enable_sleep_mode: bool = False  # GPU only: free weights and KV cache while training
+
+
+@dataclass
 class RolloutConfig:
-    name: str = "hf"
+    name: str = "hf"  # "hf" (the training model's own sampler) | "vllm"
     n: int = 8  # responses per prompt
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     max_new_tokens: int = "${data.max_response_length}"  # type: ignore[assignment]
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 
 @dataclass
@@ -114,6 +126,11 @@ class AlgorithmConfig:
     handle_zero_tail: bool = True
     use_kl_in_reward: bool = False
     kl_coef: float = 0.001
+    # correction for sampling with a rollout engine whose log-probs differ from the trainer's:
+    # "none" | "token_tis" (w = min(exp(old − rollout), C)) | "seq_mis" (drop sequences whose
+    # ratio exp(Σ(old − rollout)) leaves [1/C, C]); C = rollout_is_cap
+    rollout_correction: str = "none"
+    rollout_is_cap: float = 2.0
     otb: OTBConfig = field(default_factory=OTBConfig)
 
 
@@ -166,7 +183,9 @@ class Config:
 
 _CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
-    "rollout.name": ("hf",),
+    "rollout.name": ("hf", "vllm"),
+    "rollout.vllm.dtype": ("float32", "bfloat16", "float16"),
+    "algorithm.rollout_correction": ("none", "token_tis", "seq_mis"),
     "actor.loss_agg_mode": (
         "token-mean",
         "seq-mean-token-sum",
@@ -341,6 +360,31 @@ def check_config(cfg: Config) -> None:
     if not 0.0 < cfg.rollout.top_p <= 1.0:
         raise ConfigError(
             f"'rollout.top_p' must be in (0, 1], got {cfg.rollout.top_p}", "rollout.top_p"
+        )
+    if not cfg.algorithm.rollout_is_cap >= 1.0:
+        raise ConfigError(
+            f"'algorithm.rollout_is_cap' must be >= 1, got {cfg.algorithm.rollout_is_cap}",
+            "algorithm.rollout_is_cap",
+        )
+    vllm, defaults = cfg.rollout.vllm, VLLMConfig()
+    if cfg.rollout.name != "vllm":
+        for key in vars(defaults):
+            if getattr(vllm, key) != getattr(defaults, key):
+                raise ConfigError(
+                    f"'rollout.vllm.{key}' is set but 'rollout.name' is "
+                    f"'{cfg.rollout.name}'; set rollout.name=vllm or drop the key",
+                    f"rollout.vllm.{key}",
+                )
+    if not 0.0 < vllm.gpu_memory_utilization <= 1.0:
+        raise ConfigError(
+            f"'rollout.vllm.gpu_memory_utilization' must be in (0, 1], got "
+            f"{vllm.gpu_memory_utilization}",
+            "rollout.vllm.gpu_memory_utilization",
+        )
+    if not vllm.kv_cache_gib > 0:
+        raise ConfigError(
+            f"'rollout.vllm.kv_cache_gib' must be > 0, got {vllm.kv_cache_gib}",
+            "rollout.vllm.kv_cache_gib",
         )
     if cfg.actor.clip_ratio_c <= 1.0:
         raise ConfigError(

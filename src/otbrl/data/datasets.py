@@ -147,10 +147,14 @@ class PromptDataset:
             )
         for i, row in enumerate(rows):
             validate_row(row, where=f"rows[{i}]")
+        # the longest encoded prompt (tokens): a rollout engine sizes its context with it
+        self.longest_prompt = 0
         if tokenizer is not None:
             # Fail at start-up, not at step 900, when one prompt is too long.
             for start in range(0, len(rows), 4096):
-                encode_prompts(rows[start : start + 4096], tokenizer, max_prompt_length)
+                enc = encode_prompts(rows[start : start + 4096], tokenizer, max_prompt_length)
+                longest = int(enc["attention_mask"].sum(dim=1).max())
+                self.longest_prompt = max(self.longest_prompt, longest)
         self.rows = list(rows)
         self.batch_size = batch_size
         self.seed = seed

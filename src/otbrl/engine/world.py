@@ -201,7 +201,9 @@ class World:
         return tally.tolist()
 
     def mean_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Metrics averaged over the ranks that report them; ``throughput/*`` summed."""
+        """Metrics reduced over the ranks that report them: averaged, except ``throughput/*``
+        (summed) and maxima / minima (keys ending in ``_max``, ``/max``, ``_min``, ``/min``:
+        the extreme over ranks)."""
         if self.mesh is None:
             return dict(metrics)
         gathered: list[dict] = [{} for _ in range(self.size)]
@@ -209,8 +211,14 @@ class World:
         out = {}
         for key in metrics:
             values = [float(g[key]) for g in gathered if key in g]
-            total = sum(values)
-            out[key] = total if key.startswith("throughput/") else total / len(values)
+            if key.startswith("throughput/"):
+                out[key] = sum(values)
+            elif key.endswith(("_max", "/max")):
+                out[key] = max(values)
+            elif key.endswith(("_min", "/min")):
+                out[key] = min(values)
+            else:
+                out[key] = sum(values) / len(values)
         return out
 
     def barrier(self) -> None:

@@ -6,6 +6,7 @@ Both go through the same Hugging Face code paths: ``build_tiny_model`` writes a 
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -115,7 +116,8 @@ def load_model_and_tokenizer(
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **model_kwargs)
+    with _quiet_loading():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **model_kwargs)
     model.to(device)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = eos_token_ids(model, tokenizer)
@@ -140,20 +142,32 @@ def load_value_model(path: str | Path, *, dtype: str = "float32", device: str = 
     Returns the model; ``model(...).logits`` is [B, L, 1], the value of each prefix.
     """
     path = _model_dir(path, dtype)
-    from transformers.utils import logging as hf_logging
-
     # the lm_head is unused and the score head is new: transformers' warnings say just that
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
+    with _quiet_loading(errors_only=True):
         config = AutoConfig.from_pretrained(path, num_labels=1)
         config.classifier_dropout = 0.0
         model = AutoModelForTokenClassification.from_pretrained(
             path, config=config, dtype=DTYPES[dtype]
         )
+    return model.to(device)
+
+
+@contextlib.contextmanager
+def _quiet_loading(errors_only: bool = False):
+    """No "Loading weights" bar per load (a run loads up to three models; our own bar and
+    log say what happens), and optionally transformers' warnings silenced too."""
+    from transformers.utils import logging as hf_logging
+
+    bar, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    if errors_only:
+        hf_logging.set_verbosity_error()
+    try:
+        yield
     finally:
         hf_logging.set_verbosity(verbosity)
-    return model.to(device)
+        if bar:
+            hf_logging.enable_progress_bar()
 
 
 def _model_dir(path: str | Path, dtype: str) -> Path:

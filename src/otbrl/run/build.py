@@ -9,6 +9,7 @@ It returns a ``Plan`` that the ``Trainer`` builds from.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import functools
 import os
@@ -251,6 +252,13 @@ def validate_config(cfg: Config, world_size: int | None = None) -> Plan:
             reward_fn = resolve_reward_function(cfg.reward.function)
         except (ValueError, TypeError, ImportError, AttributeError) as err:
             raise ConfigError(f"'reward.function': {err}", "reward.function") from None
+    if cfg.rollout.name == "vllm":
+        from otbrl.rollout import check_vllm_installed
+
+        try:
+            check_vllm_installed()
+        except ImportError as err:
+            raise ConfigError(f"'rollout.name': {err}", "rollout.name") from None
     needs = stat_needs(cfg)
     use_critic = cfg.critic.enable == "true" or (cfg.critic.enable == "auto" and "values" in needs)
     _check_providers(cfg, needs, use_critic)
@@ -333,3 +341,45 @@ def load_rows(cfg: Config) -> tuple[list[dict], list[dict]]:
         return read_parquet_rows(data.train_files), val
     task = get_task(data.task)
     return task.rows("train", seed=data.seed), task.rows("val", data.val_size, seed=data.seed)
+
+
+def build_rollout(cfg: Config, model, tokenizer, world, model_dir: Path, context: int):
+    """The rollout engine of ``rollout.name`` for this process.
+
+    ``hf``: one process samples with the training ``model`` itself (no weight sync); several
+    keep an unsharded copy made here, before the engine shards the model, synced after every
+    update. ``vllm``: one in-process engine per rank, started from ``model_dir`` (the policy's
+    initial weights) with a context of ``context`` tokens (the longest prompt + the response
+    budget). Every rank calls this at the same point (vLLM's start-up is collective).
+    """
+    from otbrl.rollout import HFRollout, VLLMRollout
+
+    if len(tokenizer) > model.config.vocab_size:
+        raise ConfigError(
+            f"'model.path': the tokenizer has {len(tokenizer)} tokens, the model's vocabulary "
+            f"{model.config.vocab_size}: they do not belong together",
+            "model.path",
+        )
+    if cfg.rollout.name == "hf":
+        if world.mesh is None:
+            return HFRollout(model, tokenizer)
+        copy_ = copy.deepcopy(model).eval().requires_grad_(False).to(world.device)
+        return HFRollout(copy_, tokenizer, owns_copy=True)
+    v = cfg.rollout.vllm
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if positions is not None and context > positions:
+        raise ConfigError(
+            f"'data.max_response_length': the longest prompt plus the response budget is "
+            f"{context} tokens, more than the model's {positions} positions",
+            "data.max_response_length",
+        )
+    return VLLMRollout(
+        model_dir,
+        dtype=v.dtype,
+        enforce_eager=v.enforce_eager,
+        gpu_memory_utilization=v.gpu_memory_utilization,
+        kv_cache_gib=v.kv_cache_gib,
+        enable_sleep_mode=v.enable_sleep_mode,
+        max_model_len=context,
+        seed=step_seed(cfg.trainer.seed, 0, world.dp_rank),
+    )

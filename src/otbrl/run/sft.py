@@ -28,7 +28,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import otbrl
 from otbrl.data import get_task, render_prompts
-from otbrl.models import build_tiny_model, load_model_and_tokenizer
+from otbrl.models import build_tiny_model, eos_token_ids, load_model_and_tokenizer
+from otbrl.rollout import HFRollout
 from otbrl.run.evaluate import evaluate_accuracy
 from otbrl.run.outputs import atomic_write_text
 
@@ -174,7 +175,13 @@ def run_sft(
         )
         if eval_rows and (step % eval_every == 0 or step == max_steps or triggered):
             last_eval = step
-            accuracy = evaluate_accuracy(model, tokenizer, eval_rows, max_new_tokens=max_new_tokens)
+            accuracy = evaluate_accuracy(
+                HFRollout(model, tokenizer),
+                tokenizer,
+                eval_rows,
+                stop_token_ids=eos_token_ids(model, tokenizer),
+                max_new_tokens=max_new_tokens,
+            )
             result["accuracy"] = accuracy
             result["evaluations"].append([step, accuracy])
             bar.set_postfix(loss=f"{result['losses'][-1]:.3f}", greedy_acc=f"{accuracy:.3f}")

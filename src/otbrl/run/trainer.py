@@ -16,7 +16,6 @@ directory; checkpoints are collective and resume on any engine and world size.
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
 from pathlib import Path
 
@@ -27,17 +26,20 @@ from otbrl.algos import losses
 from otbrl.algos._common import masked_mean
 from otbrl.algos.advantages import compute_advantage
 from otbrl.algos.metrics import explained_variance, otb_metrics
+from otbrl.algos.rollout_correction import rollout_is_weights, rollout_mismatch_metrics
 from otbrl.config import Config, to_dict
 from otbrl.data import PromptDataset, encode_prompts
 from otbrl.engine.engine import Engine
 from otbrl.engine.world import collective_guard, start_world, teardown_distributed
 from otbrl.models import eos_token_ids, load_model_and_tokenizer, load_value_model
 from otbrl.rewards import score_responses
-from otbrl.rollout import decode_responses, generate
+from otbrl.rewards.placement import place_scores
+from otbrl.rollout import SamplingParams, completions_to_batch, decode_responses, unpad_prompts
 from otbrl.run import checkpoint
 from otbrl.run.build import (
     POLICY_STATS,
     Plan,
+    build_rollout,
     critic_loss,
     estimator_options,
     load_rows,
@@ -83,11 +85,23 @@ class Trainer:
         self.ckpt_root = self.output_dir / "checkpoints"
         path = model_path(cfg)
         model, self.tokenizer = load_model_and_tokenizer(path, dtype=cfg.model.dtype)
-        # One process generates with the training model itself; several keep an unsharded copy
-        # for generation, synced after every update.
-        self.rollout_model = model if world.mesh is None else copy.deepcopy(model).eval()
-        if world.mesh is not None:
-            self.rollout_model.requires_grad_(False).to(world.device)
+        self.eos_ids = torch.tensor(eos_token_ids(model, self.tokenizer))
+        train_rows, self.val_rows = load_rows(cfg)
+        self.dataset = PromptDataset(
+            train_rows,
+            self.tokenizer,
+            max_prompt_length=cfg.data.max_prompt_length,
+            batch_size=cfg.data.train_batch_size,
+            seed=cfg.data.seed,
+        )
+        longest = self.dataset.longest_prompt
+        if self.val_rows:
+            val = encode_prompts(self.val_rows, self.tokenizer, max_prompt_length=10**9)
+            longest = max(longest, int(val["attention_mask"].sum(dim=1).max()))
+        # before the engine shards the model: an HF rollout on several processes copies it
+        self.rollout = build_rollout(
+            cfg, model, self.tokenizer, world, path, longest + cfg.rollout.max_new_tokens
+        )
         common = {
             "world": world,
             "parallelism": plan.engine,
@@ -123,15 +137,6 @@ class Trainer:
             )
         self.policy_loss = policy_loss(cfg)
         self.critic_loss = critic_loss(cfg) if plan.use_critic else None
-        self.eos_ids = torch.tensor(eos_token_ids(model, self.tokenizer))
-        train_rows, self.val_rows = load_rows(cfg)
-        self.dataset = PromptDataset(
-            train_rows,
-            self.tokenizer,
-            max_prompt_length=cfg.data.max_prompt_length,
-            batch_size=cfg.data.train_batch_size,
-            seed=cfg.data.seed,
-        )
         self.step = 0
         self.initial_val_accuracy: float | None = None
         self.last_val_accuracy: float | None = None
@@ -190,61 +195,51 @@ class Trainer:
         return self._earlier_wall_seconds + time.perf_counter() - self._fit_start
 
     def _sync_rollout_weights(self) -> None:
-        """Copy the trained weights into the rollout model (collective; nothing to do when the
-        rollout generates with the training model itself)."""
-        if self.rollout_model is self.policy.model:
-            return
-        target = self.rollout_model.state_dict()
-        with torch.no_grad():
-            for name, tensor in self.policy.full_tensors():
-                target[name].copy_(tensor)
+        """Stream the trained weights into the rollout engine (collective on several
+        processes; nothing to do when it samples with the training model itself)."""
+        self.rollout.wake_up()
+        self.rollout.sync_weights(self.policy.full_tensors())
 
     # -- one step ---------------------------------------------------------------------------------
-    def rollout(self) -> tuple[dict[str, Tensor], list[dict]]:
+    def generate(self) -> tuple[dict[str, Tensor], list[dict]]:
         """This rank's share of the next prompts, n responses each; (batch, repeated rows)."""
         cfg = self.cfg
         rows = self.world.shard(self.dataset.next_batch())
         enc = encode_prompts(rows, self.tokenizer, cfg.data.max_prompt_length)
-        device = self.world.device
-        out = generate(
-            self.rollout_model,
-            self.tokenizer,
-            enc["input_ids"].to(device),
-            enc["attention_mask"].to(device),
+        params = SamplingParams(
             n=cfg.rollout.n,
-            max_new_tokens=cfg.rollout.max_new_tokens,
             temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p,
             top_k=cfg.rollout.top_k,
-            do_sample=True,
+            max_tokens=cfg.rollout.max_new_tokens,
+            stop_token_ids=tuple(self.eos_ids.tolist()),
             seed=step_seed(cfg.trainer.seed, self.step, self.world.dp_rank),
         )
-        batch = {k: v.cpu() for k, v in out.items()}
+        completions = self.rollout.generate(
+            unpad_prompts(enc["input_ids"], enc["attention_mask"]), params
+        )
+        self.rollout.sleep()  # frees the engine's memory for training, where supported
+        batch = completions_to_batch(
+            enc["input_ids"], enc["attention_mask"], completions, pad_id=self.tokenizer.pad_token_id
+        )
         batch["uid"] = batch["uid"] + self.world.dp_rank * len(rows)  # global prompt index
         return batch, [row for row in rows for _ in range(cfg.rollout.n)]
 
     def reward(self, batch: dict[str, Tensor], rows: list[dict]) -> dict[str, float]:
-        """Score decoded responses; the scalar reward sits on the last response token."""
+        """Score decoded responses; the scalar reward sits on the last trained token."""
         mask = batch["response_mask"]
-        lengths = mask.sum(dim=1).long()
         texts = decode_responses(self.tokenizer, batch["responses"], mask)
         scores, info = score_responses(
             texts, rows, function=self.plan.reward_fn, on_error=self.cfg.reward.on_error
         )
         score = torch.tensor(scores, dtype=torch.float32)
-        last = batch["responses"].gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
-        ended_with_eos = torch.isin(last, self.eos_ids) & (lengths > 0)
-        token_scores = torch.zeros_like(mask)
-        has_tokens = lengths > 0
-        rows_idx = torch.nonzero(has_tokens).squeeze(1)
-        token_scores[rows_idx, lengths[has_tokens] - 1] = score[has_tokens]
-        batch["token_level_scores"] = token_scores
+        batch["token_level_scores"] = place_scores(score, mask)
         metrics = {
             "train/reward_mean": float(score.mean()),
             "train/reward_max": float(score.max()),
-            "train/response_length_mean": float(lengths.float().mean()),
-            # truncated = ended at the length cap without an EOS
-            "train/response_clip_ratio": float((~ended_with_eos).float().mean()),
+            "train/response_length_mean": float(mask.sum(dim=1).mean()),
+            # truncated = ended at the length cap without a stop token
+            "train/response_clip_ratio": float(batch["truncated"].float().mean()),
         }
         metrics.update({k: float(v) for k, v in info.items()})
         return metrics
@@ -264,6 +259,27 @@ class Trainer:
                 batch["values"] = self.engines["critic"].compute(batch, frozenset({"values"}))[
                     "values"
                 ]
+
+    def rollout_correction(self, batch: dict[str, Tensor]) -> dict[str, float]:
+        """How far the rollout engine's log-probs are from the trainer's, and (when
+        ``algorithm.rollout_correction`` is on) the importance weights that correct for it: they
+        reach the policy loss and OTB's energy W as ``rollout_is_weights``; ``seq_mis`` drops the
+        sequences outside the band from ``response_mask``."""
+        cfg = self.cfg.algorithm
+        old, rollout, mask = (
+            batch["old_log_probs"],
+            batch["rollout_log_probs"],
+            batch["response_mask"],
+        )
+        metrics = rollout_mismatch_metrics(old, rollout, mask)
+        if cfg.rollout_correction != "none":
+            weights, keep, extra = rollout_is_weights(
+                old, rollout, mask, mode=cfg.rollout_correction, cap=cfg.rollout_is_cap
+            )
+            batch["rollout_is_weights"] = weights
+            batch["response_mask"] = mask * keep
+            metrics.update(extra)
+        return metrics
 
     def advantage(self, batch: dict[str, Tensor]) -> dict[str, float]:
         """Token rewards (minus the in-reward KL when on), then the registry's estimator."""
@@ -294,10 +310,11 @@ class Trainer:
             timing: dict[str, float] = {}
             start = time.perf_counter()
             with _timed(timing, "rollout"):
-                batch, rows = self.rollout()
+                batch, rows = self.generate()
             with _timed(timing, "reward"):
                 metrics = self.reward(batch, rows)
             self.old_stats(batch, timing)
+            metrics.update(self.rollout_correction(batch))
             with _timed(timing, "adv"):
                 metrics.update(self.advantage(batch))
             with _timed(timing, "update"):
@@ -336,15 +353,16 @@ class Trainer:
 
     def validate(self) -> float:
         """Accuracy on the validation rows (greedy unless ``trainer.val_greedy=false``); each
-        rank scores its share with the rollout model."""
+        rank scores its share with the rollout engine."""
         cfg = self.cfg
         rows = self.val_rows[self.world.rank :: self.world.size]
         accuracy = 0.0
         if rows:
             accuracy = evaluate_accuracy(
-                self.rollout_model,
+                self.rollout,
                 self.tokenizer,
                 rows,
+                stop_token_ids=self.eos_ids.tolist(),
                 max_new_tokens=cfg.rollout.max_new_tokens,
                 greedy=cfg.trainer.val_greedy,
                 temperature=cfg.trainer.val_temperature,
@@ -364,7 +382,11 @@ class Trainer:
         try:
             return self._fit()
         finally:
-            teardown_distributed()
+            close = getattr(self.rollout, "close", None)
+            if close is not None:
+                close()  # before the process group goes: a vLLM engine holds groups of its own
+            if self.world.mesh is not None:  # only the group this run created
+                teardown_distributed()
 
     def _fit(self) -> dict:
         cfg = self.cfg.trainer
