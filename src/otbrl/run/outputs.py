@@ -19,8 +19,8 @@ import importlib.util
 import json
 import math
 import os
+import secrets
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Iterable, Mapping
@@ -60,13 +60,48 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def make_temp_dir(parent: str | Path, prefix: str) -> Path:
+    """A new, uniquely named directory ``<parent>/<prefix><random>``, with the permissions the
+    user's umask gives any folder (``tempfile.mkdtemp`` makes 0700, which a team's shared
+    storage cannot read once the folder is renamed into place)."""
+    parent = Path(parent)
+    for _ in range(100):
+        path = parent / f"{prefix}{secrets.token_hex(4)}"
+        try:
+            path.mkdir(mode=0o777)  # the kernel applies the umask
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(f"make_temp_dir: no free name {prefix}* in {parent}")
+
+
+def open_temp_file(parent: str | Path, prefix: str, suffix: str = ".tmp") -> tuple[int, Path]:
+    """(fd, path) of a new file in ``parent`` opened for writing, with umask permissions
+    (``tempfile.mkstemp`` makes 0600, which stays after the rename into place)."""
+    parent = Path(parent)
+    for _ in range(100):
+        path = parent / f"{prefix}{secrets.token_hex(4)}{suffix}"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+        return fd, path
+    raise FileExistsError(f"open_temp_file: no free name {prefix}*{suffix} in {parent}")
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write ``text`` to ``path`` via a temp file in the same folder, fsync, rename."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temp file in the same folder, fsync, rename; the file
+    gets the umask's permissions."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = open_temp_file(path.parent, f".{path.name}.")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
