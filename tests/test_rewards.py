@@ -63,7 +63,7 @@ def test_selection_by_data_source():
     scores, info = score_responses(responses, rows)
     # Arithmetic is exact match; gsm8k needs the #### marker.
     assert scores == [1.0, 1.0, 0.0, 0.0]
-    assert info == {"reward/errors": 0.0}
+    assert info == {"reward/errors": 0.0, "reward/timeouts": 0.0}
     assert reward_for_data_source("openai/gsm8k") is gsm8k
 
 

@@ -25,11 +25,13 @@ def evaluate_accuracy(
     temperature: float = 1.0,
     seed: int = 0,
     function=None,
+    timeout_s: float | None = None,
 ) -> float:
     """Mean reward of one response per row (greedy by default), batched.
 
-    ``function`` as in ``score_responses`` (``None``: the built-in for each ``data_source``);
-    with 0/1 rewards this is the accuracy. Errors in the reward function raise.
+    ``function`` and ``timeout_s`` as in ``score_responses`` (``None``: the built-in for each
+    ``data_source``; no time limit); with 0/1 rewards this is the accuracy. Errors in the
+    reward function raise.
     """
     if not rows:
         raise ValueError("rows: expected at least one row to evaluate, got none")
@@ -51,7 +53,7 @@ def evaluate_accuracy(
             seed=seed + start,
         )
         texts = decode_responses(tokenizer, out["responses"], out["response_mask"])
-        scores, _ = score_responses(texts, chunk, function=function)
+        scores, _ = score_responses(texts, chunk, function=function, timeout_s=timeout_s)
         total += sum(scores)
     return total / len(rows)
 
@@ -59,13 +61,13 @@ def evaluate_accuracy(
 def evaluate_config(cfg: Config) -> tuple[float, int]:
     """(accuracy, number of prompts) of ``model.path`` on the validation rows (``otbrl eval``)."""
     from otbrl.models import load_model_and_tokenizer
-    from otbrl.run.build import load_rows, model_path, validate_config
+    from otbrl.run.build import model_path, validate_config
 
     plan = validate_config(cfg)
-    model, tokenizer = load_model_and_tokenizer(model_path(cfg), dtype=cfg.model.dtype)
-    _, val_rows = load_rows(cfg)
+    val_rows = plan.val_rows
     if not val_rows:
         raise ConfigError("'data.val_files' is empty: nothing to evaluate", "data.val_files")
+    model, tokenizer = load_model_and_tokenizer(model_path(cfg), dtype=cfg.model.dtype)
     accuracy = evaluate_accuracy(
         model,
         tokenizer,
@@ -75,5 +77,6 @@ def evaluate_config(cfg: Config) -> tuple[float, int]:
         temperature=cfg.trainer.val_temperature,
         batch_size=cfg.trainer.val_batch_size,
         function=plan.reward_fn,
+        timeout_s=cfg.reward.timeout_s,
     )
     return accuracy, len(val_rows)
