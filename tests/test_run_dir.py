@@ -13,11 +13,10 @@ import torch
 from ckpt_utils import flip_byte, truncate
 from otbrl import cli
 from otbrl.config import ConfigError, load_config
-from otbrl.data import get_task, write_parquet_rows
-from otbrl.models import build_tiny_model
 from otbrl.run.checkpoint import list_checkpoints, verify_checkpoint
 from otbrl.run.rundir import RESUME_MAY_DIFFER, claim_run_dir, config_sha256
 from otbrl.run.trainer import Trainer
+from run_utils import tiny_run_factory
 
 VOLATILE = ("timing/", "throughput/")  # wall-clock measurements differ between any two runs
 
@@ -34,31 +33,7 @@ def _one_thread():
 def setup(tmp_path_factory):
     """A tiny model, small parquet files, and a finished 4-step run saved at steps 2 and 4."""
     root = tmp_path_factory.mktemp("rundir")
-    model = build_tiny_model(
-        root / "model", hidden_size=32, intermediate_size=64, num_hidden_layers=1
-    )
-    task = get_task("arithmetic")
-    train = write_parquet_rows(task.rows("train", 32, seed=0), root / "train.parquet")
-    val = write_parquet_rows(task.rows("val", 8, seed=0), root / "val.parquet")
-
-    def overrides(out_dir, *extra):
-        return [
-            f"model.path={model}",
-            f"trainer.output_dir={out_dir}",
-            "trainer.total_steps=4",
-            "trainer.save_every=2",
-            "trainer.val_every=2",
-            "trainer.logger=[jsonl]",
-            "data.train_batch_size=4",
-            f"data.train_files=[{train}]",
-            f"data.val_files=[{val}]",
-            "data.max_response_length=4",
-            "rollout.n=4",
-            "actor.ppo_mini_batch_size=2",
-            "actor.micro_batch_size=4",
-            *extra,
-        ]
-
+    overrides = tiny_run_factory(root)
     finished = root / "finished"
     Trainer(load_config(None, overrides(finished))).fit()
     return overrides, finished
@@ -241,9 +216,7 @@ def test_explicit_resume_of_a_damaged_checkpoint_names_the_file(
     assert "complete checkpoint directory" in one_line_error(capsys)
 
 
-def test_output_dir_problems_are_one_line_before_loading(
-    setup, tmp_path, capsys, no_model_loading
-):
+def test_output_dir_problems_are_one_line_before_loading(setup, tmp_path, capsys, no_model_loading):
     overrides, _ = setup
     a_file = tmp_path / "a_file"
     a_file.write_text("not a directory")

@@ -229,7 +229,7 @@ class Engine:
             self._check_parameters()
         with warnings.catch_warnings():
             # a skipped step still takes its slot of the schedule (torch warns about the order)
-            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+            warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)`")
             self.scheduler.step()
         metrics[f"{self.name}/grad_norm"] = float(grad_norm)
         return metrics, finite

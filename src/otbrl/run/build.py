@@ -292,7 +292,9 @@ def _check_rewards_resolvable(rows: list[dict]) -> None:
     )
     if not unknown:
         return
-    listed = ", ".join(f"{source!r} ({n} rows)" for source, n in unknown.most_common(5))
+    listed = ", ".join(
+        f"{source!r} ({n} row{'s' * (n > 1)})" for source, n in unknown.most_common(5)
+    )
     more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
     raise ConfigError(
         f"'reward.function' is unset and {sum(unknown.values())} rows of the data have a "

@@ -49,7 +49,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from otbrl.run.integrity import IntegrityError, file_manifest, verify_manifest
-from otbrl.run.outputs import fsync_dir, fsync_tree, make_temp_dir, to_plain_dict
+from otbrl.run.outputs import (
+    apply_umask,
+    fsync_dir,
+    fsync_tree,
+    make_temp_dir,
+    to_plain_dict,
+)
 from otbrl.run.state_codec import _decode, _encode, capture_rng_state, restore_rng_state
 
 __all__ = [
@@ -185,6 +191,7 @@ def save_checkpoint(
                 (tmp / "config.yaml").write_text(
                     yaml.safe_dump(to_plain_dict(config), sort_keys=False)
                 )
+            apply_umask(tmp)  # safetensors writes 0600 files
             meta = {"format": FORMAT_VERSION, "step": step, "world_size": world.size}
             # hashed after everything else is written, by the rank that publishes: the
             # manifest covers every rank's shards
@@ -400,6 +407,7 @@ def export_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
         copied = {k: v for k, v in files.items() if k.split("/")[0] not in _TRAINING_ENTRIES}
         verify_manifest(tmp, copied)
         _check_loads(tmp)
+        apply_umask(tmp)  # copy2 keeps the source modes; the export gets this user's umask
         fsync_tree(tmp)
         if out.exists():
             out.rmdir()
