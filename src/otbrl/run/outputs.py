@@ -19,7 +19,6 @@ import importlib.util
 import json
 import math
 import os
-import secrets
 import sys
 import time
 import warnings
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tqdm.auto import tqdm
+
+from otbrl.run.files import open_temp_file
 
 BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
 # backend -> (module that must be importable, pip extra that provides it)
@@ -58,63 +59,6 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def make_temp_dir(parent: str | Path, prefix: str) -> Path:
-    """A new, uniquely named directory ``<parent>/<prefix><random>``, with the permissions the
-    user's umask gives any folder (``tempfile.mkdtemp`` makes 0700, which a team's shared
-    storage cannot read once the folder is renamed into place)."""
-    parent = Path(parent)
-    for _ in range(100):
-        path = parent / f"{prefix}{secrets.token_hex(4)}"
-        try:
-            path.mkdir(mode=0o777)  # the kernel applies the umask
-        except FileExistsError:
-            continue
-        return path
-    raise FileExistsError(f"make_temp_dir: no free name {prefix}* in {parent}")
-
-
-def current_umask() -> int:
-    """This process's umask, read without changing it where Linux reports it (``os.umask``
-    can only be read by setting it, which races with other threads)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def apply_umask(root: str | Path) -> None:
-    """Give every folder and file under ``root`` the permissions the umask gives a new one
-    (0777 / 0666 minus the umask): some writers (safetensors' ``save_file``) create 0600
-    files, which a team's shared storage cannot read."""
-    umask = current_umask()
-    for dirpath, _, filenames in os.walk(root):
-        os.chmod(dirpath, 0o777 & ~umask)
-        for name in filenames:
-            path = os.path.join(dirpath, name)
-            if not os.path.islink(path):
-                os.chmod(path, 0o666 & ~umask)
-
-
-def open_temp_file(parent: str | Path, prefix: str, suffix: str = ".tmp") -> tuple[int, Path]:
-    """(fd, path) of a new file in ``parent`` opened for writing, with umask permissions
-    (``tempfile.mkstemp`` makes 0600, which stays after the rename into place)."""
-    parent = Path(parent)
-    for _ in range(100):
-        path = parent / f"{prefix}{secrets.token_hex(4)}{suffix}"
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        except FileExistsError:
-            continue
-        return fd, path
-    raise FileExistsError(f"open_temp_file: no free name {prefix}*{suffix} in {parent}")
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

@@ -46,9 +46,19 @@ MANIFEST = "run.json"
 LOCK = "run.lock"
 CHECKPOINTS = "checkpoints"
 # Keys that may change when a run is resumed: how long it runs, how it logs and saves, how long
-# ranks wait. Anything else (estimator, lr, data, model, seed, ...) would mix two runs' steps.
+# ranks wait, and the layout keys that by design change no result (a checkpoint resumes on any
+# engine and world size; micro-batches accumulate exactly; packed equals padded). Anything else
+# (estimator, lr, data, model, seed, ...) would mix two runs' steps.
 RESUME_MAY_DIFFER = frozenset(
     {
+        "actor.engine",
+        "actor.tensor_parallel_size",
+        "actor.ulysses_sequence_parallel_size",
+        "actor.use_fused_kernels",
+        "actor.micro_batch_size",
+        "critic.micro_batch_size",
+        "model.use_remove_padding",
+        "trainer.val_batch_size",
         "trainer.total_steps",
         "trainer.logger",
         "trainer.val_every",
@@ -161,6 +171,12 @@ def claim_run_dir(cfg: Config, *, rank: int | None = None, stream: TextIO | None
         run.resume_from = _resume_from(cfg, path, entry, stream)
         if run.resume_from is not None:
             entry["resumed_from"] = str(run.resume_from)
+        elif saved is not None and "damaged_checkpoints" not in entry:
+            print(
+                f"otbrl: {path} holds this run but no checkpoint (trainer.save_every=0?): "
+                "starting it over from step 0",
+                file=stream,
+            )
         run.manifest = _write_manifest(path, current, entry, fresh=saved is None)
     except BaseException:
         run.release()
