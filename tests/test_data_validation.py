@@ -71,7 +71,13 @@ def make_bad_files(root):
         pa.Table.from_pylist([*rows(3), {**rows(1)[0], "reward_model": {"ground_truth": None}}]),
         null_truth,
     )
+    binary = root / "binary.parquet"
+    pq.write_table(
+        pa.Table.from_pylist([{**rows(1)[0], "prompt": [{"role": "user", "content": b"\xff"}]}]),
+        binary,
+    )
     return {
+        "binary text": (binary, "row 0: prompt message 'content' must be text, got bytes"),
         "not parquet": (text, "is not a readable parquet file"),
         "not UTF-8": (not_utf8, "not UTF-8"),
         "empty": (empty, "holds no rows"),
@@ -81,7 +87,8 @@ def make_bad_files(root):
 
 
 @pytest.mark.parametrize(
-    "which", ["not parquet", "not UTF-8", "empty", "missing column", "null ground truth"]
+    "which",
+    ["not parquet", "not UTF-8", "binary text", "empty", "missing column", "null ground truth"],
 )
 @pytest.mark.parametrize("key", ["data.train_files", "data.val_files"])
 def test_file_problems_are_one_line_before_loading(

@@ -62,7 +62,9 @@ def validate_row(row: dict, where: str = "row") -> dict:
     for m in prompt:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
             raise ValueError(f"{where}: each prompt message needs 'role' and 'content', got {m!r}")
-        if not isinstance(m["content"], str):
+        # text, or a list of content parts (chat templates accept both); bytes mean the file
+        # stored binary data where text belongs
+        if not isinstance(m["content"], str | list):
             raise ValueError(
                 f"{where}: prompt message 'content' must be text, got "
                 f"{type(m['content']).__name__} (not UTF-8 text in the file?)"
