@@ -190,3 +190,17 @@ def test_skips_counted_in_a_row_reset_on_a_taken_step(monkeypatch):
         _update(engine)
         seen.append(engine.skipped_in_a_row)
     assert seen == [2, 1]
+
+
+def test_the_check_is_exact_when_a_sum_overflows():
+    """The fast path sums each parameter; finite values whose sum overflows are not an error,
+    one NaN next to them is."""
+    engine = Engine(tiny_llama(seed=0), actor_config(), mini_batch_size=8)
+    weight = engine.model.model.layers[0].mlp.up_proj.weight
+    with torch.no_grad():
+        weight[0, :2] = 3e38  # finite in fp32; their sum is not
+    engine._check_parameters()
+    with torch.no_grad():
+        weight[1, 0] = float("nan")
+    with pytest.raises(NumericsError, match=r"\(model\.layers\.0\.mlp\.up_proj\.weight\)"):
+        engine._check_parameters()
