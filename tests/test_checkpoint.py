@@ -19,7 +19,9 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from ckpt_utils import plant_pickle, reseal
 from otbrl.run.checkpoint import (
+    IntegrityError,
     capture_rng_state,
     checkpoint_step,
     export_checkpoint,
@@ -268,28 +270,32 @@ def test_load_errors_name_the_problem(tmp_path, tokenizer):
         load_checkpoint(path, engines={"policy": Engine(qwen, ActorConfig())})
 
 
-class Payload:
-    def __reduce__(self):
-        return (os.system, (f"touch {os.environ.get('OTBRL_PWNED', '/tmp/otbrl-pwned')}",))
-
-
-def test_no_file_of_a_checkpoint_is_unpickled(tmp_path, tokenizer, monkeypatch):
+def test_no_file_of_a_checkpoint_is_unpickled(tmp_path, tokenizer):
     """Pickles dropped anywhere in a checkpoint (DCP's usual .metadata, a shard, the trainer
-    state) are never executed: loading reads safetensors and JSON only."""
+    state) are never executed: loading reads safetensors and JSON only. Unsealed, the extra
+    files fail verification (naming them); resealed, as an attacker with write access would,
+    the load succeeds and still runs nothing."""
     marker = tmp_path / "pwned"
-    monkeypatch.setenv("OTBRL_PWNED", str(marker))
     engines = {"policy": make_engine(len(tokenizer), seed=0)}
     path = save_checkpoint(tmp_path / "ckpt", 1, engines=engines)
     for target in (path / "state" / "policy" / ".metadata", path / "state" / "policy" / "x.pt"):
-        with open(target, "wb") as f:
-            pickle.dump(Payload(), f, protocol=2)
+        plant_pickle(target, marker)
+    with pytest.raises(IntegrityError, match=r"'state/policy/\.metadata' is not in the manifest"):
+        load_checkpoint(path, engines=engines)
+    reseal(path)
     load_checkpoint(path, engines=engines)
+    assert not marker.exists()
     shard = next((path / "state" / "policy").glob("*.safetensors"))
-    with open(shard, "wb") as f:
-        pickle.dump(Payload(), f, protocol=2)
+    plant_pickle(shard, marker)
+    with pytest.raises(IntegrityError, match="shard-"):
+        load_checkpoint(path, engines=engines)
+    reseal(path)
     with pytest.raises(Exception):  # noqa: B017 — any parse error; what matters is below
         load_checkpoint(path, engines=engines)
     assert not marker.exists()
+    with open(shard, "rb") as f:  # the payload is live: unpickling it does leave the marker
+        pickle.load(f)
+    assert marker.exists()
 
 
 def test_export_loads_with_auto_classes(tmp_path, tokenizer):

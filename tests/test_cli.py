@@ -58,8 +58,10 @@ def test_missing_config_file_and_bad_override(tmp_path, capsys, no_model_loading
     assert "key=value" in capsys.readouterr().err
 
 
-def test_sum_pi_squared_false_is_fine_when_nobody_needs_it(capsys, monkeypatch):
+def test_sum_pi_squared_false_is_fine_when_nobody_needs_it(capsys, monkeypatch, tmp_path):
     import otbrl.run.trainer as trainer_mod
+
+    monkeypatch.chdir(tmp_path)  # the run directory (runs/default) is claimed before the trainer
 
     class Stop(Exception):
         pass

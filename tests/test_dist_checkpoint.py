@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ckpt_utils import plant_pickle, reseal
 from dist_utils import (
     OUTPUTS,
     actor_config,
@@ -66,16 +67,25 @@ def _compare(first, resumed, world_first, world_resumed):
 
 
 def test_checkpoint_from_two_ranks_resumes_on_one_and_two(tmp_path):
+    """...and the sharded optimizer state is read from safetensors headers only: a crafted
+    DCP ``.metadata`` pickle next to the shards (the manifest resealed, as an attacker with
+    write access would) is never unpickled by the one- or the two-rank resume."""
     ckpt = tmp_path / "ckpt"
     first = check_ok(launch(_worker, 2, tmp_path / "save", ckpt, True))
     step = ckpt / "step_1"
     assert (step / "model.safetensors").is_file() and (step / "checkpoint.json").is_file()
     assert not list(step.rglob("*.metadata")) and not list(step.rglob("*.pt"))  # no pickles
+    assert len(list((step / "state" / "policy").glob("shard-*.safetensors"))) == 2
+    marker = tmp_path / "pwned"
+    for folder in (step / "state" / "policy", step):
+        plant_pickle(folder / ".metadata", marker)
+    reseal(step)
     for world_size in (1, 2):
         resumed = check_ok(
             launch(_worker, world_size, tmp_path / f"resume{world_size}", ckpt, False)
         )
         _compare(first, resumed, 2, world_size)
+    assert not marker.exists()
     assert not torch.equal(
         first[0]["state"]["lm_head.weight"], tiny_llama().state_dict()["lm_head.weight"]
     )

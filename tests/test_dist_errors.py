@@ -197,3 +197,34 @@ def test_parallel_defaults_fit_any_world_size():
     assert validate_config(load_config(None, small), 1).engine == "single"
     tp = validate_config(load_config(None, ["actor.tensor_parallel_size=2"]), 4)
     assert tp.engine == "tp" and tp.mini_batch_size == 32
+
+
+def test_warm_start_comes_before_the_process_group_and_its_timeout_is_configured(
+    monkeypatch, tmp_path
+):
+    """The warm start (minutes of one-rank SFT) runs before any process group exists: ranks
+    wait on its cache lock, not in a collective with a timeout; trainer.dist_timeout_s reaches
+    start_world."""
+    import otbrl.run.trainer as trainer_mod
+    from otbrl.config import load_config
+
+    events = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_model_path(cfg):
+        events.append(("warm start", torch.distributed.is_initialized()))
+        return tmp_path / "model"
+
+    def fake_start_world(*, distributed, sp, tp, timeout_s):
+        events.append(("start_world", timeout_s))
+        raise Stop
+
+    monkeypatch.setattr(trainer_mod, "model_path", fake_model_path)
+    monkeypatch.setattr(trainer_mod, "start_world", fake_start_world)
+    overrides = [f"trainer.output_dir={tmp_path / 'run'}", "trainer.dist_timeout_s=77"]
+    with pytest.raises(Stop):
+        trainer_mod.Trainer(load_config(None, overrides))
+    assert events == [("warm start", False), ("start_world", 77.0)]
+    assert load_config(None, []).trainer.dist_timeout_s == 1800.0

@@ -1,6 +1,11 @@
 import math
+import signal
+import threading
+import time
 
+import numpy as np
 import pytest
+import torch
 
 from otbrl.rewards import (
     RewardError,
@@ -63,7 +68,7 @@ def test_selection_by_data_source():
     scores, info = score_responses(responses, rows)
     # Arithmetic is exact match; gsm8k needs the #### marker.
     assert scores == [1.0, 1.0, 0.0, 0.0]
-    assert info == {"reward/errors": 0.0}
+    assert info == {"reward/errors": 0.0, "reward/timeouts": 0.0}
     assert reward_for_data_source("openai/gsm8k") is gsm8k
 
 
@@ -159,3 +164,88 @@ def test_bad_arguments():
         score_responses(["a"], [_row("a")], on_error="ignore")
     with pytest.raises(ValueError, match="rows"):
         score_responses(["a", "b"], [_row("a")])
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (np.float32(0.25), 0.25),
+        (np.float64(0.5), 0.5),
+        (np.int64(1), 1.0),
+        (np.bool_(True), 1.0),
+        (np.array(0.75), 0.75),  # 0-d array
+        (torch.tensor(0.125), 0.125),  # 0-d tensor
+        (torch.tensor(True), 1.0),
+        ({"score": np.float32(0.5)}, 0.5),
+    ],
+)
+def test_numpy_scalars_and_0d_tensors_are_numbers(value, expected):
+    scores, info = score_responses(["a"], [_row("a")], function=lambda *args: value)
+    assert scores == [expected] and info["reward/errors"] == 0
+
+
+@pytest.mark.parametrize("value", [torch.tensor([0.5]), np.array([1.0, 0.0]), "0.5", None])
+def test_arrays_and_other_types_are_still_errors(value):
+    with pytest.raises(RewardError, match="expected a number"):
+        score_responses(["a"], [_row("a")], function=lambda *args: value)
+
+
+def _sleepy(data_source, solution_str, ground_truth, extra_info):
+    if solution_str == "slow":
+        time.sleep(30)
+    return 1.0
+
+
+def _swallowing(data_source, solution_str, ground_truth, extra_info):
+    try:  # user code that catches everything must not hide the time limit
+        time.sleep(30)
+    except Exception:
+        return 1.0
+    return 1.0
+
+
+@pytest.mark.parametrize("thread", [False, True])
+def test_a_reward_past_its_time_limit_is_an_error(thread):
+    rows = [_row("a")] * 3
+
+    def run():
+        start = time.monotonic()
+        out = score_responses(
+            ["fast", "slow", "fast"], rows, function=_sleepy, on_error="zero", timeout_s=0.3
+        )
+        return out, time.monotonic() - start
+
+    if thread:  # not the main thread: no SIGALRM there, the call is abandoned instead
+        box = {}
+        worker = threading.Thread(target=lambda: box.update(result=run()))
+        worker.start()
+        worker.join(20)
+        (scores, info), elapsed = box["result"]
+    else:
+        (scores, info), elapsed = run()
+    assert scores == [1.0, 0.0, 1.0]
+    assert info == {"reward/errors": 1.0, "reward/timeouts": 1.0}
+    assert elapsed < 5
+    with pytest.raises(RewardError, match=r"'_sleepy' failed on sample 0 .*reward.timeout_s=0.3 s"):
+        score_responses(["slow"], rows[:1], function=_sleepy, timeout_s=0.3)
+
+
+def test_the_time_limit_cannot_be_swallowed_and_restores_the_outer_timer():
+    """A caller's own SIGALRM timer (pytest-timeout's here, or none) gets its handler and its
+    remaining time back."""
+    previous = signal.getsignal(signal.SIGALRM)
+    outer, _ = signal.getitimer(signal.ITIMER_REAL)
+    start = time.monotonic()
+    scores, info = score_responses(
+        ["x"], [_row("a")], function=_swallowing, on_error="zero", timeout_s=0.2
+    )
+    elapsed = time.monotonic() - start
+    assert scores == [0.0] and info["reward/timeouts"] == 1.0 and elapsed < 5
+    left, _ = signal.getitimer(signal.ITIMER_REAL)
+    assert left == 0.0 if outer == 0.0 else outer - elapsed - 1 < left <= outer
+    assert signal.getsignal(signal.SIGALRM) is previous
+    # no limit, and fast calls under a limit, behave as before
+    assert score_responses(["a"], [_row("a")], timeout_s=None)[0] == [1.0]
+    assert score_responses(["a"], [_row("a")], timeout_s=5.0)[0] == [1.0]
+    with pytest.raises(ValueError, match="timeout_s"):
+        score_responses(["a"], [_row("a")], timeout_s=-1)

@@ -198,8 +198,9 @@ def test_unknown_data_source_without_reward_function(tiny_dir, tmp_path):
             tiny_dir, tmp_path / "u", f"data.train_files=[{path}]", "trainer.total_steps=1"
         ),
     )
-    with pytest.raises(Exception, match="my/unknown_source"):
-        trainer_mod.Trainer(cfg).fit()
+    # found when the data is checked, before any model loads, not when the row is sampled
+    with pytest.raises(ConfigError, match=r"'my/unknown_source' \(8 rows\)"):
+        validate_config(cfg)
 
 
 RAISING = """

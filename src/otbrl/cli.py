@@ -1,7 +1,9 @@
 """Command line: ``otbrl train | sft | eval | export | plot | demo | variance | compare``.
 
 Configuration problems print one line naming the key and exit with status 2, before any model is
-loaded; heavy modules are imported only once the configuration has been checked.
+loaded; heavy modules are imported only once the configuration has been checked. ``train`` and
+``demo`` also claim the run directory then (lock, manifest, same-config check, the verified
+checkpoint to resume from): a second run on it, or a mismatched resume, exits 2 the same way.
 """
 
 from __future__ import annotations
@@ -89,19 +91,23 @@ def _config(args: argparse.Namespace, extra: list[str] | None = None):
 
 def _train(args: argparse.Namespace) -> int:
     cfg, plan = _config(args)
+    from otbrl.run.rundir import claim_run_dir
     from otbrl.run.trainer import Trainer
 
+    run = claim_run_dir(cfg)  # still before any model loads
     # one process, or one per device under torchrun: the same loop
-    Trainer(cfg, plan).fit()
+    Trainer(cfg, plan, run).fit()
     return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
     cfg, plan = _config(args, DEMO_PRESET)
+    from otbrl.run.rundir import claim_run_dir
     from otbrl.run.trainer import Trainer
 
     start = time.perf_counter()
-    trainer = Trainer(cfg, plan)  # pays for the warm start the first time, then it is cached
+    run = claim_run_dir(cfg)
+    trainer = Trainer(cfg, plan, run)  # pays for the warm start the first time, then cached
     if cfg.trainer.max_wall_seconds > 0:
         # the demo's wall budget covers the warm start: RL gets what the warm start left
         spent = time.perf_counter() - start
@@ -235,6 +241,13 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     except RewardError as err:  # user code failed under reward.on_error=raise
         print(f"otbrl: error: {err}", file=sys.stderr)
+        return 1
+    except RuntimeError as err:
+        from otbrl.engine.engine import NumericsError  # torch is loaded: a trainer ran
+
+        if not isinstance(err, NumericsError):
+            raise
+        print(f"otbrl: error: {err}", file=sys.stderr)  # weights or steps went non-finite
         return 1
     except FileNotFoundError as err:
         print(f"otbrl: error: {err}", file=sys.stderr)

@@ -9,7 +9,8 @@ in ``otbrl.run.build.validate_config``, which the CLI calls before any model is 
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +139,9 @@ class AlgorithmConfig:
 class RewardConfig:
     function: str | None = None  # built-in name or "path/to/file.py:fn"; None -> by data_source
     on_error: str = "raise"  # "raise" | "zero"
+    # a call that runs longer is an error, handled by on_error (a hung verifier would otherwise
+    # stall the run forever); 0 = no limit
+    timeout_s: float = 60.0
 
 
 @dataclass
@@ -150,12 +154,21 @@ class TrainerConfig:
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     seed: int = 0
     resume: str = "auto"  # "auto" | "never" | path to a checkpoint
+    # with resume=never: move an existing run in output_dir aside (to <output_dir>.old-<time>)
+    # instead of refusing to start; nothing is deleted
+    overwrite: bool = False
     val_greedy: bool = True
     val_temperature: float = 1.0  # used when val_greedy is false
     val_batch_size: int = 256
     # stop early (after a final validation and checkpoint) once fit() has run this long;
     # 0 = no limit. The demo uses it to keep its 10-minute promise on a slower machine.
     max_wall_seconds: float = 0.0
+    # abort when more optimizer steps than this were skipped in a row (non-finite gradients):
+    # a run that only skips learns nothing
+    max_skipped_steps: int = 5
+    # how long a rank waits for the others in a collective, e.g. while rank 0 alone writes a
+    # checkpoint's full model (a dead peer usually fails sooner: its sockets close)
+    dist_timeout_s: float = 1800.0
 
 
 @dataclass
@@ -220,6 +233,7 @@ _POSITIVE = (
     "actor.lr",
     "rollout.temperature",
     "trainer.val_temperature",
+    "trainer.dist_timeout_s",
 )
 _NON_NEGATIVE = (
     "data.val_size",
@@ -238,6 +252,9 @@ _NON_NEGATIVE = (
     "trainer.save_every",
     "trainer.keep_last_checkpoints",
     "trainer.max_wall_seconds",
+    "trainer.max_skipped_steps",
+    "actor.entropy_coeff",
+    "reward.timeout_s",
     "sft.max_steps",
     "sft.eval_every",
 )
@@ -343,8 +360,32 @@ def _get(cfg: Config, dotted: str) -> Any:
     return node
 
 
+def _floats(node: Any, prefix: str = "") -> list[tuple[str, float]]:
+    """(dotted key, value) of every float in the config tree."""
+    out = []
+    for f in fields(node):
+        value = getattr(node, f.name)
+        if is_dataclass(value):
+            out.extend(_floats(value, f"{prefix}{f.name}."))
+        elif isinstance(value, float):
+            out.append((f"{prefix}{f.name}", value))
+    return out
+
+
 def check_config(cfg: Config) -> None:
     """Schema-level checks (values, ranges, divisibility); raises ``ConfigError``."""
+    for key, value in _floats(cfg):
+        # NaN passes every comparison check below and inf overflows at step 1
+        if not math.isfinite(value):
+            raise ConfigError(f"'{key}' must be a finite number, got {value}", key)
+    if cfg.model.dtype == "float16":
+        raise ConfigError(
+            "'model.dtype' float16 is refused for training: otbrl keeps the weights and AdamW "
+            "state in the model dtype, with no fp32 master weights nor loss scaling, and pure "
+            "fp16 overflows on the first optimizer step; use model.dtype=bfloat16 (same memory) "
+            "or float32",
+            "model.dtype",
+        )
     for key, choices in _CHOICES.items():
         value = _get(cfg, key)
         if value not in choices:
@@ -390,6 +431,21 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(
             f"'actor.clip_ratio_c' must be > 1.0, got {cfg.actor.clip_ratio_c}",
             "actor.clip_ratio_c",
+        )
+    for key in ("algorithm.gamma", "algorithm.lam"):
+        if not 0.0 <= _get(cfg, key) <= 1.0:
+            raise ConfigError(f"'{key}' must be in [0, 1], got {_get(cfg, key)}", key)
+    if not cfg.actor.clip_ratio_low < 1.0:
+        raise ConfigError(
+            f"'actor.clip_ratio_low' must be < 1 (the ratio's lower bound is 1 - it), got "
+            f"{cfg.actor.clip_ratio_low}",
+            "actor.clip_ratio_low",
+        )
+    if cfg.trainer.overwrite and cfg.trainer.resume != "never":
+        raise ConfigError(
+            "'trainer.overwrite' starts a new run (moving the old one aside): it needs "
+            f"trainer.resume=never, got trainer.resume={cfg.trainer.resume}",
+            "trainer.overwrite",
         )
     if not 0.0 <= cfg.sft.target_accuracy <= 1.0:
         raise ConfigError(

@@ -3,6 +3,7 @@
 from otbrl.data.datasets import (
     PromptDataset,
     encode_prompts,
+    normalize_ground_truth,
     read_parquet_rows,
     render_prompts,
     validate_row,
@@ -28,6 +29,7 @@ __all__ = [
     "Task",
     "encode_prompts",
     "get_task",
+    "normalize_ground_truth",
     "read_parquet_rows",
     "render_prompts",
     "validate_row",

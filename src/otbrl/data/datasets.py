@@ -1,13 +1,15 @@
 """Rows in the RL parquet schema: reading, writing, prompt encoding and a resumable batch iterator.
 
 Schema of one row: ``prompt`` (list of ``{"role", "content"}`` chat messages), ``data_source``
-(str, selects the built-in reward), ``reward_model.ground_truth`` (str), optional
-``extra_info`` (dict) and ``ability``.
+(str, selects the built-in reward), ``reward_model.ground_truth`` (a str, a number, or a list
+of them meaning "any of these"), optional ``extra_info`` (dict) and ``ability``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from decimal import Decimal
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +18,36 @@ import pyarrow.parquet as pq
 import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
+
+REQUIRED_COLUMNS = ("prompt", "data_source", "reward_model")
+
+
+def normalize_ground_truth(value, where: str = "ground_truth") -> str | list[str]:
+    """A ground truth as the reward functions compare it: a str as is; a number as the text a
+    person writes (``102.0`` -> ``"102"``, ``0.5`` -> ``"0.5"``), so it matches the answer
+    ``102``; a list (any item counts as right) of those. None, bools, NaN, dicts, empty or
+    nested lists are a ``ValueError`` naming ``where``."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list | tuple):
+        if not value:
+            raise ValueError(f"{where}: 'ground_truth' is an empty list (no right answer)")
+        items = []
+        for item in value:
+            if isinstance(item, list | tuple):
+                raise ValueError(f"{where}: 'ground_truth' lists must hold str or numbers")
+            items.append(normalize_ground_truth(item, where))
+        return items
+    if isinstance(value, int | float | Decimal) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ValueError(f"{where}: 'ground_truth' is {value}, expected a finite number")
+        if isinstance(value, int) or value == int(value):
+            return str(int(value))
+        return repr(float(value)) if isinstance(value, float) else str(value.normalize())
+    raise ValueError(
+        f"{where}: 'ground_truth' must be a str, a number or a list of them, got "
+        + ("null" if value is None else f"{type(value).__name__} {value!r}")
+    )
 
 
 def validate_row(row: dict, where: str = "row") -> dict:
@@ -30,6 +62,13 @@ def validate_row(row: dict, where: str = "row") -> dict:
     for m in prompt:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
             raise ValueError(f"{where}: each prompt message needs 'role' and 'content', got {m!r}")
+        # text, or a list of content parts (chat templates accept both); bytes mean the file
+        # stored binary data where text belongs
+        if not isinstance(m["content"], str | list):
+            raise ValueError(
+                f"{where}: prompt message 'content' must be text, got "
+                f"{type(m['content']).__name__} (not UTF-8 text in the file?)"
+            )
     if not isinstance(row.get("data_source"), str):
         raise ValueError(f"{where}: 'data_source' must be a str, got {row.get('data_source')!r}")
     reward_model = row.get("reward_model")
@@ -37,6 +76,7 @@ def validate_row(row: dict, where: str = "row") -> dict:
         raise ValueError(
             f"{where}: 'reward_model' must be a dict with 'ground_truth', got {reward_model!r}"
         )
+    normalize_ground_truth(reward_model["ground_truth"], where)
     return row
 
 
@@ -44,25 +84,46 @@ def read_parquet_rows(files: str | Path | Sequence[str | Path]) -> list[dict]:
     """Read and validate every row of one or more parquet files, in file order.
 
     Returns:
-        A list of plain dicts; ``ground_truth`` is converted to ``str`` (numbers are common in
-        the wild) and a missing ``extra_info`` becomes ``{}``.
+        A list of plain dicts; ``ground_truth`` goes through ``normalize_ground_truth``
+        (numbers are common in the wild: ``102.0`` becomes ``"102"``) and a missing
+        ``extra_info`` becomes ``{}``. Every problem with a file (missing, not parquet, not
+        UTF-8, empty, a column missing, a bad row) is a one-line ``ValueError`` naming it.
     """
     paths = [files] if isinstance(files, str | Path) else list(files)
     if not paths:
         raise ValueError("files: expected at least one parquet file, got none")
     rows: list[dict] = []
     for path in paths:
-        if not Path(path).is_file():
-            raise ValueError(f"files: parquet file {str(path)!r} does not exist")
-        for i, row in enumerate(pq.read_table(path).to_pylist()):
+        for i, row in enumerate(_read_table_rows(path)):
             validate_row(row, where=f"{path} row {i}")
             row["reward_model"] = {
                 **row["reward_model"],
-                "ground_truth": str(row["reward_model"]["ground_truth"]),
+                "ground_truth": normalize_ground_truth(row["reward_model"]["ground_truth"]),
             }
             row["extra_info"] = row.get("extra_info") or {}
             rows.append(row)
     return rows
+
+
+def _read_table_rows(path: str | Path) -> list[dict]:
+    if not Path(path).is_file():
+        raise ValueError(f"files: parquet file {str(path)!r} does not exist")
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"files: {str(path)!r} is not a readable parquet file ({first})") from None
+    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
+    if missing:
+        raise ValueError(
+            f"files: {str(path)!r} lacks the column(s) {missing} (it has {table.column_names})"
+        )
+    if table.num_rows == 0:
+        raise ValueError(f"files: {str(path)!r} holds no rows")
+    try:
+        return table.to_pylist()
+    except UnicodeDecodeError as err:
+        raise ValueError(f"files: {str(path)!r} holds text that is not UTF-8 ({err})") from None
 
 
 def write_parquet_rows(rows: Sequence[dict], path: str | Path) -> Path:

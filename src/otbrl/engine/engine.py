@@ -28,6 +28,10 @@ from otbrl.engine.layout import Layout, forward_outputs
 from otbrl.engine.world import World
 
 
+class NumericsError(RuntimeError):
+    """Training cannot go on: the weights became non-finite, or every step is being skipped."""
+
+
 def warmup_schedule(warmup_steps: int):
     """LR multiplier: linear from 1/(warmup+1) to 1 over ``warmup_steps`` steps, then constant."""
 
@@ -112,6 +116,7 @@ class Engine:
             packed=packed, head=head, sp_group=sp_group, tp_group=tp_group, vocab_start=vocab_start
         )
         self.generator = torch.Generator().manual_seed(seed)
+        self.skipped_in_a_row = 0  # optimizer steps skipped since the last one taken
         self.optimizer = self.scheduler = None
         if optim is None:
             model.requires_grad_(False)
@@ -157,7 +162,8 @@ class Engine:
         optimizer + scheduler step per mini-batch; a non-finite gradient norm skips the step.
         Returns the loss's metrics (summed over micro-batches and ranks, i.e. mini-batch
         values) averaged over optimizer steps, plus ``<name>/grad_norm``, ``<name>/lr`` and
-        ``<name>/skipped_steps``.
+        ``<name>/skipped_steps``; ``skipped_in_a_row`` counts the skips since the last step
+        taken. A step that leaves a parameter non-finite raises ``NumericsError``.
         """
         if self.optimizer is None:
             raise ValueError("update: this engine is frozen (built without optimizer settings)")
@@ -185,6 +191,7 @@ class Engine:
                     sums[key] = sums.get(key, 0.0) + value
                 steps += 1
                 skipped += not finite
+                self.skipped_in_a_row = 0 if finite else self.skipped_in_a_row + 1
         out = {key: value / steps for key, value in sums.items()}
         out[f"{self.name}/lr"] = self.scheduler.get_last_lr()[0]
         out[f"{self.name}/skipped_steps"] = float(skipped)
@@ -219,12 +226,38 @@ class Engine:
         # NaNs into the weights
         if finite:
             self.optimizer.step()
+            self._check_parameters()
         with warnings.catch_warnings():
             # a skipped step still takes its slot of the schedule (torch warns about the order)
-            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+            warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)`")
             self.scheduler.step()
         metrics[f"{self.name}/grad_norm"] = float(grad_norm)
         return metrics, finite
+
+    def _check_parameters(self) -> None:
+        """A finite gradient can still overflow the weights (fp16 AdamW, a huge lr): stop at
+        once instead of training, and saving, NaN weights. Collective; one sync per step."""
+        params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        local = [(p.to_local() if isinstance(p, DTensor) else p).detach() for _, p in params]
+        # A sum is finite only if every element is (NaN and inf propagate), and summing is
+        # ~14x cheaper than isfinite().all() on CPU; suspects (a sum may also just overflow)
+        # get the exact check.
+        sums = torch.stack([p.sum(dtype=torch.float32) for p in local])
+        suspects = (~torch.isfinite(sums)).tolist()
+        names = [
+            name
+            for (name, _), p, suspect in zip(params, local, suspects)
+            if suspect and not bool(torch.isfinite(p).all())
+        ]
+        if self.world.sum([float(len(names))])[0] == 0:
+            return
+        names = names[:3]
+        raise NumericsError(
+            f"{self.name}: an optimizer step left non-finite values in the parameters "
+            f"({', '.join(names) or 'on another rank'}) although the gradient was finite: the "
+            "update overflowed the weights (learning rate too high, or a low-precision model "
+            "dtype); stopping before anything more is trained or saved"
+        )
 
     def normalizers(self, response_mask: Tensor) -> Normalizers:
         """Token and sequence counts of the global mini-batch (summed over data parallel)."""

@@ -130,7 +130,11 @@ def collective_guard(what: str) -> Iterator[None]:
         yield
     except DistributedError:
         raise
-    except (RuntimeError, dist.DistBackendError) as err:
+    except RuntimeError as err:
+        # our own errors (a reward failing or timing out, weights gone non-finite) subclass
+        # RuntimeError and may mention a timeout: only torch's own errors are candidates
+        if type(err) is not RuntimeError and not isinstance(err, dist.DistError):
+            raise
         text = str(err)
         markers = ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket")
         if not any(m in text.lower() for m in markers):
@@ -220,6 +224,15 @@ class World:
             else:
                 out[key] = sum(values) / len(values)
         return out
+
+    def broadcast_object(self, obj: T) -> T:
+        """Rank 0's ``obj`` on every rank (picklable values: this travels between this job's
+        own processes, never from a file); ``obj`` itself at world size 1."""
+        if self.mesh is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def barrier(self) -> None:
         """Wait for every rank (nothing to wait for at world size 1)."""

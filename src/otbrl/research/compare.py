@@ -233,7 +233,9 @@ def _run_overrides(name, n, seed, *, start_path, prompts, updates_per_step, step
         f"trainer.seed={seed}",
         f"trainer.output_dir={run_dir}",
         "trainer.logger=[jsonl]",
-        "trainer.resume=never",
+        # an unfinished run with this same config starts over in place; one with another
+        # config is refused by the run directory's manifest check
+        "trainer.resume=auto",
     ]
 
 

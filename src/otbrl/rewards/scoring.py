@@ -6,8 +6,11 @@ import hashlib
 import importlib.util
 import logging
 import math
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from otbrl.rewards.builtin import BUILTIN_REWARDS, RewardFunction, reward_for_data_source
@@ -18,6 +21,11 @@ ON_ERROR = ("raise", "zero")
 
 class RewardError(RuntimeError):
     """A reward function raised or returned something that is not a finite number."""
+
+
+class RewardTimeout(BaseException):
+    """A reward call ran past its time limit. A ``BaseException``, so that a reward function's
+    own ``except Exception`` cannot swallow it."""
 
 
 def resolve_reward_function(spec: str | None) -> RewardFunction | None:
@@ -92,6 +100,7 @@ def score_responses(
     *,
     function: RewardFunction | str | None = None,
     on_error: str = "raise",
+    timeout_s: float | None = None,
 ) -> tuple[list[float], dict[str, float]]:
     """Score each response against its row's ground truth.
 
@@ -105,13 +114,21 @@ def score_responses(
             ``on_error`` says: that is a configuration problem, not a bad sample).
         on_error: ``"raise"`` (a ``RewardError`` naming the sample index and function) or
             ``"zero"`` (the sample scores 0.0 and is counted).
+        timeout_s: the longest one sample's scoring may take (None or 0: no limit); a call
+            that runs longer is an error handled by ``on_error``. In the main thread a
+            ``SIGALRM`` timer interrupts the call; elsewhere the call runs in a helper thread
+            that is abandoned (Python cannot stop a thread) when it runs late.
 
     Returns:
-        ``(scores, info)``: B floats and ``{"reward/errors": count}``. A function may return a
-        number, a bool, or a dict with a ``"score"`` entry.
+        ``(scores, info)``: B floats and ``{"reward/errors": count, "reward/timeouts": count}``
+        (timeouts are errors too). A function may return a number (NumPy scalars and 0-d
+        tensors included), a bool, or a dict with a ``"score"`` entry. A list ground truth
+        means "any of these": the sample gets the best score over its items.
     """
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error: expected one of {list(ON_ERROR)}, got {on_error!r}")
+    if timeout_s is not None and not (isinstance(timeout_s, int | float) and timeout_s >= 0):
+        raise ValueError(f"timeout_s: expected None or seconds >= 0, got {timeout_s!r}")
     if len(responses) != len(rows):
         raise ValueError(
             f"rows: expected {len(responses)} rows (one per response), got {len(rows)}"
@@ -123,14 +140,19 @@ def score_responses(
     else:
         functions = [function] * len(rows)
     scores: list[float] = []
-    errors = 0
+    errors = timeouts = 0
     for i, (response, row, fn) in enumerate(zip(responses, rows, functions)):
         try:
-            scores.append(_call(fn, response, row))
-        except Exception as e:
+            scores.append(_with_deadline(timeout_s, _call, fn, response, row))
+        except (Exception, RewardTimeout) as e:
+            if isinstance(e, RewardTimeout):
+                timeouts += 1
+                why = f"ran longer than the time limit (reward.timeout_s={timeout_s:g} s)"
+            else:
+                why = f"{type(e).__name__}: {e}"
             error = RewardError(
                 f"reward function {_name(fn)!r} failed on sample {i} "
-                f"(data_source {row.get('data_source')!r}): {type(e).__name__}: {e}"
+                f"(data_source {row.get('data_source')!r}): {why}"
             )
             if on_error == "raise":
                 raise error from e
@@ -140,21 +162,77 @@ def score_responses(
                 )
             errors += 1
             scores.append(0.0)
-    return scores, {"reward/errors": float(errors)}
+    return scores, {"reward/errors": float(errors), "reward/timeouts": float(timeouts)}
 
 
 def _call(fn: RewardFunction, response: str, row: dict) -> float:
     ground_truth = row["reward_model"]["ground_truth"]
-    result = fn(row.get("data_source"), response, ground_truth, row.get("extra_info") or {})
+    truths = ground_truth if isinstance(ground_truth, list | tuple) else [ground_truth]
+    if not truths or not all(isinstance(t, str) for t in truths):
+        raise TypeError(
+            f"ground_truth must be a str or a non-empty list of str, got {ground_truth!r} "
+            "(otbrl.data.normalize_ground_truth turns numbers into text)"
+        )
+    extra = row.get("extra_info") or {}
+    return max(_number(fn(row.get("data_source"), response, t, extra)) for t in truths)
+
+
+def _number(result) -> float:
     if isinstance(result, dict):
         if "score" not in result:
             raise TypeError(f"returned a dict without a 'score' entry (keys {sorted(result)})")
         result = result["score"]
+    if getattr(result, "ndim", None) == 0 and callable(getattr(result, "item", None)):
+        result = result.item()  # a NumPy scalar or a 0-d tensor
     if not isinstance(result, int | float):  # bool is an int
         raise TypeError(f"returned {type(result).__name__}, expected a number")
     if not math.isfinite(result):
         raise ValueError(f"returned {result!r}, expected a finite number")
     return float(result)
+
+
+def _with_deadline(seconds: float | None, call: Callable[..., float], *args) -> float:
+    """``call(*args)``, raising ``RewardTimeout`` if it runs longer than ``seconds``."""
+    if not seconds:
+        return call(*args)
+    if threading.current_thread() is not threading.main_thread() or not hasattr(
+        signal, "setitimer"
+    ):
+        return _in_thread(seconds, call, *args)
+
+    def expire(signum, frame):
+        raise RewardTimeout
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    start = time.monotonic()
+    outer, interval = signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        return call(*args)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer > 0:  # someone else's timer was running: give it its remaining time back
+            left = max(outer - (time.monotonic() - start), 1e-3)
+            signal.setitimer(signal.ITIMER_REAL, left, interval)
+
+
+def _in_thread(seconds: float, call: Callable[..., float], *args) -> float:
+    box: dict[str, object] = {}
+
+    def run():
+        try:
+            box["value"] = call(*args)
+        except BaseException as e:  # handed to the caller's thread below
+            box["error"] = e
+
+    worker = threading.Thread(target=run, name="otbrl-reward", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise RewardTimeout
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["value"]  # type: ignore[return-value]
 
 
 def _name(fn) -> str:

@@ -3,8 +3,10 @@
 ``validate_config`` decides everything that can be known from the configuration and the file
 system: the estimator and its needs, which engine provides each need (so a need no layer
 provides is a one-line ``ConfigError`` naming the key to set, not a crash deep in a run), the
-engine for this world size, the batch sizes, and the user's reward function (imported once).
-It returns a ``Plan`` that the ``Trainer`` builds from.
+engine for this world size, the batch sizes, the user's reward function (imported once), and
+the data: every file read and every row checked (schema, ground truth, a reward for its
+``data_source``) now, not when the row is first sampled hours into a run. It returns a
+``Plan`` that the ``Trainer`` builds from.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import difflib
 import functools
 import os
 import random
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +28,7 @@ from otbrl.algos import losses
 from otbrl.algos.advantages import ESTIMATORS, get_estimator
 from otbrl.config import Config, ConfigError
 from otbrl.data import get_task, read_parquet_rows
-from otbrl.rewards import resolve_reward_function
+from otbrl.rewards import BUILTIN_REWARDS, DATA_SOURCE_REWARDS, resolve_reward_function
 from otbrl.run.outputs import check_backends
 
 # estimator option -> the config key that sets it
@@ -60,6 +63,7 @@ class Plan:
     ``needs``: batch statistics the estimator and the enabled metrics need. ``engine``: the
     resolved ``actor.engine`` for ``world_size`` processes. ``mini_batch_size``: prompts per
     optimizer step. ``reward_fn``: the resolved ``reward.function`` (None: by data_source).
+    ``train_rows`` / ``val_rows``: the checked data rows (``load_rows``).
     """
 
     needs: frozenset[str]
@@ -69,6 +73,8 @@ class Plan:
     use_reference: bool
     use_critic: bool
     reward_fn: Any = None
+    train_rows: list = field(default_factory=list, repr=False)
+    val_rows: list = field(default_factory=list, repr=False)
 
     @property
     def distributed(self) -> bool:
@@ -264,6 +270,15 @@ def validate_config(cfg: Config, world_size: int | None = None) -> Plan:
     _check_providers(cfg, needs, use_critic)
     engine = _resolve_engine(cfg, world_size)
     mini = _check_batch_sizes(cfg, engine, world_size)
+    train_rows, val_rows = load_rows(cfg)
+    if reward_fn is None:
+        _check_rewards_resolvable(train_rows + val_rows)
+    if len(train_rows) < cfg.data.train_batch_size:
+        raise ConfigError(
+            f"'data.train_batch_size' ({cfg.data.train_batch_size}) is larger than the training "
+            f"data ({len(train_rows)} rows)",
+            "data.train_batch_size",
+        )
     return Plan(
         needs=needs,
         engine=engine,
@@ -272,6 +287,29 @@ def validate_config(cfg: Config, world_size: int | None = None) -> Plan:
         use_reference="ref_log_probs" in needs,
         use_critic=use_critic,
         reward_fn=reward_fn,
+        train_rows=train_rows,
+        val_rows=val_rows,
+    )
+
+
+def _check_rewards_resolvable(rows: list[dict]) -> None:
+    """Without ``reward.function`` each row is scored by its data_source's built-in reward:
+    every data_source must have one."""
+    unknown = Counter(
+        row["data_source"] for row in rows if row["data_source"] not in DATA_SOURCE_REWARDS
+    )
+    if not unknown:
+        return
+    listed = ", ".join(
+        f"{source!r} ({n} row{'s' * (n > 1)})" for source, n in unknown.most_common(5)
+    )
+    more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+    raise ConfigError(
+        f"'reward.function' is unset and {sum(unknown.values())} rows of the data have a "
+        f"data_source with no built-in reward: {listed}{more} (built-in data sources: "
+        f"{sorted(DATA_SOURCE_REWARDS)}); set reward.function to a built-in "
+        f"({sorted(BUILTIN_REWARDS)}) or to path/to/file.py:function",
+        "reward.function",
     )
 
 
@@ -334,13 +372,26 @@ def model_path(cfg: Config) -> Path:
 
 
 def load_rows(cfg: Config) -> tuple[list[dict], list[dict]]:
-    """(train rows, validation rows): from parquet files, else from the built-in task."""
+    """(train rows, validation rows): from parquet files, else from the built-in task (the
+    task's validation rows only when neither file list is set). A problem with a file is a
+    one-line ``ConfigError`` naming the key and the file."""
     data = cfg.data
-    if data.train_files:
-        val = read_parquet_rows(data.val_files) if data.val_files else []
-        return read_parquet_rows(data.train_files), val
-    task = get_task(data.task)
-    return task.rows("train", seed=data.seed), task.rows("val", data.val_size, seed=data.seed)
+    task = None if data.train_files and data.val_files else get_task(data.task)
+    train = _read_rows(cfg, "train_files") or task.rows("train", seed=data.seed)
+    val = _read_rows(cfg, "val_files")
+    if not val and not data.train_files:
+        val = task.rows("val", data.val_size, seed=data.seed)
+    return train, val
+
+
+def _read_rows(cfg: Config, key: str) -> list[dict]:
+    files = getattr(cfg.data, key)
+    if not files:
+        return []
+    try:
+        return read_parquet_rows(files)
+    except ValueError as err:
+        raise ConfigError(f"'data.{key}': {err}", f"data.{key}") from None
 
 
 def build_rollout(cfg: Config, model, tokenizer, world, model_dir: Path, context: int):

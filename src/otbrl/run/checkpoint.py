@@ -11,31 +11,31 @@ Layout of ``<ckpt_root>/step_<k>/``::
     state/trainer_state.json + .safetensors   step, data position, RNG, schedulers, optimizer
                                               hyper-parameters (plain values + tensors)
     config.yaml                    resolved run configuration
-    checkpoint.json                step and format; written last, so its presence marks a
-                                   complete directory
+    checkpoint.json                step, format, and the size and SHA-256 of every other file;
+                                   written last, so its presence marks a complete directory
 
 Weights are written once, as full tensors by rank 0, and loaded back with
 ``HuggingFaceStorageReader`` into whatever layout the resuming run has (one process, FSDP2, TP,
-another world size). Nothing is ever unpickled: safetensors, JSON, and
-``torch.load(weights_only=True)`` nowhere needed. Everything is written into ``.tmp-step_<k>``
-in the same folder, fsynced, then renamed to ``step_<k>``; a kill at any point leaves either
-the previous checkpoints or the new complete one.
+another world size). Nothing is ever unpickled: safetensors and JSON only (DCP's pickled
+``.metadata`` is never written nor read: ``HuggingFaceStorageReader`` takes the shard offsets
+from the safetensors headers). Everything is written into ``.tmp-step_<k>`` in the same folder,
+fsynced, then renamed to ``step_<k>``; a kill at any point leaves either the previous
+checkpoints or the new complete one. Loading verifies every file against ``checkpoint.json``
+first (``verify_checkpoint``), so flipped bits or a truncated file are an error naming the file,
+and ``latest_verified_checkpoint`` falls back to the newest checkpoint that is intact.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shutil
-import tempfile
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
@@ -48,96 +48,32 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from otbrl.run.files import apply_umask, make_temp_dir
+from otbrl.run.integrity import IntegrityError, file_manifest, verify_manifest
 from otbrl.run.outputs import fsync_dir, fsync_tree, to_plain_dict
+from otbrl.run.state_codec import _decode, _encode, capture_rng_state, restore_rng_state
 
-FORMAT_VERSION = 2
+__all__ = [
+    "IntegrityError",
+    "capture_rng_state",
+    "checkpoint_step",
+    "export_checkpoint",
+    "latest_checkpoint",
+    "latest_verified_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "restore_rng_state",
+    "save_checkpoint",
+    "verify_checkpoint",
+]
+
+FORMAT_VERSION = 3  # 3: checkpoint.json lists every file with its size and SHA-256
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp-step_"
 _MARKER = "checkpoint.json"
 STATE_DIR = "state"
 # What `otbrl export` leaves out of a step directory: everything but the policy's HF files.
 _TRAINING_ENTRIES = {STATE_DIR, "critic", "config.yaml", _MARKER}
-
-# ---------------------------------------------------------------------------------------------
-# RNG state as safely serialisable values
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """Python, NumPy and torch (CPU and CUDA) RNG states, as values ``save_checkpoint`` stores."""
-    version, internal, gauss_next = random.getstate()
-    state: dict[str, Any] = {
-        "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
-        "numpy": np.random.get_state(legacy=False),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_state(state: Mapping[str, Any]) -> None:
-    """Inverse of ``capture_rng_state``: the global streams continue where they were captured."""
-    python = state["python"]
-    random.setstate((python["version"], tuple(python["internal"]), python["gauss_next"]))
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-# ---------------------------------------------------------------------------------------------
-# trainer_state <-> JSON + safetensors
-
-
-def _encode(value: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
-    """JSON-ready copy of ``value``; tensors and arrays move to ``tensors`` by reference."""
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    if isinstance(value, torch.Tensor):
-        name = f"t{len(tensors)}"
-        tensors[name] = value.detach().cpu().clone(memory_format=torch.contiguous_format)
-        return {"__tensor__": name}
-    if isinstance(value, np.ndarray):
-        name = f"t{len(tensors)}"
-        # torch lacks most unsigned dtypes; int64 holds uint32 (NumPy's RNG key) exactly.
-        wide = value.astype(np.int64) if value.dtype.kind in "ui" else value
-        tensors[name] = torch.from_numpy(np.ascontiguousarray(wide))
-        return {"__ndarray__": name, "dtype": value.dtype.str}
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, tuple):
-        return {"__tuple__": [_encode(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]}
-    if isinstance(value, list):
-        return [_encode(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]
-    if isinstance(value, Mapping):
-        if all(isinstance(k, str) for k in value) and not any(k.startswith("__") for k in value):
-            return {k: _encode(v, tensors, f"{where}[{k!r}]") for k, v in value.items()}
-        return {
-            "__items__": [
-                [_encode(k, tensors, where), _encode(v, tensors, f"{where}[{k!r}]")]
-                for k, v in value.items()
-            ]
-        }
-    raise TypeError(
-        f"{where}: cannot store a {type(value).__name__}; expected JSON values, tuples, "
-        "dicts, tensors or numpy arrays"
-    )
-
-
-def _decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    if isinstance(value, list):
-        return [_decode(v, tensors) for v in value]
-    if not isinstance(value, dict):
-        return value
-    if "__tensor__" in value:
-        return tensors[value["__tensor__"]]
-    if "__ndarray__" in value:
-        return tensors[value["__ndarray__"]].numpy().astype(np.dtype(value["dtype"]))
-    if "__tuple__" in value:
-        return tuple(_decode(v, tensors) for v in value["__tuple__"])
-    if "__items__" in value:
-        return {_decode(k, tensors): _decode(v, tensors) for k, v in value["__items__"]}
-    return {k: _decode(v, tensors) for k, v in value.items()}
 
 
 def _full_state_dict(engine) -> dict[str, torch.Tensor]:
@@ -250,8 +186,12 @@ def save_checkpoint(
                 (tmp / "config.yaml").write_text(
                     yaml.safe_dump(to_plain_dict(config), sort_keys=False)
                 )
+            apply_umask(tmp)  # safetensors writes 0600 files
             meta = {"format": FORMAT_VERSION, "step": step, "world_size": world.size}
-            (tmp / _MARKER).write_text(json.dumps(meta) + "\n")
+            # hashed after everything else is written, by the rank that publishes: the
+            # manifest covers every rank's shards
+            meta["files"] = file_manifest(tmp, exclude={_MARKER})
+            (tmp / _MARKER).write_text(json.dumps(meta, indent=1) + "\n")
             fsync_tree(tmp)
             if final.exists():  # saving the same step again (e.g. after a resume): swap it out
                 _discard(final, root)
@@ -270,22 +210,26 @@ def save_checkpoint(
 def _discard(ckpt: Path, root: Path) -> None:
     # Rename first: a kill during the slow delete must not leave a torn step_<k> that still
     # has its marker. The temp name is swept by the next save.
-    grave = Path(tempfile.mkdtemp(dir=root, prefix=f"{_TMP_PREFIX}{ckpt.name}-old-"))
+    grave = make_temp_dir(root, f"{_TMP_PREFIX}{ckpt.name}-old-")
     os.replace(ckpt, grave / ckpt.name)
     shutil.rmtree(grave, ignore_errors=True)
 
 
-def list_checkpoints(ckpt_root: str | Path) -> list[Path]:
-    """Complete ``step_<k>`` directories under ``ckpt_root``, oldest step first ([] if none)."""
-    root = Path(ckpt_root)
+def _step_dirs(root: Path) -> list[tuple[int, Path]]:
     if not root.is_dir():
         return []
     found = []
     for child in root.iterdir():
         match = _STEP_DIR.match(child.name)
-        if match and child.is_dir() and (child / _MARKER).is_file():
+        if match and child.is_dir():
             found.append((int(match.group(1)), child))
-    return [path for _, path in sorted(found)]
+    return sorted(found)
+
+
+def list_checkpoints(ckpt_root: str | Path) -> list[Path]:
+    """Complete ``step_<k>`` directories (with their marker) under ``ckpt_root``, oldest step
+    first ([] if none). Cheap: nothing is verified (``verify_checkpoint`` does that)."""
+    return [path for _, path in _step_dirs(Path(ckpt_root)) if (path / _MARKER).is_file()]
 
 
 def latest_checkpoint(ckpt_root: str | Path) -> Path | None:
@@ -294,25 +238,53 @@ def latest_checkpoint(ckpt_root: str | Path) -> Path | None:
     return checkpoints[-1] if checkpoints else None
 
 
+def latest_verified_checkpoint(ckpt_root: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """(the newest checkpoint whose files all match its manifest or None, [(newer checkpoint
+    directory, why it was passed over), ...]). Directories without a marker (an interrupted
+    copy) are reported too; temp directories of a killed save are not checkpoints."""
+    skipped: list[tuple[Path, str]] = []
+    for _, path in reversed(_step_dirs(Path(ckpt_root))):
+        try:
+            verify_checkpoint(path)
+        except ValueError as err:
+            skipped.append((path, str(err)))
+            continue
+        return path, skipped
+    return None, skipped
+
+
 def checkpoint_step(path: str | Path) -> int:
     """The step a complete checkpoint directory was saved at."""
-    return int(json.loads((_require_complete(path) / _MARKER).read_text())["step"])
+    return int(_read_marker(path)["step"])
 
 
-def _require_complete(path: str | Path) -> Path:
+def _read_marker(path: str | Path) -> dict:
     ckpt = Path(path)
     if not (ckpt / _MARKER).is_file():
         raise ValueError(
             f"path: expected a complete checkpoint directory (step_<k> with {_MARKER}), "
             f"got {ckpt}; use latest_checkpoint(ckpt_root) to find one"
         )
-    meta = json.loads((ckpt / _MARKER).read_text())
-    if meta.get("format") != FORMAT_VERSION:
+    try:
+        meta = json.loads((ckpt / _MARKER).read_text())
+    except (ValueError, UnicodeDecodeError):
+        raise IntegrityError(f"{ckpt}: file '{_MARKER}' is not valid JSON (corrupted)") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+        found = meta.get("format") if isinstance(meta, dict) else None
         raise ValueError(
-            f"path: {ckpt} has checkpoint format {meta.get('format')}, this otbrl reads "
-            f"format {FORMAT_VERSION}"
+            f"path: {ckpt} has checkpoint format {found}, this otbrl reads format {FORMAT_VERSION}"
         )
-    return ckpt
+    return meta
+
+
+def verify_checkpoint(path: str | Path) -> int:
+    """Check a checkpoint directory against its ``checkpoint.json`` (every file present, with
+    its size and SHA-256, and nothing else); returns its step. Raises ``ValueError`` (an
+    ``IntegrityError`` for damaged files) naming the directory and the file."""
+    ckpt = Path(path)
+    meta = _read_marker(ckpt)
+    verify_manifest(ckpt, meta.get("files") or {}, exclude={_MARKER})
+    return int(meta["step"])
 
 
 def _load_weights(engine, directory: Path) -> None:
@@ -371,14 +343,22 @@ def _load_optimizer(engine, directory: Path, param_groups: list) -> None:
     )
 
 
-def load_checkpoint(path: str | Path, *, engines: Mapping[str, Any]) -> dict[str, Any]:
+def load_checkpoint(
+    path: str | Path, *, engines: Mapping[str, Any], verify: bool = True
+) -> dict[str, Any]:
     """Restore the engines (weights, optimizer, scheduler, generator) in place from a complete
     checkpoint, whatever world size or engine wrote it; returns the trainer_state.
 
-    Collective. Raises ``ValueError`` for an incomplete directory or one that does not match the
-    engines (another model, an engine the checkpoint does not hold).
+    Collective. ``verify=True`` checks every file against the manifest first (pass False only
+    when ``verify_checkpoint`` just did). Raises ``ValueError`` for an incomplete or damaged
+    directory (naming the file) or one that does not match the engines (another model, an
+    engine the checkpoint does not hold).
     """
-    ckpt = _require_complete(path)
+    ckpt = Path(path)
+    if verify:
+        verify_checkpoint(ckpt)
+    else:
+        _read_marker(ckpt)
     state_dir = ckpt / STATE_DIR
     tensors = load_file(state_dir / "trainer_state.safetensors")
     state = _decode(json.loads((state_dir / "trainer_state.json").read_text()), tensors)
@@ -394,19 +374,22 @@ def load_checkpoint(path: str | Path, *, engines: Mapping[str, Any]) -> dict[str
 
 
 def export_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
-    """Copy the policy's model and tokenizer files of a checkpoint to ``out_dir``.
+    """Copy the policy's model and tokenizer files of a verified checkpoint to ``out_dir``.
 
-    ``AutoModelForCausalLM.from_pretrained(out_dir)`` and ``AutoTokenizer.from_pretrained``
-    load the result. ``out_dir`` must not exist or be empty; it appears atomically.
+    The checkpoint is verified first, the copies are checked against its manifest, and the
+    result is loaded back with ``AutoModelForCausalLM`` (its tensors compared with the file's)
+    and ``AutoTokenizer`` before it appears, atomically, at ``out_dir`` (which must not exist
+    or be empty). Raises ``ValueError`` naming the problem; nothing is left behind then.
     """
-    ckpt = _require_complete(path)
+    ckpt = Path(path)
+    verify_checkpoint(ckpt)
     if not (ckpt / "config.json").is_file():
         raise ValueError(f"path: {ckpt} holds no Hugging Face model (no config.json)")
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"out_dir: expected a new or empty directory, got {out} (not empty)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".tmp-{out.name}-"))
+    tmp = make_temp_dir(out.parent, f".tmp-{out.name}-")
     try:
         for item in ckpt.iterdir():
             if item.name in _TRAINING_ENTRIES:
@@ -415,6 +398,11 @@ def export_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
                 shutil.copytree(item, tmp / item.name)
             else:
                 shutil.copy2(item, tmp / item.name)
+        files = _read_marker(ckpt)["files"]
+        copied = {k: v for k, v in files.items() if k.split("/")[0] not in _TRAINING_ENTRIES}
+        verify_manifest(tmp, copied)
+        _check_loads(tmp)
+        apply_umask(tmp)  # copy2 keeps the source modes; the export gets this user's umask
         fsync_tree(tmp)
         if out.exists():
             out.rmdir()
@@ -424,3 +412,22 @@ def export_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _check_loads(directory: Path) -> None:
+    """Load an exported directory with the HF Auto classes; its weights must be the file's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(directory)
+        if (directory / "tokenizer_config.json").is_file():
+            AutoTokenizer.from_pretrained(directory)
+    except Exception as err:  # any failure of the HF loaders means the export is unusable
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(
+            f"out_dir: the exported model does not load with the HF Auto classes: {first}"
+        ) from err
+    loaded = model.state_dict()
+    for name, value in load_file(directory / "model.safetensors").items():
+        if name not in loaded or not torch.equal(loaded[name].to(value.dtype), value):
+            raise ValueError(f"out_dir: {name} loads back different from the exported file")

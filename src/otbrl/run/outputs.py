@@ -20,7 +20,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Iterable, Mapping
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tqdm.auto import tqdm
+
+from otbrl.run.files import open_temp_file
 
 BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
 # backend -> (module that must be importable, pip extra that provides it)
@@ -62,11 +63,17 @@ def fsync_dir(path: Path) -> None:
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write ``text`` to ``path`` via a temp file in the same folder, fsync, rename."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temp file in the same folder, fsync, rename; the file
+    gets the umask's permissions."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = open_temp_file(path.parent, f".{path.name}.")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -6,9 +6,8 @@ process must not pick or switch a GUI backend, and figures must not pile up in g
 
 from __future__ import annotations
 
+import io
 import json
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -16,7 +15,7 @@ from typing import Any, NamedTuple
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from otbrl.run.outputs import SUMMARY_FILE, read_metrics
+from otbrl.run.outputs import SUMMARY_FILE, atomic_write_bytes, read_metrics
 
 # (metrics key, panel title, smooth?) in panel order; a key no run logged gets no panel.
 PANELS = (
@@ -139,14 +138,9 @@ def _figure(runs: Sequence[Run], title: str) -> Figure:
 
 def _save_png(fig: Figure, out_png: Path) -> Path:
     out_png.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out_png.parent, prefix=f".{out_png.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png")
-        os.replace(tmp, out_png)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    atomic_write_bytes(out_png, buffer.getvalue())
     return out_png
 
 

@@ -31,6 +31,7 @@ from otbrl.data import get_task, render_prompts
 from otbrl.models import build_tiny_model, eos_token_ids, load_model_and_tokenizer
 from otbrl.rollout import HFRollout
 from otbrl.run.evaluate import evaluate_accuracy
+from otbrl.run.files import apply_umask
 from otbrl.run.outputs import atomic_write_text
 
 logger = logging.getLogger(__name__)
@@ -303,6 +304,7 @@ def _build_warm_start(tmp: Path, final: Path, settings: dict) -> None:
     summary = {k: v for k, v in result.items() if k not in ("losses", "train_accuracies")}
     summary["final_loss"] = result["losses"][-1]
     _write_json(tmp / WARM_START_FILE, {"settings": settings, "result": summary})
+    apply_umask(tmp)  # save_pretrained's safetensors are 0600: a shared cache could not read them
     try:
         os.rename(tmp, final)
     except OSError:

@@ -29,7 +29,7 @@ from otbrl.algos.metrics import explained_variance, otb_metrics
 from otbrl.algos.rollout_correction import rollout_is_weights, rollout_mismatch_metrics
 from otbrl.config import Config, to_dict
 from otbrl.data import PromptDataset, encode_prompts
-from otbrl.engine.engine import Engine
+from otbrl.engine.engine import Engine, NumericsError
 from otbrl.engine.world import collective_guard, start_world, teardown_distributed
 from otbrl.models import eos_token_ids, load_model_and_tokenizer, load_value_model
 from otbrl.rewards import score_responses
@@ -42,7 +42,6 @@ from otbrl.run.build import (
     build_rollout,
     critic_loss,
     estimator_options,
-    load_rows,
     model_path,
     policy_loss,
     seed_everything,
@@ -52,6 +51,7 @@ from otbrl.run.build import (
 from otbrl.run.evaluate import evaluate_accuracy
 from otbrl.run.outputs import MetricsLogger
 from otbrl.run.plotting import plot_run
+from otbrl.run.rundir import RunDir, claim_run_dir
 
 
 @contextlib.contextmanager
@@ -65,28 +65,39 @@ class Trainer:
     """Builds the run from a ``Config`` (and the ``Plan`` that validated it) and runs ``fit()``.
 
     Every process of a ``torchrun`` job constructs one; on one process no process group is
-    created. ``plan`` defaults to ``validate_config(cfg)`` (the CLI passes the one it made).
+    created. ``plan`` defaults to ``validate_config(cfg)`` and ``run_dir`` to
+    ``claim_run_dir(cfg)`` (the CLI passes the ones it made); the run directory's lock is held
+    until ``fit()`` returns.
     """
 
-    def __init__(self, cfg: Config, plan: Plan | None = None):
+    def __init__(self, cfg: Config, plan: Plan | None = None, run_dir: RunDir | None = None):
+        plan = plan or validate_config(cfg)
+        self.run = run_dir if run_dir is not None else claim_run_dir(cfg)
+        try:
+            self._build(cfg, plan)
+        except BaseException:
+            self.run.release()
+            raise
+
+    def _build(self, cfg: Config, plan: Plan) -> None:
         self.cfg = cfg
-        self.plan = plan = plan or validate_config(cfg)
+        self.plan = plan
         a = cfg.actor
+        # Before the process group exists: every rank takes the warm-start cache's lock, the
+        # first builds it and the others wait there, not in a collective that would time out.
+        path = model_path(cfg)
         self.world = world = start_world(
             distributed=plan.distributed,
             sp=a.ulysses_sequence_parallel_size,
             tp=a.tensor_parallel_size,
+            timeout_s=cfg.trainer.dist_timeout_s,
         )
-        if cfg.model.path == "builtin" and world.is_main:
-            model_path(cfg)  # one rank trains (or finds) the cached warm start; the others read it
-        world.barrier()
         seed_everything(cfg.trainer.seed)
         self.output_dir = Path(cfg.trainer.output_dir)
         self.ckpt_root = self.output_dir / "checkpoints"
-        path = model_path(cfg)
         model, self.tokenizer = load_model_and_tokenizer(path, dtype=cfg.model.dtype)
         self.eos_ids = torch.tensor(eos_token_ids(model, self.tokenizer))
-        train_rows, self.val_rows = load_rows(cfg)
+        train_rows, self.val_rows = plan.train_rows, plan.val_rows
         self.dataset = PromptDataset(
             train_rows,
             self.tokenizer,
@@ -150,18 +161,17 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------------
     def _resume_path(self) -> Path | None:
-        """The checkpoint ``trainer.resume`` names: none, the latest under the run, or a path."""
-        cfg = self.cfg.trainer
-        if cfg.resume == "never":
-            return None
-        path = checkpoint.latest_checkpoint(self.ckpt_root) if cfg.resume == "auto" else cfg.resume
+        """The checkpoint ``claim_run_dir`` chose and verified before any model loaded (rank 0
+        decides; the other ranks get its choice)."""
+        path = self.run.resume_from if self.world.is_main else None
+        path = self.world.broadcast_object(None if path is None else str(path))
         return None if path is None else Path(path)
 
     def _resume(self) -> None:
         path = self._resume_path()
         if path is None:
             return
-        state = checkpoint.load_checkpoint(path, engines=self.engines)
+        state = checkpoint.load_checkpoint(path, engines=self.engines, verify=False)
         self._sync_rollout_weights()
         self.step = int(state["step"])
         self.dataset.load_state_dict(state["dataset"])
@@ -230,7 +240,11 @@ class Trainer:
         mask = batch["response_mask"]
         texts = decode_responses(self.tokenizer, batch["responses"], mask)
         scores, info = score_responses(
-            texts, rows, function=self.plan.reward_fn, on_error=self.cfg.reward.on_error
+            texts,
+            rows,
+            function=self.plan.reward_fn,
+            on_error=self.cfg.reward.on_error,
+            timeout_s=self.cfg.reward.timeout_s,
         )
         score = torch.tensor(scores, dtype=torch.float32)
         batch["token_level_scores"] = place_scores(score, mask)
@@ -369,6 +383,7 @@ class Trainer:
                 batch_size=cfg.trainer.val_batch_size,
                 seed=step_seed(cfg.trainer.seed, self.step),
                 function=self.plan.reward_fn,
+                timeout_s=cfg.reward.timeout_s,
             )
         total, count = self.world.sum([accuracy * len(rows), len(rows)])
         return total / max(count, 1.0)
@@ -387,6 +402,19 @@ class Trainer:
                 close()  # before the process group goes: a vLLM engine holds groups of its own
             if self.world.mesh is not None:  # only the group this run created
                 teardown_distributed()
+            self.run.release()
+
+    def _check_skipped_steps(self) -> None:
+        """A run whose every update is skipped (non-finite gradients) learns nothing: stop."""
+        limit = self.cfg.trainer.max_skipped_steps
+        for name, engine in self.engines.items():
+            if engine.skipped_in_a_row > limit:
+                raise NumericsError(
+                    f"{name}: the last {engine.skipped_in_a_row} optimizer steps were all "
+                    f"skipped (non-finite gradients; see {name}/grad_norm in metrics.jsonl), "
+                    f"more than trainer.max_skipped_steps={limit}: stopping at step "
+                    f"{self.step} without saving it"
+                )
 
     def _fit(self) -> dict:
         cfg = self.cfg.trainer
@@ -421,6 +449,7 @@ class Trainer:
                     metrics["val/accuracy"] = self.last_val_accuracy
                     metrics["timing/val"] = time.perf_counter() - start
                 log(self.step, metrics)
+                self._check_skipped_steps()
                 if cfg.save_every > 0 and (self.step % cfg.save_every == 0 or last):
                     self._save()
                 if out_of_time:

@@ -1,0 +1,365 @@
+"""A run directory belongs to one run: a manifest, a lock, and the checkpoint to resume from.
+
+``claim_run_dir(cfg)`` runs before any model loads (the CLI calls it right after
+``validate_config``; ``Trainer`` calls it when not handed one) and, on rank 0:
+
+1. checks ``trainer.output_dir`` (not a file, creatable, writable);
+2. takes an exclusive ``flock`` on ``<output_dir>/run.lock`` for the run's life and writes its
+   pid there: a second process on the same directory stops with a ``ConfigError`` naming the
+   holder;
+3. decides what the directory's contents mean for this run. ``trainer.resume=never`` on a
+   directory that holds a run is refused unless ``trainer.overwrite=true``, which moves the old
+   contents to ``<output_dir>.old-<time>`` (never deletes them). ``resume=auto`` or a path on a
+   directory that holds a run compares the configuration with the one the run was started
+   with: a difference outside ``RESUME_MAY_DIFFER`` is a ``ConfigError`` naming the keys;
+4. picks the checkpoint to resume from: ``auto`` takes the newest one whose files match their
+   manifest, says on stderr which newer ones were damaged and moves those to
+   ``checkpoints/corrupt-step_<k>``; an explicit path that does not verify is a
+   ``ConfigError`` naming the file;
+5. writes ``<output_dir>/run.json`` atomically: the resolved config and its SHA-256, the otbrl
+   version, when the run was created, and one entry per start (pid, host, resumed from,
+   changed keys, damaged checkpoints passed over).
+
+Other ranks of a ``torchrun`` job touch nothing: rank 0 decides, and the trainer broadcasts its
+checkpoint choice once the process group exists.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import otbrl
+from otbrl.config import Config, ConfigError, to_dict
+from otbrl.run import checkpoint
+from otbrl.run.outputs import METRICS_FILE, SUMMARY_FILE, atomic_write_text
+
+MANIFEST = "run.json"
+LOCK = "run.lock"
+CHECKPOINTS = "checkpoints"
+# Keys that may change when a run is resumed: how long it runs, how it logs and saves, how long
+# ranks wait, and the layout keys that by design change no result (a checkpoint resumes on any
+# engine and world size; micro-batches accumulate exactly; packed equals padded). Anything else
+# (estimator, lr, data, model, seed, ...) would mix two runs' steps.
+RESUME_MAY_DIFFER = frozenset(
+    {
+        "actor.engine",
+        "actor.tensor_parallel_size",
+        "actor.ulysses_sequence_parallel_size",
+        "actor.use_fused_kernels",
+        "actor.micro_batch_size",
+        "critic.micro_batch_size",
+        "model.use_remove_padding",
+        "trainer.val_batch_size",
+        "trainer.total_steps",
+        "trainer.logger",
+        "trainer.val_every",
+        "trainer.save_every",
+        "trainer.keep_last_checkpoints",
+        "trainer.max_wall_seconds",
+        "trainer.max_skipped_steps",
+        "trainer.resume",
+        "trainer.overwrite",
+        "trainer.output_dir",
+        "trainer.dist_timeout_s",
+        # the vLLM engine's memory and compilation settings change no sample
+        "rollout.vllm.enforce_eager",
+        "rollout.vllm.gpu_memory_utilization",
+        "rollout.vllm.kv_cache_gib",
+        "rollout.vllm.enable_sleep_mode",
+    }
+)
+# What otbrl writes into a run directory (named in messages).
+_RUN_ENTRIES = (MANIFEST, METRICS_FILE, SUMMARY_FILE, CHECKPOINTS, "config.yaml")
+
+
+@dataclass
+class RunDir:
+    """A claimed run directory. ``resume_from``: the verified checkpoint this run continues
+    from (None: start at step 0; always None on ranks other than 0, which claim nothing)."""
+
+    path: Path
+    resume_from: Path | None = None
+    manifest: dict[str, Any] = field(default_factory=dict)
+    _lock_fd: int | None = None
+
+    @property
+    def owner(self) -> bool:
+        """This process holds the lock (rank 0 while the run lives)."""
+        return self._lock_fd is not None
+
+    def release(self) -> None:
+        """Give the lock up (the OS does it too when the process ends); safe to call twice."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the only descriptor releases the flock
+            self._lock_fd = None
+
+
+def flat_config(config: dict, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists stay values)."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(flat_config(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_sha256(config: dict) -> str:
+    """SHA-256 of a resolved config's canonical JSON (key order does not matter)."""
+    text = json.dumps(config, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def config_differences(saved: dict, current: dict) -> dict[str, tuple[Any, Any]]:
+    """``{dotted key: (saved value, current value)}`` where two resolved configs differ. A key
+    one of them lacks (another otbrl version) counts as the schema's default."""
+    defaults = flat_config(to_dict(Config()))
+    a, b = flat_config(saved), flat_config(current)
+    out = {}
+    for key in sorted(set(a) | set(b)):
+        x, y = a.get(key, defaults.get(key)), b.get(key, defaults.get(key))
+        if x != y:
+            out[key] = (x, y)
+    return out
+
+
+def claim_run_dir(cfg: Config, *, rank: int | None = None, stream: TextIO | None = None) -> RunDir:
+    """Claim ``cfg.trainer.output_dir`` for this run (see the module docstring); raises
+    ``ConfigError`` naming the key for every problem the user must fix. ``rank`` defaults to
+    torchrun's ``RANK``; notes (damaged checkpoints, changed keys) go to ``stream`` (stderr)."""
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    path = Path(cfg.trainer.output_dir)
+    if rank != 0:
+        return RunDir(path)
+    stream = stream or sys.stderr
+    _prepare(path)
+    run = RunDir(path, _lock_fd=_lock(path))
+    try:
+        current = to_dict(cfg)
+        saved = _saved_config(path)
+        entry: dict[str, Any] = {
+            "started_at": _now(),
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "otbrl_version": otbrl.__version__,
+        }
+        if cfg.trainer.resume == "never":
+            if saved is not None:
+                if not cfg.trainer.overwrite:
+                    raise ConfigError(
+                        f"'trainer.resume' is never but trainer.output_dir '{path}' holds a run "
+                        f"({_describe(path)}): use a new trainer.output_dir, "
+                        "trainer.resume=auto to continue it, or trainer.overwrite=true to move "
+                        "it aside (nothing is deleted)",
+                        "trainer.resume",
+                    )
+                moved = _move_aside(path)
+                print(f"otbrl: moved the previous run in {path} to {moved}", file=stream)
+                entry["previous_run_moved_to"] = str(moved)
+                saved = None
+        elif saved is not None:
+            changed = _check_same_run(path, saved, current)
+            if changed:
+                entry["changed"] = {k: list(v) for k, v in changed.items()}
+                text = ", ".join(f"{k} {x!r} -> {y!r}" for k, (x, y) in changed.items())
+                print(f"otbrl: resuming {path} with {text}", file=stream)
+        run.resume_from = _resume_from(cfg, path, entry, stream)
+        if run.resume_from is not None:
+            entry["resumed_from"] = str(run.resume_from)
+        elif saved is not None and "damaged_checkpoints" not in entry:
+            print(
+                f"otbrl: {path} holds this run but no checkpoint (trainer.save_every=0?): "
+                "starting it over from step 0",
+                file=stream,
+            )
+        run.manifest = _write_manifest(path, current, entry, fresh=saved is None)
+    except BaseException:
+        run.release()
+        raise
+    return run
+
+
+def _prepare(path: Path) -> None:
+    key = "trainer.output_dir"
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"'{key}' must be a directory, got '{path}', which is a file", key)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"'{key}' cannot be created: '{path}': {err.strerror}", key) from None
+
+
+def _lock(path: Path) -> int:
+    """An exclusive, non-blocking ``flock`` on ``run.lock`` holding this process's id."""
+    key = "trainer.output_dir"
+    lock = path / LOCK
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as err:
+        raise ConfigError(
+            f"'{key}' is not writable: cannot create '{lock}': {err.strerror}", key
+        ) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(fd)
+        os.close(fd)
+        raise ConfigError(
+            f"'{key}' '{path}' is in use by {holder} (lock file '{lock}'): wait for that run "
+            "to end, or use another trainer.output_dir",
+            key,
+        ) from None
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "since": _now()}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+    os.fsync(fd)
+    return fd
+
+
+def _holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode())
+        return f"process {info['pid']} on host {info['host']} (since {info['since']})"
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return "another process"
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def _holds_run(path: Path) -> bool:
+    """Something of a run is there: a logged step, a summary or a checkpoint. A manifest or a
+    config alone (a start that failed before its first step) and files otbrl does not write
+    are not a run."""
+    metrics, ckpts = path / METRICS_FILE, path / CHECKPOINTS
+    return (
+        (metrics.is_file() and metrics.stat().st_size > 0)
+        or (path / SUMMARY_FILE).exists()
+        or (ckpts.is_dir() and any(ckpts.iterdir()))
+    )
+
+
+def _saved_config(path: Path) -> dict | None:
+    """The configuration the run in ``path`` was started with; None when the directory holds
+    no run (``_holds_run``)."""
+    if not _holds_run(path):
+        return None
+    key = "trainer.output_dir"
+    if (path / MANIFEST).is_file():
+        try:
+            return json.loads((path / MANIFEST).read_text())["config"]
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            raise ConfigError(
+                f"'{key}': '{path / MANIFEST}' is not a valid run manifest: move the directory "
+                "away or use trainer.resume=never trainer.overwrite=true",
+                key,
+            ) from None
+    if (path / "config.yaml").is_file():  # a run from before run.json existed
+        import yaml  # a dependency of omegaconf
+
+        try:
+            loaded = yaml.safe_load((path / "config.yaml").read_text())
+        except (yaml.YAMLError, UnicodeDecodeError):
+            loaded = None
+        if isinstance(loaded, dict):
+            return loaded
+    raise ConfigError(
+        f"'{key}' '{path}' holds otbrl outputs but no readable {MANIFEST} or config.yaml, so "
+        "whose run it is cannot be told: use a new trainer.output_dir, or trainer.resume=never "
+        "trainer.overwrite=true to move them aside",
+        key,
+    )
+
+
+def _describe(path: Path) -> str:
+    names = [name for name in _RUN_ENTRIES if (path / name).exists()]
+    steps = checkpoint.list_checkpoints(path / CHECKPOINTS)
+    text = ", ".join(names)
+    return text + (f"; checkpoints up to {steps[-1].name}" if steps else "")
+
+
+def _check_same_run(path: Path, saved: dict, current: dict) -> dict[str, tuple]:
+    """The allowed differences; a ``ConfigError`` naming every other one."""
+    diff = config_differences(saved, current)
+    refused = {k: v for k, v in diff.items() if k not in RESUME_MAY_DIFFER}
+    if refused:
+        shown = [f"{k} ({x!r} in the run, {y!r} now)" for k, (x, y) in list(refused.items())[:8]]
+        more = f" and {len(refused) - 8} more" if len(refused) > 8 else ""
+        raise ConfigError(
+            f"'trainer.output_dir' '{path}' holds a run with another configuration: "
+            f"{', '.join(shown)}{more}; resuming would mix two runs: use a new "
+            "trainer.output_dir, or trainer.resume=never trainer.overwrite=true to move the "
+            "old run aside",
+            sorted(refused)[0],
+        )
+    return {k: v for k, v in diff.items() if k not in ("trainer.resume", "trainer.overwrite")}
+
+
+def _move_aside(path: Path) -> Path:
+    """Move everything in ``path`` but the lock into a new ``<path>.old-<time>`` sibling."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1000):
+        target = path.with_name(f"{path.name}.old-{stamp}" + (f"-{n}" if n else ""))
+        try:
+            target.mkdir(mode=0o777)
+            break
+        except FileExistsError:
+            continue
+    for entry in sorted(path.iterdir()):
+        if entry.name != LOCK:
+            os.rename(entry, target / entry.name)
+    return target
+
+
+def _resume_from(cfg: Config, path: Path, entry: dict, stream: TextIO) -> Path | None:
+    resume = cfg.trainer.resume
+    if resume == "never":
+        return None
+    if resume != "auto":
+        try:
+            checkpoint.verify_checkpoint(resume)
+        except ValueError as err:
+            raise ConfigError(f"'trainer.resume': {err}", "trainer.resume") from None
+        return Path(resume)
+    root = path / CHECKPOINTS
+    found, skipped = checkpoint.latest_verified_checkpoint(root)
+    for bad, why in skipped:
+        moved = bad.with_name(f"corrupt-{bad.name}")
+        n = 1
+        while moved.exists():
+            moved, n = bad.with_name(f"corrupt-{bad.name}-{n}"), n + 1
+        os.rename(bad, moved)
+        print(
+            f"otbrl: warning: damaged checkpoint: {why}; moved it to {moved.name}",
+            file=stream,
+        )
+    if skipped:
+        entry["damaged_checkpoints"] = [{"path": str(p), "error": why} for p, why in skipped]
+        into = f"from {found}" if found else "from step 0 (no intact checkpoint left)"
+        print(f"otbrl: warning: resuming {into}", file=stream)
+    return found
+
+
+def _write_manifest(path: Path, config: dict, entry: dict, *, fresh: bool) -> dict:
+    manifest: dict[str, Any] = {}
+    if not fresh and (path / MANIFEST).is_file():
+        manifest = json.loads((path / MANIFEST).read_text())
+    manifest.setdefault("format", 1)
+    manifest.setdefault("created_at", entry["started_at"])
+    manifest.update(
+        otbrl_version=otbrl.__version__, config=config, config_sha256=config_sha256(config)
+    )
+    manifest["starts"] = [*manifest.get("starts", []), entry]
+    atomic_write_text(path / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    return manifest

@@ -1,0 +1,39 @@
+"""A tiny model, small parquet files and the overrides of a seconds-long ``otbrl train`` run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from otbrl.data import get_task, write_parquet_rows
+from otbrl.models import build_tiny_model
+
+
+def tiny_run_factory(root: Path):
+    """Build the model and data under ``root``; returns ``overrides(out_dir, *extra)``: a
+    4-step run (4 prompts x 4 samples, 2 optimizer steps per RL step), saved every 2 steps."""
+    model = build_tiny_model(
+        root / "model", hidden_size=32, intermediate_size=64, num_hidden_layers=1
+    )
+    task = get_task("arithmetic")
+    train = write_parquet_rows(task.rows("train", 32, seed=0), root / "train.parquet")
+    val = write_parquet_rows(task.rows("val", 8, seed=0), root / "val.parquet")
+
+    def overrides(out_dir, *extra):
+        return [
+            f"model.path={model}",
+            f"trainer.output_dir={out_dir}",
+            "trainer.total_steps=4",
+            "trainer.save_every=2",
+            "trainer.val_every=2",
+            "trainer.logger=[jsonl]",
+            "data.train_batch_size=4",
+            f"data.train_files=[{train}]",
+            f"data.val_files=[{val}]",
+            "data.max_response_length=4",
+            "rollout.n=4",
+            "actor.ppo_mini_batch_size=2",
+            "actor.micro_batch_size=4",
+            *extra,
+        ]
+
+    return overrides

@@ -1,0 +1,206 @@
+"""Numbers that cannot work are refused before a model loads; weights that go non-finite, or a
+run that only skips its steps, stop the run before anything broken is saved."""
+
+import json
+import math
+import re
+
+import pytest
+import torch
+
+from dist_utils import OUTPUTS, actor_config, policy_loss, ppo_batch, tiny_llama
+from otbrl import cli
+from otbrl.config import Config, ConfigError, _floats, load_config
+from otbrl.engine.engine import Engine, NumericsError
+from otbrl.run.checkpoint import list_checkpoints
+from run_utils import tiny_run_factory
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def overrides(tmp_path_factory):
+    return tiny_run_factory(tmp_path_factory.mktemp("numerics"))
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    import otbrl.run.sft as sft_mod
+    import otbrl.run.trainer as trainer_mod
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a model was loaded before the config was validated")
+
+    monkeypatch.setattr(trainer_mod, "load_model_and_tokenizer", forbidden)
+    monkeypatch.setattr(sft_mod, "ensure_warm_start", forbidden)
+
+
+FLOAT_KEYS = [key for key, _ in _floats(Config())]
+
+
+def test_the_schema_has_the_float_keys_the_issue_names():
+    for key in ("actor.entropy_coeff", "algorithm.gamma", "actor.grad_clip", "actor.lr"):
+        assert key in FLOAT_KEYS
+    assert "rollout.temperature" in FLOAT_KEYS and len(FLOAT_KEYS) > 20
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+def test_every_float_key_must_be_finite(key, value):
+    with pytest.raises(ConfigError, match="must be a finite number") as info:
+        load_config(None, [f"{key}={value}"])
+    assert info.value.key == key
+
+
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        ("algorithm.gamma=1.5", "in [0, 1]"),
+        ("algorithm.lam=-0.1", "in [0, 1]"),
+        ("actor.clip_ratio_low=1.0", "< 1"),
+        ("actor.entropy_coeff=-0.01", ">= 0"),
+        ("reward.timeout_s=-1", ">= 0"),
+        ("trainer.dist_timeout_s=0", "> 0"),
+        ("trainer.max_skipped_steps=-1", ">= 0"),
+    ],
+)
+def test_values_out_of_range_are_refused(override, fragment):
+    with pytest.raises(ConfigError, match=re.escape(fragment)) as info:
+        load_config(None, [override])
+    assert info.value.key == override.split("=")[0]
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("actor.entropy_coeff=nan", "actor.entropy_coeff"),
+        ("algorithm.gamma=nan", "algorithm.gamma"),
+        ("actor.grad_clip=nan", "actor.grad_clip"),
+        ("actor.lr=inf", "actor.lr"),
+        ("rollout.temperature=inf", "rollout.temperature"),
+        ("model.dtype=float16", "model.dtype"),
+    ],
+)
+def test_the_issue_numbers_exit_2_before_loading(override, key, capsys, no_model_loading):
+    assert cli.main(["train", override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"'{key}'" in err and "Traceback" not in err
+    if key == "model.dtype":  # the fix is in the message
+        assert "model.dtype=bfloat16" in err and "float32" in err
+
+
+def _update(engine):
+    batch = ppo_batch()
+    stats = engine.compute(batch, OUTPUTS)
+    return engine.update({**batch, "old_log_probs": stats["log_probs"]}, policy_loss())
+
+
+def test_pure_fp16_step_is_caught_not_trained_on():
+    """fp16 AdamW: eps underflows, the update is NaN although the gradient is finite (so the
+    skip guard does not fire); the parameter check stops it. bf16 and fp32 train."""
+    engine = Engine(tiny_llama(seed=0).half(), actor_config(), mini_batch_size=8)
+    with pytest.raises(NumericsError, match=r"non-finite values in the parameters \(model\."):
+        _update(engine)
+    for dtype in (torch.bfloat16, torch.float32):
+        engine = Engine(tiny_llama(seed=0).to(dtype), actor_config(), mini_batch_size=8)
+        metrics = _update(engine)
+        assert metrics["policy/skipped_steps"] == 0 and math.isfinite(metrics["policy/grad_norm"])
+        assert all(bool(torch.isfinite(p).all()) for p in engine.model.parameters())
+
+
+def test_the_check_names_the_parameter_that_went_bad(monkeypatch):
+    engine = Engine(tiny_llama(seed=0), actor_config(), mini_batch_size=8)
+    real_step = engine.optimizer.step
+
+    def step_then_poison(*args, **kwargs):
+        out = real_step(*args, **kwargs)
+        with torch.no_grad():
+            engine.model.model.norm.weight[3] = float("inf")
+        return out
+
+    monkeypatch.setattr(engine.optimizer, "step", step_then_poison)
+    with pytest.raises(NumericsError, match=r"\(model\.norm\.weight\)"):
+        _update(engine)
+
+
+def _read(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_trainer_stops_before_saving_non_finite_weights(overrides, tmp_path, capsys, monkeypatch):
+    """Weights poisoned by the 3rd optimizer step (RL step 2): exit 1 with one line, step 1's
+    checkpoint kept, nothing of step 2 logged or saved."""
+    calls = []
+    real_step = torch.optim.AdamW.step
+
+    def poisoning_step(self, *args, **kwargs):
+        out = real_step(self, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 3:
+            with torch.no_grad():
+                self.param_groups[0]["params"][0].fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", poisoning_step)
+    run = tmp_path / "run"
+    assert cli.main(["train", *overrides(run, "trainer.save_every=1")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("otbrl: error: policy: an optimizer step left non-finite")
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step_1"]
+    assert [r["step"] for r in _read(run / "metrics.jsonl")] == [0, 1]
+
+
+def test_a_run_that_only_skips_stops(overrides, tmp_path, capsys, monkeypatch):
+    import otbrl.engine.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod.parallel, "clip_grad_norm", lambda *a: torch.tensor(math.nan))
+    run = tmp_path / "run"
+    argv = ["train", *overrides(run, "trainer.save_every=1", "trainer.max_skipped_steps=2")]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "the last 4 optimizer steps were all skipped" in err
+    assert "trainer.max_skipped_steps=2" in err and "step 2" in err
+    records = _read(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert records[1]["policy/skipped_steps"] == 2 and records[2]["policy/skipped_steps"] == 2
+    # step 1 (2 skips in a row, not more than 2) was saved; step 2 was not
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step_1"]
+
+
+def test_skips_counted_in_a_row_reset_on_a_taken_step(monkeypatch):
+    import otbrl.engine.engine as engine_mod
+
+    real = engine_mod.parallel.clip_grad_norm
+    norms = iter([math.nan, math.nan, None, math.nan])
+
+    def scripted(params, clip):
+        value = next(norms)
+        return real(params, clip) if value is None else torch.tensor(value)
+
+    monkeypatch.setattr(engine_mod.parallel, "clip_grad_norm", scripted)
+    engine = Engine(tiny_llama(seed=0), actor_config(), mini_batch_size=4)  # 2 steps / update
+    seen = []
+    for _ in range(2):
+        _update(engine)
+        seen.append(engine.skipped_in_a_row)
+    assert seen == [2, 1]
+
+
+def test_the_check_is_exact_when_a_sum_overflows():
+    """The fast path sums each parameter; finite values whose sum overflows are not an error,
+    one NaN next to them is."""
+    engine = Engine(tiny_llama(seed=0), actor_config(), mini_batch_size=8)
+    weight = engine.model.model.layers[0].mlp.up_proj.weight
+    with torch.no_grad():
+        weight[0, :2] = 3e38  # finite in fp32; their sum is not
+    engine._check_parameters()
+    with torch.no_grad():
+        weight[1, 0] = float("nan")
+    with pytest.raises(NumericsError, match=r"\(model\.layers\.0\.mlp\.up_proj\.weight\)"):
+        engine._check_parameters()

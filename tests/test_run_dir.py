@@ -1,0 +1,260 @@
+"""A run directory belongs to one run: manifest, lock, same-config resume, nothing lost."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from ckpt_utils import flip_byte, truncate
+from otbrl import cli
+from otbrl.config import ConfigError, load_config
+from otbrl.run.checkpoint import list_checkpoints, verify_checkpoint
+from otbrl.run.rundir import RESUME_MAY_DIFFER, claim_run_dir, config_sha256
+from otbrl.run.trainer import Trainer
+from run_utils import tiny_run_factory
+
+VOLATILE = ("timing/", "throughput/")  # wall-clock measurements differ between any two runs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads cost more than they give, and stay exact
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny model, small parquet files, and a finished 4-step run saved at steps 2 and 4."""
+    root = tmp_path_factory.mktemp("rundir")
+    overrides = tiny_run_factory(root)
+    finished = root / "finished"
+    Trainer(load_config(None, overrides(finished))).fit()
+    return overrides, finished
+
+
+def copy_run(setup, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(setup[1], run)
+    return run
+
+
+def stable(run):
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(x).items() if not k.startswith(VOLATILE)} for x in lines]
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    import otbrl.run.sft as sft_mod
+    import otbrl.run.trainer as trainer_mod
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a model was loaded before the run directory was checked")
+
+    monkeypatch.setattr(trainer_mod, "load_model_and_tokenizer", forbidden)
+    monkeypatch.setattr(sft_mod, "ensure_warm_start", forbidden)
+
+
+def one_line_error(capsys):
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_manifest_and_lock_of_a_run(setup):
+    _, run = setup
+    manifest = json.loads((run / "run.json").read_text())
+    assert manifest["config"]["trainer"]["output_dir"] == str(run)
+    assert manifest["config_sha256"] == config_sha256(manifest["config"])
+    import otbrl
+
+    assert manifest["otbrl_version"] == otbrl.__version__ and manifest["created_at"]
+    (start,) = manifest["starts"]
+    assert start["pid"] == os.getpid() and "resumed_from" not in start
+    holder = json.loads((run / "run.lock").read_text())
+    assert holder["pid"] == os.getpid()  # the last holder; released when fit() returned
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step_2", "step_4"]
+
+
+def test_resume_never_twice_loses_no_metrics(setup, tmp_path, capsys, no_model_loading):
+    """The issue's case: resume=never on a finished run used to truncate metrics.jsonl and
+    overwrite low checkpoints while keeping the old later ones (logged steps 1, 2, 7, 8)."""
+    overrides, _ = setup
+    run = copy_run(setup, tmp_path)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != "run.lock"}
+    for _ in range(2):
+        assert cli.main(["train", *overrides(run, "trainer.resume=never")]) == 2
+        err = one_line_error(capsys)
+        assert "'trainer.resume'" in err and str(run) in err and "trainer.overwrite" in err
+    after = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != "run.lock"}
+    assert after == before
+
+
+def test_overwrite_moves_the_old_run_aside(setup, tmp_path, capsys):
+    overrides, _ = setup
+    run = copy_run(setup, tmp_path)
+    old_metrics = (run / "metrics.jsonl").read_bytes()
+    extra = ("trainer.resume=never", "trainer.overwrite=true", "trainer.total_steps=2")
+    Trainer(load_config(None, overrides(run, *extra))).fit()
+    (moved,) = tmp_path.glob("run.old-*")
+    assert f"moved the previous run in {run} to {moved}" in capsys.readouterr().err
+    assert (moved / "metrics.jsonl").read_bytes() == old_metrics  # nothing deleted
+    assert [p.name for p in list_checkpoints(moved / "checkpoints")] == ["step_2", "step_4"]
+    assert [r["step"] for r in stable(run)] == [0, 1, 2]
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step_2"]
+    # the next resume=auto continues the new run, never the old one's step_4
+    Trainer(load_config(None, overrides(run))).fit()
+    assert [r["step"] for r in stable(run)] == [0, 1, 2, 3, 4]
+    starts = json.loads((run / "run.json").read_text())["starts"]
+    assert starts[0]["previous_run_moved_to"] == str(moved)
+    assert starts[1]["resumed_from"] == str(run / "checkpoints" / "step_2")
+
+
+def test_resume_with_another_config_is_refused_before_loading(
+    setup, tmp_path, capsys, no_model_loading
+):
+    overrides, _ = setup
+    run = copy_run(setup, tmp_path)
+    manifest = (run / "run.json").read_bytes()
+    argv = ["train", *overrides(run, "actor.lr=1e-4", "algorithm.adv_estimator=grpo")]
+    assert cli.main(argv) == 2
+    err = one_line_error(capsys)
+    assert "another configuration" in err and "actor.lr" in err and "adv_estimator" in err
+    assert "'optimal_token_baseline' in the run, 'grpo' now" in err
+    assert (run / "run.json").read_bytes() == manifest  # nothing written
+    # allow-listed keys may change: the claim succeeds and records them
+    allowed = ("trainer.total_steps=6", "trainer.save_every=3", "trainer.logger=[jsonl,console]")
+    claimed = claim_run_dir(load_config(None, overrides(run, *allowed)))
+    try:
+        assert claimed.resume_from == run / "checkpoints" / "step_4"
+        start = claimed.manifest["starts"][-1]
+        assert start["changed"]["trainer.total_steps"] == [4, 6]
+        assert set(start["changed"]) <= RESUME_MAY_DIFFER
+    finally:
+        claimed.release()
+    assert "resuming" in capsys.readouterr().err
+
+
+def test_a_legacy_run_without_manifest_is_compared_with_its_config_yaml(setup, tmp_path):
+    overrides, _ = setup
+    run = copy_run(setup, tmp_path)
+    (run / "run.json").unlink()
+    with pytest.raises(ConfigError, match=r"data\.seed \(0 in the run, 3 now\)"):
+        claim_run_dir(load_config(None, overrides(run, "data.seed=3")))
+    claim_run_dir(load_config(None, overrides(run))).release()
+    assert (run / "run.json").is_file()
+
+
+HOLDER = """
+import sys, time
+from otbrl.config import load_config
+from otbrl.run.rundir import claim_run_dir
+run = claim_run_dir(load_config(None, [f"trainer.output_dir={sys.argv[1]}"]))
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_second_process_on_a_locked_directory_exits_2(setup, tmp_path):
+    overrides, _ = setup
+    run = tmp_path / "busy"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(run)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        second = subprocess.run(
+            [sys.executable, "-m", "otbrl", "train", *overrides(run)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert second.returncode == 2, second.stderr
+        assert f"in use by process {holder.pid}" in second.stderr
+        assert len(second.stderr.strip().splitlines()) == 1
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder died: its stale lock file blocks nobody
+    claim_run_dir(load_config(None, overrides(run))).release()
+
+
+def test_flipped_bytes_fall_back_to_the_previous_checkpoint(setup, tmp_path, capsys):
+    overrides, finished = setup
+    run = copy_run(setup, tmp_path)
+    flip_byte(run / "checkpoints" / "step_4" / "model.safetensors")
+    Trainer(load_config(None, overrides(run))).fit()
+    err = capsys.readouterr().err
+    assert "damaged checkpoint" in err and "'model.safetensors'" in err and "SHA-256" in err
+    assert f"resuming from {run / 'checkpoints' / 'step_2'}" in err
+    # steps 3 and 4 were redone from step 2: the same metrics as the uninterrupted run
+    assert stable(run) == stable(finished)
+    assert (run / "checkpoints" / "corrupt-step_4").is_dir()  # moved aside, not deleted
+    assert verify_checkpoint(run / "checkpoints" / "step_4") == 4
+    damaged = json.loads((run / "run.json").read_text())["starts"][-1]["damaged_checkpoints"]
+    assert damaged[0]["path"].endswith("step_4") and "model.safetensors" in damaged[0]["error"]
+
+
+def test_explicit_resume_of_a_damaged_checkpoint_names_the_file(
+    setup, tmp_path, capsys, no_model_loading
+):
+    overrides, _ = setup
+    run = copy_run(setup, tmp_path)
+    step = run / "checkpoints" / "step_4"
+    truncate(step / "state" / "trainer_state.safetensors")
+    assert cli.main(["train", *overrides(tmp_path / "new", f"trainer.resume={step}")]) == 2
+    err = one_line_error(capsys)
+    assert "'trainer.resume'" in err and "trainer_state.safetensors" in err and "bytes" in err
+    assert cli.main(["train", *overrides(tmp_path / "new", f"trainer.resume={run}")]) == 2
+    assert "complete checkpoint directory" in one_line_error(capsys)
+
+
+def test_output_dir_problems_are_one_line_before_loading(setup, tmp_path, capsys, no_model_loading):
+    overrides, _ = setup
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a directory")
+    cases = [(a_file, "which is a file"), (a_file / "sub", "cannot be created")]
+    if os.geteuid() == 0:  # root writes through permission bits; /sys refuses even root
+        if os.path.isdir("/sys/kernel"):
+            cases.append(("/sys/kernel", "not writable"))
+    else:
+        read_only = tmp_path / "read_only"
+        read_only.mkdir(mode=0o500)
+        cases.append((read_only, "not writable"))
+    for out_dir, fragment in cases:
+        assert cli.main(["train", *overrides(out_dir)]) == 2
+        err = one_line_error(capsys)
+        assert "'trainer.output_dir'" in err and fragment in err and str(out_dir) in err
+
+
+def test_a_failed_start_leaves_nothing_that_blocks_a_fixed_config(setup, tmp_path):
+    """A start that fails before its first step (here: a bad model file) leaves a manifest but
+    no run: the corrected command, with another config, is not refused."""
+    overrides, _ = setup
+    run = tmp_path / "run"
+    broken = tmp_path / "broken_model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(Exception):  # noqa: B017 — the HF loader's own error
+        Trainer(load_config(None, [*overrides(run), f"model.path={broken}"]))
+    assert (run / "run.json").is_file()
+    claim_run_dir(load_config(None, overrides(run))).release()  # lock released by the failure
+
+
+def test_lock_conflicts_within_one_process_until_released(setup, tmp_path):
+    overrides, _ = setup
+    cfg = load_config(None, overrides(tmp_path / "run"))
+    first = claim_run_dir(cfg)
+    with pytest.raises(ConfigError, match=f"in use by process {os.getpid()}"):
+        claim_run_dir(cfg)  # a second descriptor conflicts even within one process
+    first.release()
+    start = time.monotonic()
+    claim_run_dir(cfg).release()
+    assert time.monotonic() - start < 5
