@@ -101,7 +101,10 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    cfg, plan = _config(args, DEMO_PRESET)
+    from otbrl.run.presets import task_preset
+
+    # the task's own preset (tool_arithmetic: the calculator on...), before the user's overrides
+    cfg, plan = _config(args, [*DEMO_PRESET, *task_preset(args.overrides, args.config)])
     from otbrl.run.rundir import claim_run_dir
     from otbrl.run.trainer import Trainer
 
