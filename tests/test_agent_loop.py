@@ -67,7 +67,7 @@ class ScriptedEngine:
         self.calls.append((len(prompts), params))
         budgets = [params.max_tokens] * len(prompts) if max_tokens is None else list(max_tokens)
         out = []
-        for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
+        for prompt, budget in zip(prompts, budgets):
             self.contexts.append(list(prompt))
             group = []
             for j in range(params.n):

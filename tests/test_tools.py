@@ -159,7 +159,7 @@ def test_resolve_errors_name_the_spec(user_file):
         resolve_tools(["calculater"])
     with pytest.raises(ValueError, match="does not exist"):
         resolve_tools(["missing.py:fn"])
-    with pytest.raises(ValueError, match="has no 'nope'.*add"):
+    with pytest.raises(ValueError, match=r"has no 'nope'.*add"):
         resolve_tools([f"{user_file}:nope"])
     with pytest.raises(ValueError, match="type hints"):
         resolve_tools([f"{user_file}:no_hints"])

@@ -126,6 +126,13 @@ def _demo(args: argparse.Namespace) -> int:
         f"{cfg.algorithm.adv_estimator}), gain {after - before:+.3f}; "
         f"{wall:.0f} s incl. warm start; curves: {cfg.trainer.output_dir}/curves.png"
     )
+    if "final_val_accuracy_without_tools" in summary:
+        rates = [summary.get(f"{k}_val_tool_call_rate") for k in ("initial", "final")]
+        if None not in rates:
+            print(f"tool-call rate: {rates[0]:.3f} -> {rates[1]:.3f}", end="; ")
+        print(
+            f"the final policy without its tools: {summary['final_val_accuracy_without_tools']:.3f}"
+        )
     return 0
 
 

@@ -181,10 +181,14 @@ class ToolArithmeticTask(Task):
     compute alone but can read off the built-in ``calculator``.
 
     ``n_train + n_val`` distinct pairs are drawn once (``split_seed``) and split. Demonstrations
-    mix the two ways to answer, fixed per row: with probability ``tool_fraction`` a call
-    ``<tool_call>a*b</tool_call>``, the calculator's result as the observation, then the
-    answer; otherwise the answer directly. The warm-started policy therefore uses the tool only
-    sometimes, and RL from the exact-match reward alone has to raise the tool-call rate.
+    mix the two ways to answer, fixed per row: a call ``<tool_call>a*b</tool_call>``, the
+    calculator's result as the observation, then the answer; or the answer directly. Rows whose
+    ``a`` starts with one of ``tool_leading_digits`` always call; the others call with
+    probability ``tool_fraction``. The split is one the model can read off the prompt, so the
+    warm-started *greedy* policy calls on those prompts only (a per-row coin alone would not do:
+    the call token, one choice, outweighs any one first digit of a direct answer, and greedy
+    decoding would always call), while the sampled policy still tries the tool elsewhere. RL
+    from the exact-match reward alone then has to spread the tool to the other prompts.
     """
 
     name = "tool_arithmetic"
@@ -200,14 +204,22 @@ class ToolArithmeticTask(Task):
         self,
         n_train: int = 20000,
         n_val: int = 1000,
-        tool_fraction: float = 0.3,
+        tool_leading_digits: str = "123",
+        tool_fraction: float = 0.2,
         split_seed: int = 1234,
     ):
         for name, value in (("n_train", n_train), ("n_val", n_val)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        if not isinstance(tool_leading_digits, str) or not set(tool_leading_digits) <= set(
+            "123456789"
+        ):
+            raise ValueError(
+                f"tool_leading_digits: expected a string of digits 1-9, got {tool_leading_digits!r}"
+            )
         if not 0.0 <= tool_fraction <= 1.0:
             raise ValueError(f"tool_fraction: expected a number in [0, 1], got {tool_fraction!r}")
+        self.tool_leading_digits = tool_leading_digits
         self.tool_fraction, self.split_seed = tool_fraction, split_seed
         rng = np.random.default_rng(split_seed)
         codes = rng.choice(9000 * 90, size=n_train + n_val, replace=False)
@@ -216,6 +228,8 @@ class ToolArithmeticTask(Task):
 
     def uses_tool(self, row: dict) -> bool:
         """Whether the demonstration of ``row`` calls the calculator (fixed per row)."""
+        if row["extra_info"]["expression"][0] in self.tool_leading_digits:
+            return True
         split_id = SPLITS.index(row["extra_info"]["split"])
         rng = np.random.default_rng([self.split_seed, 7, split_id, row["extra_info"]["index"]])
         return bool(rng.random() < self.tool_fraction)

@@ -167,6 +167,7 @@ class Trainer:
         self.initial_val_accuracy: float | None = None
         self.last_val_accuracy: float | None = None
         self.last_val_metrics: dict[str, float] = {}  # val/* beyond the accuracy (tool use)
+        self.initial_val_metrics: dict[str, float] = {}  # the same at step 0 (not resumed)
         # wall time of the steps so far: earlier (resumed) segments + this fit() call's
         self._earlier_wall_seconds = 0.0
         self._fit_start = time.perf_counter()
@@ -392,15 +393,17 @@ class Trainer:
             out["critic/explained_variance"] = float(ev)
         return out
 
-    def validate(self) -> float:
+    def validate(self, with_tools: bool = True) -> float:
         """Accuracy on the validation rows (greedy unless ``trainer.val_greedy=false``); each
-        rank scores its share with the rollout engine."""
+        rank scores its share with the rollout engine (through the agent loop when tools are
+        configured, unless ``with_tools`` is false: the same policy answering alone)."""
         cfg = self.cfg
         rows = self.val_rows[self.world.rank :: self.world.size]
         accuracy = rate = 0.0
+        agent = self.agent if with_tools else None
         if rows:
             result = evaluate(
-                self.agent or self.rollout,
+                agent or self.rollout,
                 self.tokenizer,
                 rows,
                 stop_token_ids=self.eos_ids.tolist(),
@@ -414,9 +417,19 @@ class Trainer:
             )
             accuracy, rate = result["accuracy"], result.get("tool_call_rate", 0.0)
         total, called, count = self.world.sum([accuracy * len(rows), rate * len(rows), len(rows)])
-        if self.agent is not None:
+        if agent is not None:
             self.last_val_metrics = {"val/tool_call_rate": called / max(count, 1.0)}
         return total / max(count, 1.0)
+
+    def _tool_summary(self) -> dict:
+        """The tool-call rates at the start and end, and the final policy's accuracy with the
+        tools taken away (what the tools are worth to it)."""
+        out = {
+            "initial_val_tool_call_rate": self.initial_val_metrics.get("val/tool_call_rate"),
+            "final_val_tool_call_rate": self.last_val_metrics.get("val/tool_call_rate"),
+        }
+        out["final_val_accuracy_without_tools"] = self.validate(with_tools=False)
+        return out
 
     # -- the loop ---------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -465,6 +478,7 @@ class Trainer:
         try:
             if validating and self.step == 0:
                 self.initial_val_accuracy = self.last_val_accuracy = self.validate()
+                self.initial_val_metrics = dict(self.last_val_metrics)
                 log(0, {"val/accuracy": self.initial_val_accuracy, **self.last_val_metrics})
             while self.step < cfg.total_steps:
                 self.step += 1
@@ -487,17 +501,18 @@ class Trainer:
                     log(self.step, {"trainer/stopped_at_wall_limit": 1.0})
                     break
             segment = time.perf_counter() - self._fit_start
+            final = {
+                "initial_val_accuracy": self.initial_val_accuracy,
+                "final_val_accuracy": self.last_val_accuracy,
+                "steps": self.step,
+                "wall_seconds": self._earlier_wall_seconds + segment,
+                "segment_wall_seconds": segment,
+                "adv_estimator": self.cfg.algorithm.adv_estimator,
+            }
+            if validating and self.agent is not None:
+                final.update(self._tool_summary())
             if logger is not None:
-                summary = logger.summary(
-                    {
-                        "initial_val_accuracy": self.initial_val_accuracy,
-                        "final_val_accuracy": self.last_val_accuracy,
-                        "steps": self.step,
-                        "wall_seconds": self._earlier_wall_seconds + segment,
-                        "segment_wall_seconds": segment,
-                        "adv_estimator": self.cfg.algorithm.adv_estimator,
-                    }
-                )
+                summary = logger.summary(final)
         finally:
             if logger is not None:
                 logger.close()
