@@ -7,6 +7,8 @@ kernels for it) is first taught the call format by a short SFT on tool demonstra
 observation then sits between model turns, and the later turns attend to it.
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -28,19 +30,9 @@ from otbrl.tools import resolve_tools
 
 SIZE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2)
 SIZE["num_key_value_heads"] = 2
-MAX_TOKENS = 28
+MAX_TOKENS = 32
 TOL = 1e-5
-# the calculator is deterministic: the same call gets the same observation on both backends;
-# a second tool that echoes keeps the loop honest about which tool a call names
-ECHO = '''
-def echo(text: str) -> str:
-    """Returns its input.
-
-    Args:
-        text: anything
-    """
-    return text
-'''
+# the calculator is deterministic: the same call gets the same observation on both backends
 
 
 @pytest.fixture(scope="module")
@@ -61,14 +53,13 @@ def setup(tmp_path_factory):
         )  # fmt: skip
     model.eval()
     model.save_pretrained(path)  # vLLM reads the taught weights from the directory
-    (root / "echo.py").write_text(ECHO)
-    tools = resolve_tools(["calculator", f"{root / 'echo.py'}:echo"])
     val = task.rows("val", 6, seed=0)
     enc = encode_prompts(val, tok, max_prompt_length=16)
     prompts = unpad_prompts(enc["input_ids"], enc["attention_mask"])
     engine = VLLMRollout(path, max_model_len=64, seed=0)
     yield {
         "model": model,
+        "model64": copy.deepcopy(model).double(),
         "tok": tok,
         "tools": tools,
         "prompts": prompts,
@@ -131,10 +122,22 @@ def test_vllm_sampled_log_probs_equal_the_trainer_forward_with_observations(setu
     holes = (batch["attention_mask"][:, prompt_len:] > 0) & ~mask
     after = mask & (holes.long().cumsum(1) > 0)
     assert after.sum() >= 8  # model tokens sampled with an observation in their context
+    lp = frozenset({"log_probs"})
     with torch.no_grad():
-        stats = forward_outputs(
-            s["model"], batch, Layout(), outputs=frozenset({"log_probs"}), temperature=temperature
-        )
-    diff = (stats["log_probs"] - batch["rollout_log_probs"])[mask].abs()
-    assert float(diff.max()) <= TOL
+        trainer = forward_outputs(s["model"], batch, Layout(), outputs=lp, temperature=temperature)
+        exact = forward_outputs(s["model64"], batch, Layout(), outputs=lp, temperature=temperature)
+        # the observations hidden from the model: what a context bug would give
+        hidden = dict(batch)
+        hidden["attention_mask"] = batch["attention_mask"].clone()
+        hidden["attention_mask"][:, prompt_len:] = mask.long()
+        hidden["position_ids"] = (hidden["attention_mask"].cumsum(1) - 1).clamp(min=0)
+        blind = forward_outputs(s["model"], hidden, Layout(), outputs=lp, temperature=temperature)
+    old = trainer["log_probs"]
+    diff = (old - batch["rollout_log_probs"])[mask].abs()
+    # fp32 itself is this far from the float64 truth on this (peaked, trained) model: ~1e-5 on
+    # a few answer tokens (measured 9e-6) — the bound is 1e-5 or twice the trainer's own error
+    floor = float((old.double() - exact["log_probs"])[mask].abs().max())
+    assert float(diff.max()) <= max(TOL, 2 * floor), (float(diff.max()), floor)
+    assert float(diff.median()) <= 1e-6
+    assert float((blind["log_probs"] - old)[after].abs().max()) > 1e-3
     assert (batch["rollout_log_probs"][holes] == 0).all()

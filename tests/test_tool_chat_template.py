@@ -131,3 +131,20 @@ def test_a_tokenizer_without_chat_template_is_refused(tmp_path):
     _, tok = load_model_and_tokenizer(path)
     with pytest.raises(ValueError, match="no chat template"):
         make_agent(None, tok, resolve_tools(["calculator"]), eos_token_ids=[tok.eos_token_id])
+
+
+def test_auto_format_is_hermes_for_chat_models_with_tool_special_tokens(user_dir):
+    """Chat tokenizers such as Qwen3's have <tool_call> ... </tool_response> as single special
+    tokens too: ``auto`` still picks hermes for them; compact is the built-in model's."""
+    from otbrl.data import get_task
+    from otbrl.models import build_tokenizer
+    from otbrl.tools import TOOL_TOKENS, get_format
+
+    tools = resolve_tools(["calculator"])
+    _, tok = load_model_and_tokenizer(user_dir)
+    tok.add_tokens(list(TOOL_TOKENS), special_tokens=True)
+    assert all(len(tok.encode(t, add_special_tokens=False)) == 1 for t in TOOL_TOKENS)
+    assert get_format("auto", tools, tok).name == "hermes"
+    assert get_format("compact", tools, tok).name == "compact"  # asked for: allowed
+    builtin = build_tokenizer(get_task("tool_arithmetic").alphabet, tool_tokens=True)
+    assert get_format("auto", tools, builtin).name == "compact"

@@ -5,6 +5,7 @@ import json
 import random
 import time
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 
@@ -268,3 +269,25 @@ def test_compact_parse(user_file):
     assert nameless.name is None and "name the tool" in nameless.error
     (bad,) = many.parse("<tool_call>add:{a: 1}</tool_call>")
     assert bad.name == "add" and "not valid JSON" in bad.error
+
+
+def test_the_examples_tool_file():
+    """README's worked example: examples/my_tools.py resolves, its calculator replaces the
+    built-in, and its failure becomes an error observation."""
+    root = Path(__file__).resolve().parents[1]
+    spec = str(root / "examples" / "my_tools.py")
+    tools = resolve_tools(["calculator", f"{spec}:unit_price", f"{spec}:calculator"])
+    assert list(tools) == ["calculator", "unit_price"]
+    props = tools["unit_price"].schema["function"]["parameters"]["properties"]
+    assert props == {"item": {"type": "string", "description": 'the item\'s name, e.g. "apple"'}}
+    results = ToolExecutor(tools, timeout_s=5.0).run(
+        [
+            ToolCall("unit_price", {"item": "Bread"}),
+            ToolCall("calculator", {"expression": "3*0.5+2.25"}),
+            ToolCall("calculator", {"expression": "1/3"}),
+            ToolCall("unit_price", {"item": "caviar"}),
+        ],
+        [None] * 4,
+    )
+    assert [r.text for r in results[:3]] == ["2.25", "3.75", "0.33"]
+    assert results[3].error and "no item 'caviar'" in results[3].text

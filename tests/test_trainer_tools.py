@@ -16,7 +16,7 @@ from otbrl.engine.layout import Layout, forward_outputs
 from otbrl.models import build_tiny_model
 from otbrl.rewards import score_responses
 from otbrl.rewards.placement import place_scores
-from otbrl.rollout import SamplingParams, completions_to_batch, unpad_prompts
+from otbrl.rollout import HFRollout, SamplingParams, completions_to_batch, unpad_prompts
 from otbrl.run.build import step_seed
 from otbrl.run.evaluate import evaluate_accuracy
 
@@ -111,7 +111,7 @@ def test_multi_turn_training_steps(tool_dir, tool_files, tmp_path, monkeypatch):
         return stats
 
     monkeypatch.setattr(trainer.policy, "compute", spy)
-    trainer.fit()
+    summary = trainer.fit()
     records = read(tmp_path / "run")
     steps = [r for r in records if r["step"] > 0]
     for record in steps:
@@ -120,6 +120,14 @@ def test_multi_turn_training_steps(tool_dir, tool_files, tmp_path, monkeypatch):
         assert record["tool/calls_per_sample"] > 0 and record["tool/rows_with_holes_frac"] > 0
         assert record["tool/errors"] > 0  # random call bodies: error observations, no crash
     assert "val/tool_call_rate" in records[0] and "val/tool_call_rate" in steps[-1]
+    assert summary["initial_val_tool_call_rate"] == records[0]["val/tool_call_rate"]
+    assert summary["final_val_tool_call_rate"] == steps[-1]["val/tool_call_rate"]
+    # the final policy without its tools: the plain engine, prompts rendered without tools
+    alone = evaluate_accuracy(
+        HFRollout(model, trainer.tokenizer), trainer.tokenizer, trainer.val_rows,
+        stop_token_ids=trainer.eos_ids.tolist(), max_new_tokens=24,
+    )  # fmt: skip
+    assert summary["final_val_accuracy_without_tools"] == alone
     batch, old, full, blind = seen[-1]
     mask, prompt_len = batch["response_mask"], batch["prompts"].shape[1]
     attention = batch["attention_mask"][:, prompt_len:]

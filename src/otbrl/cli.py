@@ -188,7 +188,9 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _variance(args: argparse.Namespace) -> int:
-    cfg, _ = _config(args)
+    from otbrl.run.presets import task_preset
+
+    cfg, _ = _config(args, task_preset(args.overrides, args.config))
     from otbrl.research.variance import DEFAULT_ESTIMATORS, check_variance_args, run_variance
 
     try:

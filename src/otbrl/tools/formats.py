@@ -33,6 +33,7 @@ CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 TOOL_TOKENS = (CALL_OPEN, CALL_CLOSE, RESPONSE_OPEN, RESPONSE_CLOSE)
 FORMATS = ("auto", "hermes", "compact")
+_BUILTIN_ROLES = ("<user>", "<assistant>")  # otbrl.models.tokenizer.ROLE_TOKENS (floor 2 too)
 _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
 _PROBE_USER = "What is 12 times 34?"
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
@@ -128,14 +129,16 @@ class CompactFormat(ToolCallFormat):
 
 
 def get_format(name: str, tools: Mapping[str, Tool], tokenizer) -> ToolCallFormat:
-    """The format called ``name``; ``auto`` is ``compact`` when the tokenizer has the four tool
-    tokens as single tokens (the built-in one), else ``hermes``. ``compact`` without those
-    tokens is a ``ValueError``."""
+    """The format called ``name``; ``auto`` is ``compact`` for the built-in tokenizer (the four
+    tool tokens and its ``<user>`` / ``<assistant>`` role tokens are single tokens), else
+    ``hermes``. ``compact`` without single tool tokens is a ``ValueError``."""
     if name not in FORMATS:
         raise ValueError(f"format: expected one of {list(FORMATS)}, got {name!r}")
     single = all(len(_ids(tokenizer, t)) == 1 for t in TOOL_TOKENS)
     if name == "auto":
-        name = "compact" if single else "hermes"
+        # chat models such as Qwen3 have the tool tokens as special tokens too, and speak hermes
+        builtin = single and all(len(_ids(tokenizer, t)) == 1 for t in _BUILTIN_ROLES)
+        name = "compact" if builtin else "hermes"
     if name == "compact" and not single:
         raise ValueError(
             f"format: 'compact' needs {list(TOOL_TOKENS)} as single tokens of the tokenizer; "
