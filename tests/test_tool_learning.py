@@ -14,6 +14,7 @@ from otbrl.run.sft import run_sft
 from otbrl.tools import resolve_tools
 
 SIZE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2)
+SIZE["num_key_value_heads"] = 2
 STEPS = 40
 
 
