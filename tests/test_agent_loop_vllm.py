@@ -35,24 +35,30 @@ TOL = 1e-5
 # the calculator is deterministic: the same call gets the same observation on both backends
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("agent_vllm")
-    # every demonstration calls the calculator: a taught model calls on (almost) every prompt
+def taught_tool_model(root):
+    """A head-size-32 tiny model taught the calculator call by 150 SFT steps on demonstrations
+    that all call it (it then calls on almost every prompt); returns (path, model, tokenizer)."""
     task = get_task("tool_arithmetic", tool_leading_digits="123456789")
     path = build_tiny_model(root / "model", task="tool_arithmetic", seed=0, **SIZE)
     model, tok = load_model_and_tokenizer(path)
     rows = task.rows("train", 512, seed=0)
-    tools = resolve_tools(["calculator"])
     with torch.random.fork_rng(devices=[]):
         run_sft(
             model, tok, rows, [task.demonstration(r) for r in rows],
-            lr=3e-3, batch_size=64, max_steps=150, seed=0, tools=tools,
+            lr=3e-3, batch_size=64, max_steps=150, seed=0, tools=resolve_tools(["calculator"]),
         )  # fmt: skip
     model.eval()
     model.save_pretrained(path)  # vLLM reads the taught weights from the directory
+    return path, model, tok
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    path, model, tok = taught_tool_model(tmp_path_factory.mktemp("agent_vllm"))
+    tools = resolve_tools(["calculator"])
+    task = get_task("tool_arithmetic")
     val = task.rows("val", 6, seed=0)
     enc = encode_prompts(val, tok, max_prompt_length=16)
     prompts = unpad_prompts(enc["input_ids"], enc["attention_mask"])
