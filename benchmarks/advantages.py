@@ -232,6 +232,7 @@ def main():
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     args = parser.parse_args()
+    default_threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
     B, L, dev = args.batch, args.length, args.device
@@ -255,10 +256,14 @@ def main():
     for name in LOOPS:
         cases[name] = lambda name=name: compute_advantage(name, **batch)
         cases[f"{name} [loop]"] = lambda name=name: LOOPS[name](batch)
-    for n, b in by_groups.items():
-        cases[f"optimal_token_baseline [{B // n} groups of {n}]"] = lambda b=b: compute_advantage(
+    group_cases = {
+        f"optimal_token_baseline [{B // n} groups of {n}]": lambda b=b: compute_advantage(
             "optimal_token_baseline", **b
         )
+        for n, b in by_groups.items()
+    }
+    cases.update(group_cases)
+    group_labels = list(group_cases)
     cases["tir_optimal_token_baseline [every row has holes]"] = lambda: compute_advantage(
         "tir_optimal_token_baseline", **all_holes
     )
@@ -270,10 +275,21 @@ def main():
         for label, fn in cases.items():
             times[label].append(run(fn)[0])
     ms = {label: 1e3 * statistics.median(t) for label, t in times.items()}
+    threads = torch.get_num_threads()
+    # The groups ratio once more, from the two cases alone, alternated: in the loop above each
+    # case follows a different one (the 2-group case follows the GAE loop), and what ran
+    # before moves the allocator's state. The target is stated at the default thread count.
+    ratio_at = {threads: _alternated_ratio(run, group_cases, args.reps)}
+    if threads != default_threads and dev == "cpu":
+        # wall time there: with several threads, process CPU time counts their spin-waits
+        torch.set_num_threads(default_threads)
+        wall = _timer(dev, "wall")
+        ratio_at[default_threads] = _alternated_ratio(wall, group_cases, args.reps)
+        torch.set_num_threads(threads)
     # The floor is the faster of the two ways to compute G and W (ours reuses buffers).
     fl = min(ms["floor (G and W only)"], ms["floor, naive flip/cumsum"])
     print(
-        f"B={B} L={L} group={args.group} device={dev} threads={torch.get_num_threads()} "
+        f"B={B} L={L} group={args.group} device={dev} threads={threads} "
         f"clock={args.clock} reps={args.reps} (median)"
     )
     print(
@@ -289,17 +305,32 @@ def main():
         worst = max(worst, diff)
         v, lp = ms[name], ms[f"{name} [loop]"]
         print(f"{name:46s} {v:8.1f} {lp:8.1f} {lp / v:8.1f} {v / fl:9.2f} {diff:10.1e}")
-    extra = [f"optimal_token_baseline [{B // n} groups of {n}]" for n in by_groups]
-    for label in [*extra, "tir_optimal_token_baseline [every row has holes]"]:
+    for label in [*group_labels, "tir_optimal_token_baseline [every row has holes]"]:
         print(f"{label:46s} {ms[label]:8.1f} {'':8s} {'':8s} {ms[label] / fl:9.2f}")
     print(f"outputs equal to 1e-5: {'yes' if worst <= 1e-5 else 'NO'} (max |diff| {worst:.1e})")
     otb, tir = "optimal_token_baseline", "tir_optimal_token_baseline"
-    g2, g16 = (ms[f"{otb} [{B // n} groups of {n}]"] for n in (2, 16))
+    in_loop = ms[group_labels[0]] / ms[group_labels[1]]
+    alternated = " ".join(
+        f"{ratio:.2f} ({n} thread{'s' * (n > 1)}{', default' * (n == default_threads)})"
+        for n, ratio in sorted(ratio_at.items())
+    )
     print(
         f"otb: vec/floor = {ms[otb] / fl:.2f} loop/vec = {ms[otb + ' [loop]'] / ms[otb]:.1f} "
-        f"groups{B // 2}/groups{B // 16} = {g2 / g16:.2f}  "
+        f"groups{B // 2}/groups{B // 16} = {in_loop:.2f} in the loop, alternated {alternated}  "
         f"tir_otb: vec/floor = {ms[tir] / fl:.2f} loop/vec = {ms[tir + ' [loop]'] / ms[tir]:.1f}"
     )
+
+
+def _alternated_ratio(run, group_cases: dict, reps: int) -> float:
+    """Median time of the first case over the second's, the two run alternately."""
+    for fn in group_cases.values():  # warm-up at this thread count
+        run(fn)
+    times = defaultdict(list)
+    for _ in range(2 * reps):
+        for label, fn in group_cases.items():
+            times[label].append(run(fn)[0])
+    first, second = (statistics.median(times[label]) for label in group_cases)
+    return first / second
 
 
 if __name__ == "__main__":

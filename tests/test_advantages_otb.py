@@ -325,6 +325,25 @@ def test_tir_layouts_rows_mixed_flat_agree_with_reference():
                 assert_adv_close(adv[0], ref[0])
 
 
+def test_tir_with_holes_in_every_row_or_none_matches_reference():
+    # Every row through the flat k index, and none: both match the loop, all options.
+    for seed in range(6):
+        b = random_batch(seed, B=12, L=9, holes=False, is_weights=seed % 2 == 0, n_ids=3)
+        b["response_mask"][:, 0] = 1.0
+        every = {**b, "response_mask": b["response_mask"].clone()}
+        every["response_mask"][:, 1] = 0.0  # a hole in every row (or a 1-token response)
+        every["response_mask"][:, 2] = 1.0
+        for case in (b, every):
+            for zero_tail in (True, False):
+                for loo in (False, True):
+                    adv, ret = tir_optimal_token_baseline(
+                        **case, handle_zero_tail=zero_tail, leave_one_out=loo
+                    )
+                    ref = reference(case, tir=True, zero_tail=zero_tail, loo=loo)
+                    assert_adv_close(adv, ref[0])
+                    torch.testing.assert_close(ret.double(), ref[1], atol=1e-5, rtol=1e-5)
+
+
 def test_hole_check_short_and_long_rows():
     from otbrl.algos.otb import rows_with_holes
 

@@ -103,6 +103,11 @@ def _chunks(x: Tensor, mask: Tensor):
     return zip(x.reshape(-1).split(REDUCE_CHUNK), mask.reshape(-1).split(REDUCE_CHUNK))
 
 
+def _select(x: Tensor, mask: Tensor) -> Tensor:
+    # mask.bool() is m ≠ 0, several times faster on CPU than the float comparison
+    return torch.where(mask.bool(), x * mask, 0.0)
+
+
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Σ x·m over the positions where m ≠ 0, over everything (``dim=None``) or along ``dim``.
 
@@ -112,9 +117,13 @@ def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     Mask entries may be non-negative weights (an entry c stands for c tokens of value x).
     """
     _check_same_shape(x, mask)
-    if dim is not None:
-        return torch.where(mask != 0, x * mask, 0.0).sum(dim)
-    return sum(torch.where(m != 0, c * m, 0.0).sum() for c, m in _chunks(x, mask))
+    if dim is None:
+        return sum(_select(c, m).sum() for c, m in _chunks(x, mask))
+    if x.dim() == 2 and dim in (1, -1) and x.shape[0]:  # row sums, a chunk of rows at a time
+        rows = max(REDUCE_CHUNK // max(x.shape[1], 1), 1)
+        parts = zip(x.split(rows), mask.split(rows))
+        return torch.cat([_select(c, m).sum(-1) for c, m in parts])
+    return _select(x, mask).sum(dim)
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -127,9 +136,7 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
 def _mean_and_var(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     mean = masked_mean(x, mask)
     n = mask.sum()
-    squares = sum(
-        torch.where(m != 0, (c - mean).square() * m, 0.0).sum() for c, m in _chunks(x, mask)
-    )
+    squares = sum(_select((c - mean).square(), m).sum() for c, m in _chunks(x, mask))
     # No host sync: fewer than two tokens have no spread to measure, so the variance is 0.
     var = squares / (n - 1).clamp(min=1.0)
     return mean, torch.where(n > 1, var, torch.zeros_like(var))
@@ -155,4 +162,4 @@ def whiten(x: Tensor, mask: Tensor) -> Tensor:
     mean, var = _mean_and_var(x, mask)
     scale = torch.where(mask.sum() > 1, torch.rsqrt(var + WHITEN_EPS), torch.zeros_like(var))
     out = torch.sub(x, mean).mul_(scale)
-    return out.masked_fill_(mask == 0, 0.0)
+    return out.masked_fill_(mask.bool().logical_not_(), 0.0)

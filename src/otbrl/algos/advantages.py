@@ -4,7 +4,9 @@ Every estimator is a function of keyword tensors returning ``(advantages, return
 ``[B, L]`` float32. Notation: m = response_mask, r = token_level_rewards,
 score_i = Σ_t r_{i,t}·m_{i,t}; a group is the set of rows sharing an ``index`` value (n = its
 size). Inputs are read only where m ≠ 0 (selected, never just multiplied by m): a NaN or inf at
-a masked position cannot reach an output, and outputs are exactly 0 there.
+a masked position cannot reach an output, and outputs are exactly 0 there. A product with m is
+used only on values computed from selected inputs (a per-row score, a running sum), which are
+finite wherever the trained inputs are: there it is exact and cheaper than a selection.
 
 The registry records which statistics each estimator needs from the engine (``needs``), so the
 trainer asks for exactly those in the forward pass that computes log-probs. When the answer
@@ -158,7 +160,7 @@ def grpo(
     a = score - mean_row
     if norm_adv_by_std_in_grpo:
         a = a / (std_row + GRPO_EPS)
-    adv = torch.where(m != 0, a[:, None], 0.0)
+    adv = a[:, None] * m
     return adv, adv.clone()
 
 
@@ -172,7 +174,7 @@ def rloo(*, token_level_rewards, response_mask, index) -> tuple[Tensor, Tensor]:
     total = group_sum(score, gid, n.numel())[gid]
     nr = n[gid]
     a = torch.where(nr > 1, (nr * score - total) / (nr - 1).clamp(min=1.0), score)
-    adv = torch.where(m != 0, a[:, None], 0.0)
+    adv = a[:, None] * m
     return adv, adv.clone()
 
 
@@ -190,7 +192,7 @@ def reinforce_plus_plus_baseline(
     a = torch.where(n[gid] > 1, score - mean[gid], score)
     # a is constant along each row, so whitening's token sums are a_i weighted by ℓ_i.
     lengths = m.sum(-1, keepdim=True)
-    adv = torch.where(m != 0, whiten(a[:, None], lengths), 0.0)
+    adv = whiten(a[:, None], lengths) * m
     return adv, adv.clone()
 
 
@@ -264,7 +266,7 @@ def reinforce_plus_plus(
     """
     r, m = check_batch(token_level_rewards, response_mask)
     if gamma == 1.0:  # undiscounted: R is OTB's reward-to-go G
-        R = reward_to_go_and_energy(r, m, energy="uniform")[0].masked_fill_(m == 0, 0.0)
+        R = reward_to_go_and_energy(r, m, energy="uniform")[0].mul_(m)  # G is finite: exact
     else:
         R = _reinforce_scan(r, m, float(gamma))
     return whiten(R, m), R
@@ -282,5 +284,5 @@ def gae(
     r, m = check_batch(token_level_rewards, response_mask)
     v = check_tensor("values", values, r.shape)
     A = _gae_scan(r, m, v, float(gamma), float(lam))
-    returns = torch.add(A, v).masked_fill_(m == 0, 0.0)
+    returns = torch.add(A, v).masked_fill_(m.bool().logical_not_(), 0.0)
     return whiten(A, m), returns

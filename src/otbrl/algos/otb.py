@@ -35,24 +35,25 @@ def _check_energy(energy: str) -> None:
         raise ValueError(f"energy must be one of {ENERGIES}, got {energy!r}")
 
 
-def _untrained(m: Tensor) -> Tensor:
-    # m.bool() then not: several times faster on CPU than the float comparison m == 0
-    return m.bool().logical_not_()
+def _trained(m: Tensor) -> Tensor:
+    # m.bool() is m ≠ 0, several times faster on CPU than the float comparison
+    return m.bool()
 
 
-def _energy(m, drop, old_log_probs, sum_pi_squared, rollout_is_weights, energy, out=None):
-    """w·m into ``out`` (see :func:`token_energy`); ``drop`` = (m == 0), computed once."""
+def _energy(m, keep, old_log_probs, sum_pi_squared, rollout_is_weights, energy, out=None):
+    """w·m into ``out`` (see :func:`token_energy`); ``keep`` = (m ≠ 0), computed once."""
     _check_energy(energy)
     if energy == "logit_gradient":
         old_log_probs = check_tensor("old_log_probs", old_log_probs, m.shape)
         sum_pi_squared = check_tensor("sum_pi_squared", sum_pi_squared, m.shape)
-        w = torch.exp(old_log_probs, out=out).mul_(-2.0).add_(sum_pi_squared).add_(1.0)
+        w = torch.exp(old_log_probs, out=out)
+        w = torch.add(sum_pi_squared, w, alpha=-2.0, out=w).add_(1.0)
     else:
         w = torch.ones_like(m) if out is None else out.fill_(1.0)
     if rollout_is_weights is not None:
         isw = check_tensor("rollout_is_weights", rollout_is_weights, m.shape)
         w.mul_(isw).mul_(isw)
-    return w.masked_fill_(drop, 0.0)
+    return torch.where(keep, w, w.new_zeros(()), out=w)
 
 
 def token_energy(
@@ -72,16 +73,16 @@ def token_energy(
     m = check_tensor("response_mask", response_mask)
     if m.dim() != 2:
         raise ValueError(f"response_mask must be 2-D [B, L], got shape {tuple(m.shape)}")
-    return _energy(m, _untrained(m), old_log_probs, sum_pi_squared, rollout_is_weights, energy)
+    return _energy(m, _trained(m), old_log_probs, sum_pi_squared, rollout_is_weights, energy)
 
 
-def _returns_and_energy(r, m, drop, old_log_probs, sum_pi_squared, rollout_is_weights, energy):
-    # Reverse along L with index_select(out=) rather than flip(): flip always allocates.
+def _returns_and_energy(r, m, keep, old_log_probs, sum_pi_squared, rollout_is_weights, energy):
+    # G reversed, cumsum, reversed back into r·m's buffer (index_select(out=): flip allocates)
     reverse = torch.arange(r.shape[1] - 1, -1, -1, device=r.device)
-    rm = r.masked_fill(drop, 0.0)
-    G = torch.index_select(rm, 1, reverse).cumsum_(1)
+    rm = torch.where(keep, r, 0.0)
+    G = rm.flip(1).cumsum_(1)
     G, W = torch.index_select(G, 1, reverse, out=rm), G  # W reuses the reversed scratch
-    _energy(m, drop, old_log_probs, sum_pi_squared, rollout_is_weights, energy, out=W)
+    _energy(m, keep, old_log_probs, sum_pi_squared, rollout_is_weights, energy, out=W)
     return G, W.cumsum_(1)
 
 
@@ -102,7 +103,7 @@ def reward_to_go_and_energy(
     """
     r, m = check_batch(token_level_rewards, response_mask)
     return _returns_and_energy(
-        r, m, _untrained(m), old_log_probs, sum_pi_squared, rollout_is_weights, energy
+        r, m, _trained(m), old_log_probs, sum_pi_squared, rollout_is_weights, energy
     )
 
 
@@ -201,37 +202,46 @@ class _GroupTable:
     A row without holes puts position t at column t: all such rows go through one row-wise
     ``index_add_`` / ``index_select``. A row with holes (``holes``, TIR-OTB only) puts its k-th
     trained token at column k: those rows go element by element through the flat index
-    g·L + k, and add nothing row-wise (their row-wise sums land in a spare row, ``num_groups``).
-    An untrained position gets its predecessor's k; it adds 0 there (its values are 0).
+    g·L + k (their row-wise sums land in a spare row, ``num_groups``, and are dropped). An
+    untrained position gets its predecessor's k; it adds 0 there (its values are 0). Measured
+    (``benchmarks/advantages.py``): the element-wise path costs ~2× the row-wise one, which is
+    why rows without holes keep the row-wise one.
     """
 
-    def __init__(self, gid: Tensor, ng: int, drop: Tensor, holes: Tensor | None = None):
-        self.gid, self.ng, self.L = gid, ng, drop.shape[1]
+    def __init__(self, gid: Tensor, ng: int, keep: Tensor, holes: Tensor | None = None):
+        self.gid, self.ng, self.L = gid, ng, keep.shape[1]
         self.holes = holes if holes is not None and holes.numel() else None
+        self.every_row = self.holes is not None and self.holes.numel() == gid.numel()
         if self.holes is None:
-            self.row_gid = gid
             return
         self.row_gid = gid.index_fill(0, self.holes, ng)
         index_dtype = torch.int32 if (ng + 1) * self.L < 2**31 else torch.int64
-        trained = drop.index_select(0, self.holes).logical_not_()
-        self.k = trained.cumsum(1, dtype=index_dtype).sub_(1).clamp_(min=0)  # [R, L]
-        offsets = gid.index_select(0, self.holes).to(index_dtype) * self.L
-        self.flat = (self.k + offsets[:, None]).view(-1)
+        self.offsets = self._hole_rows(gid).to(index_dtype)[:, None] * self.L  # g·L, [R, 1]
+        k = self._hole_rows(keep).cumsum(1, dtype=index_dtype).sub_(1).clamp_(0)
+        self.flat = k.add_(self.offsets)  # [R, L], non-decreasing along a row
+
+    def _hole_rows(self, x: Tensor) -> Tensor:
+        return x if self.every_row else x.index_select(0, self.holes)
 
     def sums(self, x: Tensor) -> Tensor:
         """Per group and column, the sum over its rows: ``[B, L]`` -> ``[num_groups, L]``."""
-        spare = self.holes is not None
-        table = group_sum(x, self.row_gid, self.ng + spare)[: self.ng]
-        if spare:
-            table.view(-1).index_add_(0, self.flat, x.index_select(0, self.holes).view(-1))
-        return table
+        if self.holes is None:
+            return group_sum(x, self.gid, self.ng)
+        if self.every_row:
+            table = x.new_zeros(self.ng, self.L)
+        else:
+            table = group_sum(x, self.row_gid, self.ng + 1)[: self.ng]
+        flat, values = self.flat.view(-1), self._hole_rows(x).view(-1)
+        return table.view(-1).index_add_(0, flat, values).view_as(table)
 
     def read(self, table: Tensor, out: Tensor) -> Tensor:
         """Each row's entries of a group table, at its own columns -> ``out`` ``[B, L]``."""
+        flat = None if self.holes is None else self.flat.view(-1)
+        if self.every_row:
+            return torch.index_select(table.view(-1), 0, flat, out=out.view(-1)).view_as(out)
         torch.index_select(table, 0, self.gid, out=out)
         if self.holes is not None:
-            picked = table.view(-1).index_select(0, self.flat).view(-1, self.L)
-            out.index_copy_(0, self.holes, picked)
+            out.index_copy_(0, self.holes, table.view(-1).index_select(0, flat).view(-1, self.L))
         return out
 
     def cut_positions(self, cut_from: Tensor) -> Tensor:
@@ -239,15 +249,19 @@ class _GroupTable:
         trained token on, the first position whose k reaches cut_from (L when none does)."""
         if self.holes is None:
             return cut_from
-        in_k = cut_from.index_select(0, self.holes).to(self.k.dtype)[:, None]
-        in_t = torch.searchsorted(self.k, in_k)[:, 0]  # k is non-decreasing along a row
-        return cut_from.index_copy(0, self.holes, in_t)
+        in_flat = self._hole_rows(cut_from).to(self.flat.dtype)[:, None] + self.offsets
+        in_t = torch.searchsorted(self.flat, in_flat)[:, 0]
+        return in_t if self.every_row else cut_from.index_copy(0, self.holes, in_t)
 
 
-def _advantages(G, W, m, drop, groups: _GroupTable, cut_from, leave_one_out):
+def _advantages(G, W, m, groups: _GroupTable, cut_from, leave_one_out):
     """(G − B)·m, B = Σ_group G·W·m / (Σ_group W·m + ε) per column of ``groups``, 0 from
-    ``cut_from`` on; with ``leave_one_out`` row i's sums leave row i out. Reuses W's buffer."""
-    den = W.mul_(m)  # W·m: a product is exact here, W is a running sum of selected terms
+    ``cut_from`` on; with ``leave_one_out`` row i's sums leave row i out. Reuses W's buffer.
+
+    Products with m are exact here: G and W are sums of selected terms only, so they are finite
+    wherever the trained inputs are, and the table sums hold nothing else.
+    """
+    den = W.mul_(m)  # W·m
     sum_den = groups.sums(den)
     num = den * G if leave_one_out else den.mul_(G)  # G·W·m
     sum_num = groups.sums(num)
@@ -257,20 +271,22 @@ def _advantages(G, W, m, drop, groups: _GroupTable, cut_from, leave_one_out):
         base = others_num.div_(others_den)
     else:
         base = groups.read(sum_num.div_(sum_den.add_(OTB_EPS)), num)
+    # One pass over the batch: cutting only the rows that have a cut is faster with large
+    # groups but costs as much with groups of 2, so the cost would grow with the group count.
     positions = torch.arange(base.shape[1], device=base.device)
     base.masked_fill_(positions >= groups.cut_positions(cut_from)[:, None], 0.0)
-    return torch.sub(G, base, out=base).masked_fill_(drop, 0.0)
+    return torch.sub(G, base, out=base).mul_(m)
 
 
 def _returns_energy_groups(
     token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, isw, energy
 ):
-    """Shared by both OTB forms: ``(G, W, m, drop = (m == 0), lengths, gid, num_groups)``."""
+    """Shared by both OTB forms: ``(G, W, m, keep = (m ≠ 0), lengths, gid, num_groups)``."""
     r, m = check_batch(token_level_rewards, response_mask)
-    drop = _untrained(m)
-    G, W = _returns_and_energy(r, m, drop, old_log_probs, sum_pi_squared, isw, energy)
+    keep = _trained(m)
+    G, W = _returns_and_energy(r, m, keep, old_log_probs, sum_pi_squared, isw, energy)
     gid, ng = group_ids(index, G.shape[0], G.device)
-    return G, W, m, drop, row_lengths(m), gid, ng
+    return G, W, m, keep, row_lengths(m), gid, ng
 
 
 def optimal_token_baseline(
@@ -296,7 +312,7 @@ def optimal_token_baseline(
       ``"uniform"`` (w ≡ 1, the ablation).
     - returns = G.
     """
-    G, W, m, drop, lengths, gid, ng = _returns_energy_groups(
+    G, W, m, keep, lengths, gid, ng = _returns_energy_groups(
         token_level_rewards,
         response_mask,
         index,
@@ -306,7 +322,7 @@ def optimal_token_baseline(
         energy,
     )
     cut_from = baseline_cut_from(lengths, gid, ng, G.shape[1], zero_tail=handle_zero_tail)
-    return _advantages(G, W, m, drop, _GroupTable(gid, ng, drop), cut_from, leave_one_out), G
+    return _advantages(G, W, m, _GroupTable(gid, ng, keep), cut_from, leave_one_out), G
 
 
 def tir_optimal_token_baseline(
@@ -333,7 +349,7 @@ def tir_optimal_token_baseline(
     Shapes: ``[B, L]`` tensors, ``index`` ``[B]`` -> ``(advantages, returns)`` ``[B, L]``;
     advantages are (G − B)·m at the masked positions, 0 elsewhere; returns = G (not masked).
     """
-    G, W, m, drop, lengths, gid, ng = _returns_energy_groups(
+    G, W, m, keep, lengths, gid, ng = _returns_energy_groups(
         token_level_rewards,
         response_mask,
         index,
@@ -347,5 +363,5 @@ def tir_optimal_token_baseline(
         lengths, gid, ng, G.shape[1], member=member, zero_tail=handle_zero_tail
     )
     holes = rows_with_holes(m, lengths).nonzero()[:, 0]  # one host sync per batch
-    groups = _GroupTable(gid, ng, drop, holes)
-    return _advantages(G, W, m, drop, groups, cut_from, leave_one_out), G
+    groups = _GroupTable(gid, ng, keep, holes)
+    return _advantages(G, W, m, groups, cut_from, leave_one_out), G
