@@ -12,8 +12,9 @@ and the advantage is the reward-to-go minus it:
     B_t = Σ_i G_{i,t} W_{i,t} m_{i,t} / (Σ_i W_{i,t} m_{i,t} + 1e-8)
     A_{i,t} = (G_{i,t} − B_t)·m_{i,t}
 
-Every product with m is a selection (``masked_fill``/``torch.where``): a NaN or inf where m = 0
-(padding, tool output) in any input never reaches an output, which is exactly 0 there.
+The inputs are selected with m (``torch.where``) before any arithmetic, so a NaN or inf where
+m = 0 (padding, tool output) never reaches an output, which is 0 there. The later products with
+m act on sums of selected terms only (finite wherever the trained inputs are): exact there.
 Group sums are one row-wise ``index_add_`` into a ``[num_groups, L]`` table (no Python loop
 over groups or rows). Fresh ``[B, L]`` buffers cost as much as arithmetic on the CPUs measured
 (page faults), so the code writes into buffers it allocated; that is what the ``out=`` are for.
@@ -254,9 +255,10 @@ class _GroupTable:
         return in_t if self.every_row else cut_from.index_copy(0, self.holes, in_t)
 
 
-def _advantages(G, W, m, groups: _GroupTable, cut_from, leave_one_out):
+def _advantages(G, W, m, keep, groups: _GroupTable, cut_from, leave_one_out):
     """(G − B)·m, B = Σ_group G·W·m / (Σ_group W·m + ε) per column of ``groups``, 0 from
-    ``cut_from`` on; with ``leave_one_out`` row i's sums leave row i out. Reuses W's buffer.
+    ``cut_from`` on; with ``leave_one_out`` row i's sums leave row i out. Reuses the buffers
+    of W (for B, then the advantages) and of ``keep`` (m ≠ 0, no longer needed: the cut).
 
     Products with m are exact here: G and W are sums of selected terms only, so they are finite
     wherever the trained inputs are, and the table sums hold nothing else.
@@ -274,7 +276,8 @@ def _advantages(G, W, m, groups: _GroupTable, cut_from, leave_one_out):
     # One pass over the batch: cutting only the rows that have a cut is faster with large
     # groups but costs as much with groups of 2, so the cost would grow with the group count.
     positions = torch.arange(base.shape[1], device=base.device)
-    base.masked_fill_(positions >= groups.cut_positions(cut_from)[:, None], 0.0)
+    cut = torch.ge(positions, groups.cut_positions(cut_from)[:, None], out=keep)
+    base.masked_fill_(cut, 0.0)
     return torch.sub(G, base, out=base).mul_(m)
 
 
@@ -322,7 +325,7 @@ def optimal_token_baseline(
         energy,
     )
     cut_from = baseline_cut_from(lengths, gid, ng, G.shape[1], zero_tail=handle_zero_tail)
-    return _advantages(G, W, m, _GroupTable(gid, ng, keep), cut_from, leave_one_out), G
+    return _advantages(G, W, m, keep, _GroupTable(gid, ng, keep), cut_from, leave_one_out), G
 
 
 def tir_optimal_token_baseline(
@@ -364,4 +367,4 @@ def tir_optimal_token_baseline(
     )
     holes = rows_with_holes(m, lengths).nonzero()[:, 0]  # one host sync per batch
     groups = _GroupTable(gid, ng, keep, holes)
-    return _advantages(G, W, m, groups, cut_from, leave_one_out), G
+    return _advantages(G, W, m, keep, groups, cut_from, leave_one_out), G
