@@ -183,11 +183,10 @@ def _ppo_token_loss(
     """Per-token PPO loss ``[B, L]`` and the tokens where the clip / the dual clip is active
     (bool ``[B, L]``) and the log-ratio. Inputs are selected by ``keep`` before any arithmetic:
     a NaN where m = 0 cannot reach the loss or, through ``where``'s backward, the gradient."""
-    lp = torch.where(keep, log_probs, 0.0)
-    advantages = torch.where(keep, advantages, 0.0)
-    log_ratio = (lp - torch.where(keep, old_log_probs, 0.0)).clamp(
-        -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP
+    lp, old, advantages = (
+        torch.where(keep, x, 0.0) for x in (log_probs, old_log_probs, advantages)
     )
+    log_ratio = (lp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - low, 1.0 + high)
