@@ -231,7 +231,12 @@ def main():
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    parser.add_argument(
+        "--otb-only", action="store_true", help="OTB and TIR-OTB only (faster: more --reps)"
+    )
     args = parser.parse_args()
+    names = [n for n in LOOPS if not args.otb_only or "optimal_token_baseline" in n]
+    default_threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
     B, L, dev = args.batch, args.length, args.device
@@ -252,13 +257,17 @@ def main():
 
     all_holes = make_batch(B, L, args.group, dev, multi_turn=1.0)
     cases = {"floor (G and W only)": floor, "floor, naive flip/cumsum": naive_floor}
-    for name in LOOPS:
+    for name in names:
         cases[name] = lambda name=name: compute_advantage(name, **batch)
         cases[f"{name} [loop]"] = lambda name=name: LOOPS[name](batch)
-    for n, b in by_groups.items():
-        cases[f"optimal_token_baseline [{B // n} groups of {n}]"] = lambda b=b: compute_advantage(
+    group_cases = {
+        f"optimal_token_baseline [{B // n} groups of {n}]": lambda b=b: compute_advantage(
             "optimal_token_baseline", **b
         )
+        for n, b in by_groups.items()
+    }
+    cases.update(group_cases)
+    group_labels = list(group_cases)
     cases["tir_optimal_token_baseline [every row has holes]"] = lambda: compute_advantage(
         "tir_optimal_token_baseline", **all_holes
     )
@@ -268,12 +277,28 @@ def main():
         outputs[label] = run(fn)[1]
     for _ in range(args.reps):  # interleaved: load on a shared machine hits all cases alike
         for label, fn in cases.items():
+            run(fn)  # untimed: what ran before leaves the allocator in another state
             times[label].append(run(fn)[0])
     ms = {label: 1e3 * statistics.median(t) for label, t in times.items()}
+    threads = torch.get_num_threads()
+    # The summary ratios once more, each from its few cases alone, alternated: in the loop
+    # above each case follows a different one (the 2-group case follows the GAE loop), and
+    # what ran before moves the allocator's state; the spread across runs is much smaller so.
+    # The groups target is stated at the default thread count: measured there too.
+    otb, tir = "optimal_token_baseline", "tir_optimal_token_baseline"
+    trio = {"floor (G and W only)": floor, otb: cases[otb], tir: cases[tir]}
+    alone = _alternated(run, trio, args.reps)
+    groups_at = {threads: _ratio(_alternated(run, group_cases, args.reps), group_labels)}
+    if threads != default_threads and dev == "cpu":
+        # wall time there: with several threads, process CPU time counts their spin-waits
+        torch.set_num_threads(default_threads)
+        wall = _alternated(_timer(dev, "wall"), group_cases, args.reps)
+        groups_at[default_threads] = _ratio(wall, group_labels)
+        torch.set_num_threads(threads)
     # The floor is the faster of the two ways to compute G and W (ours reuses buffers).
     fl = min(ms["floor (G and W only)"], ms["floor, naive flip/cumsum"])
     print(
-        f"B={B} L={L} group={args.group} device={dev} threads={torch.get_num_threads()} "
+        f"B={B} L={L} group={args.group} device={dev} threads={threads} "
         f"clock={args.clock} reps={args.reps} (median)"
     )
     print(
@@ -283,23 +308,42 @@ def main():
     for label in ("floor (G and W only)", "floor, naive flip/cumsum"):
         print(f"{label:46s} {ms[label]:8.1f} {'':8s} {'':8s} {ms[label] / fl:9.2f}")
     worst = 0.0
-    for name in LOOPS:
+    for name in names:
         vec, loop = outputs[name], outputs[f"{name} [loop]"]
         diff = max((a - b).abs().max().item() for a, b in zip(vec, loop))
         worst = max(worst, diff)
         v, lp = ms[name], ms[f"{name} [loop]"]
         print(f"{name:46s} {v:8.1f} {lp:8.1f} {lp / v:8.1f} {v / fl:9.2f} {diff:10.1e}")
-    extra = [f"optimal_token_baseline [{B // n} groups of {n}]" for n in by_groups]
-    for label in [*extra, "tir_optimal_token_baseline [every row has holes]"]:
+    for label in [*group_labels, "tir_optimal_token_baseline [every row has holes]"]:
         print(f"{label:46s} {ms[label]:8.1f} {'':8s} {'':8s} {ms[label] / fl:9.2f}")
     print(f"outputs equal to 1e-5: {'yes' if worst <= 1e-5 else 'NO'} (max |diff| {worst:.1e})")
-    otb, tir = "optimal_token_baseline", "tir_optimal_token_baseline"
-    g2, g16 = (ms[f"{otb} [{B // n} groups of {n}]"] for n in (2, 16))
-    print(
-        f"otb: vec/floor = {ms[otb] / fl:.2f} loop/vec = {ms[otb + ' [loop]'] / ms[otb]:.1f} "
-        f"groups{B // 2}/groups{B // 16} = {g2 / g16:.2f}  "
-        f"tir_otb: vec/floor = {ms[tir] / fl:.2f} loop/vec = {ms[tir + ' [loop]'] / ms[tir]:.1f}"
+    groups = " ".join(
+        f"{ratio:.2f} ({n} thread{'s' * (n > 1)}{', default' * (n == default_threads)})"
+        for n, ratio in sorted(groups_at.items())
     )
+    f_alone = alone["floor (G and W only)"]
+    print(
+        f"alternated: otb/floor = {alone[otb] / f_alone:.2f} "
+        f"tir_otb/floor = {alone[tir] / f_alone:.2f} groups{B // 2}/groups{B // 16} = {groups}"
+        f" | in the loop: otb/floor = {ms[otb] / fl:.2f} tir_otb/floor = {ms[tir] / fl:.2f} "
+        f"groups = {_ratio(ms, group_labels):.2f} | loop/vec: otb "
+        f"{ms[otb + ' [loop]'] / ms[otb]:.1f} tir_otb {ms[tir + ' [loop]'] / ms[tir]:.1f}"
+    )
+
+
+def _alternated(run, cases: dict, reps: int) -> dict:
+    """Median seconds of each case, the cases run one after another ``2·reps`` times."""
+    for fn in cases.values():  # warm-up at this thread count
+        run(fn)
+    times = defaultdict(list)
+    for _ in range(2 * reps):
+        for label, fn in cases.items():
+            times[label].append(run(fn)[0])
+    return {label: statistics.median(t) for label, t in times.items()}
+
+
+def _ratio(ms: dict, labels: list) -> float:
+    return ms[labels[0]] / ms[labels[1]]
 
 
 if __name__ == "__main__":

@@ -311,8 +311,8 @@ def test_w_matches_autograd_logit_gradient_norm():
 
 
 def test_tir_layouts_rows_mixed_flat_agree_with_reference():
-    # TIR-OTB takes three internal paths: no row has holes, a few rows have holes (only those
-    # go through the flat k index), most rows have holes (every row does). All match the loop.
+    # No row has holes, a few rows have holes (only those are moved to k space), most rows
+    # have holes. All match the loop.
     for n_holes in (0, 2, 12):
         b = random_batch(7, B=16, L=9, holes=False, is_weights=True, n_ids=4)
         b["response_mask"][:, 0] = 1.0
@@ -325,23 +325,36 @@ def test_tir_layouts_rows_mixed_flat_agree_with_reference():
                 assert_adv_close(adv[0], ref[0])
 
 
-def test_flat_index_int64_path_and_long_row_hole_check():
-    from otbrl.algos.otb import _flat_positions, rows_with_holes
+def test_tir_with_holes_in_every_row_or_none_matches_reference():
+    # Every row through the flat k index, and none: both match the loop, all options.
+    for seed in range(6):
+        b = random_batch(seed, B=12, L=9, holes=False, is_weights=seed % 2 == 0, n_ids=3)
+        b["response_mask"][:, 0] = 1.0
+        every = {**b, "response_mask": b["response_mask"].clone()}
+        every["response_mask"][:, 1] = 0.0  # a hole in every row (or a 1-token response)
+        every["response_mask"][:, 2] = 1.0
+        for case in (b, every):
+            for zero_tail in (True, False):
+                for loo in (False, True):
+                    adv, ret = tir_optimal_token_baseline(
+                        **case, handle_zero_tail=zero_tail, leave_one_out=loo
+                    )
+                    ref = reference(case, tir=True, zero_tail=zero_tail, loo=loo)
+                    assert_adv_close(adv, ref[0])
+                    torch.testing.assert_close(ret.double(), ref[1], atol=1e-5, rtol=1e-5)
 
-    g = torch.Generator().manual_seed(3)
-    m = (torch.rand(6, 10, generator=g) > 0.3).float()
-    gid = torch.tensor([0, 2, 1, 2, 0, 1])
-    small = _flat_positions(m.clone(), gid, 3)  # float32 path, converted in place
-    large = _flat_positions(m.clone(), gid, 2**24)  # num_groups·L ≥ 2^24: int64 path
-    assert small.dtype == torch.int32 and large.dtype == torch.int64
-    assert torch.equal(small.long(), large)
-    k = (m.cumsum(-1) - 1).clamp(min=0).long()
-    assert torch.equal(large.view(6, 10), k + gid[:, None] * 10)
-    # Rows of 6,000 positions exceed float32's exact position sums: the neighbour test is used.
-    long = torch.zeros(4, 6000)
-    long[0, :100] = 1  # prefix
-    long[1, 1:100] = 1  # leading padding
-    long[2, :50] = 1
-    long[2, 5000:5100] = 1  # a hole
-    assert rows_with_holes(long).tolist() == [False, True, True, False]
-    assert rows_with_holes(long[:, :5000]).tolist() == [False, True, False, False]
+
+def test_hole_check_short_and_long_rows():
+    from otbrl.algos.otb import rows_with_holes
+
+    # Short rows use the exact position sum; rows of 6,000 positions exceed float32's exact
+    # sums, so the neighbour test is used there. Both must agree with a plain check.
+    for L in (10, 6000):
+        m = torch.zeros(5, L)
+        m[0, :7] = 1  # prefix
+        m[1, 1:7] = 1  # leading padding
+        m[2, :3] = 1
+        m[2, L - 3 :] = 1  # a hole
+        m[4, :] = 1  # full row (row 3 is empty)
+        plain = [bool(r.sum() > 0 and r.nonzero().max() + 1 != r.sum()) for r in m]
+        assert rows_with_holes(m).tolist() == plain == [False, True, True, False, False]

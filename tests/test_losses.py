@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from otbrl.algos.losses import (
+    KL_KINDS,
     LOSS_AGG_MODES,
     agg_loss,
     entropy_bonus,
@@ -170,3 +171,19 @@ def test_entropy_bonus_and_value_loss():
     assert loss.item() == pytest.approx(0.5 * 2 / 2)
     with pytest.raises(ValueError, match="returns"):
         value_loss(v, old, ret[:, :1], torch.ones(1, 2))
+
+
+@pytest.mark.parametrize("kind", ["k1+", "kl+", "abs+", "k3+", "low_var_kl+"])
+def test_straight_through_kl_has_the_base_value_and_the_k2_gradient(kind):
+    g = torch.Generator().manual_seed(0)
+    lp = (torch.randn(3, 5, generator=g) * 3).requires_grad_(True)  # |log r| up to ~20: k3 clamps
+    ref = torch.randn(3, 5, generator=g).requires_grad_(True)
+    value = kl_penalty(lp, ref, kind)
+    assert torch.equal(value, kl_penalty(lp, ref, kind[:-1]))  # exactly the base estimator
+    weights = torch.rand(3, 5, generator=g)  # a generic cotangent
+    got = torch.autograd.grad((value * weights).sum(), (lp, ref))
+    k2 = torch.autograd.grad((kl_penalty(lp, ref, "k2") * weights).sum(), (lp, ref))
+    torch.testing.assert_close(got, k2, rtol=0, atol=0)
+    log_ratio = (lp - ref).detach()
+    torch.testing.assert_close(got[0], weights * log_ratio)  # ∂½(log r)²/∂log π = log r
+    assert kind in KL_KINDS and kind[:-1] in KL_KINDS

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 WHITEN_EPS = 1e-8
+REDUCE_CHUNK = 1 << 18  # elements per chunk of a full masked reduction (1 MiB of float32)
 
 
 def check_tensor(name: str, x: Any, shape: torch.Size | tuple[int, ...] | None = None) -> Tensor:
@@ -89,55 +90,76 @@ def group_sum(x: Tensor, gid: Tensor, num_groups: int) -> Tensor:
     return out.index_add_(0, gid, x)
 
 
-def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
-    """Σ x·mask over all elements -> 0-dim tensor."""
-    return (x * mask).sum()
+def _check_same_shape(x: Tensor, mask: Tensor) -> None:
+    if x.shape != mask.shape:
+        shape, got = tuple(x.shape), tuple(mask.shape)
+        raise ValueError(f"mask must have the shape of the values, {shape}, got {got}")
+
+
+def _chunks(x: Tensor, mask: Tensor):
+    """``x`` and ``mask`` flattened and cut into matching chunks: a reduction over them keeps
+    its temporaries small (a fresh ``[B, L]`` buffer costs page faults on this hardware) and
+    adds with torch's cascaded sums (a float32 dot over millions of tokens drifts by ~1e-4)."""
+    return zip(x.reshape(-1).split(REDUCE_CHUNK), mask.reshape(-1).split(REDUCE_CHUNK))
+
+
+def _select(x: Tensor, mask: Tensor) -> Tensor:
+    # mask.bool() is m ≠ 0, several times faster on CPU than the float comparison
+    return torch.where(mask.bool(), x * mask, 0.0)
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Σ x·m over the positions where m ≠ 0, over everything (``dim=None``) or along ``dim``.
+
+    Shapes: ``x``, ``mask`` of equal shape (e.g. ``[B, L]``) -> 0-dim, or ``x``'s shape
+    without ``dim``. The mask selects (``torch.where``), it does not only multiply: a NaN or
+    inf where m = 0 (padding, an observation token) stays out of the sum and of its gradient.
+    Mask entries may be non-negative weights (an entry c stands for c tokens of value x).
+    """
+    _check_same_shape(x, mask)
+    if dim is None:
+        return sum(_select(c, m).sum() for c, m in _chunks(x, mask))
+    if x.dim() == 2 and dim in (1, -1) and x.shape[0]:  # row sums, a chunk of rows at a time
+        rows = max(REDUCE_CHUNK // max(x.shape[1], 1), 1)
+        parts = zip(x.split(rows), mask.split(rows))
+        return torch.cat([_select(c, m).sum(-1) for c, m in parts])
+    return _select(x, mask).sum(dim)
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """Σ x·m / (Σ m + 1e-8), over everything (``dim=None``) or along ``dim``."""
-    if dim is None:
-        return (x * mask).sum() / (mask.sum() + WHITEN_EPS)
-    return (x * mask).sum(dim) / (mask.sum(dim) + WHITEN_EPS)
+    """Σ x·m / (Σ m + 1e-8) over the selected positions (:func:`masked_sum`); 0 for an empty
+    mask. Shapes as in :func:`masked_sum`."""
+    count = mask.sum() if dim is None else mask.sum(dim)
+    return masked_sum(x, mask, dim) / (count + WHITEN_EPS)
+
+
+def _mean_and_var(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    mean = masked_mean(x, mask)
+    n = mask.sum()
+    squares = sum(_select((c - mean).square(), m).sum() for c, m in _chunks(x, mask))
+    # No host sync: fewer than two tokens have no spread to measure, so the variance is 0.
+    var = squares / (n - 1).clamp(min=1.0)
+    return mean, torch.where(n > 1, var, torch.zeros_like(var))
 
 
 def masked_var(x: Tensor, mask: Tensor) -> Tensor:
-    """Unbiased masked variance over all elements (Bessel factor Σm/(Σm−1)); 0 when Σm < 2."""
-    mean = masked_mean(x, mask)
-    n = mask.sum()
-    var = masked_mean((x - mean) ** 2, mask)
-    # No host sync: fewer than two tokens have no spread to measure, so the variance is 0.
-    bessel = torch.where(n > 1, n / (n - 1).clamp(min=1.0), torch.zeros_like(n))
-    return var * bessel
+    """Unbiased masked variance over all elements, Σ (x − μ)²·m / (Σ m − 1); 0 when Σ m < 2.
+
+    μ = :func:`masked_mean`. Shapes: ``x``, ``mask`` of equal shape -> 0-dim.
+    """
+    return _mean_and_var(x, mask)[1]
 
 
 def whiten(x: Tensor, mask: Tensor) -> Tensor:
-    """(x − μ)/sqrt(σ² + 1e-8) with the masked mean μ and unbiased masked variance σ².
+    """(x − μ)/sqrt(σ² + 1e-8) at the selected positions (m ≠ 0), exactly 0 elsewhere.
 
-    Shapes: ``x``, ``mask`` ``[B, L]`` -> ``[B, L]`` (not multiplied by the mask; callers do).
-    ``mask`` may also hold non-negative counts: an entry c stands for c tokens of value x.
-    With fewer than two masked tokens the result is 0 (there is nothing to whiten against).
+    μ = :func:`masked_mean`, σ² = :func:`masked_var` (unbiased); ``mask`` may hold non-negative
+    counts (an entry c stands for c tokens of value x). With fewer than two masked tokens the
+    result is 0 (nothing to whiten against). No gradient (advantages are data).
+
+    Shapes: ``x``, ``mask`` of equal shape (e.g. ``[B, L]``) -> that shape.
     """
-    mean = masked_mean(x, mask)
-    var = masked_var(x, mask)
-    out = (x - mean) * torch.rsqrt(var + WHITEN_EPS)
-    return torch.where(mask.sum() > 1, out, torch.zeros_like(out))
-
-
-def whiten_masked(x: Tensor, mask: Tensor) -> Tensor:
-    """``whiten(x, mask) * mask`` for a 0/1 mask, with one ``[B, L]`` allocation.
-
-    Shapes: ``x``, ``mask`` ``[B, L]`` -> ``[B, L]``. Reductions use torch's cascaded sums
-    (a float32 dot or vector_norm over millions of tokens drifts by ~1e-4 relative).
-    """
-    n = mask.sum()
-    out = torch.mul(x, mask)
-    mean = out.sum() / (n + WHITEN_EPS)
-    torch.sub(x, mean, out=out).mul_(mask)
-    # Σ (x − μ)²·m in row chunks (m² = m for a 0/1 mask): a small reused temporary instead of
-    # a second [B, L] buffer; vector_norm/dot accumulate less accurately.
-    squares = sum(chunk.square().sum() for chunk in out.split(256))
-    var = squares / (n + WHITEN_EPS)
-    bessel = torch.where(n > 1, n / (n - 1).clamp(min=1.0), torch.zeros_like(n))
-    scale = torch.where(n > 1, torch.rsqrt(var * bessel + WHITEN_EPS), torch.zeros_like(n))
-    return out.mul_(scale)
+    mean, var = _mean_and_var(x, mask)
+    scale = torch.where(mask.sum() > 1, torch.rsqrt(var + WHITEN_EPS), torch.zeros_like(var))
+    out = torch.sub(x, mean).mul_(scale)
+    return out.masked_fill_(mask.bool().logical_not_(), 0.0)

@@ -1,8 +1,12 @@
 """Advantage estimators and their registry.
 
 Every estimator is a function of keyword tensors returning ``(advantages, returns)``, both
-``[B, L]`` float32. Notation: m = response_mask, r = token_level_rewards, score_i = Σ_t r_{i,t};
-a group is the set of rows sharing an ``index`` value (n = its size).
+``[B, L]`` float32. Notation: m = response_mask, r = token_level_rewards,
+score_i = Σ_t r_{i,t}·m_{i,t}; a group is the set of rows sharing an ``index`` value (n = its
+size). Inputs are read only where m ≠ 0 (selected, never just multiplied by m): a NaN or inf at
+a masked position cannot reach an output, and outputs are exactly 0 there. A product with m is
+used only on values computed from selected inputs (a per-row score, a running sum), which are
+finite wherever the trained inputs are: there it is exact and cheaper than a selection.
 
 The registry records which statistics each estimator needs from the engine (``needs``), so the
 trainer asks for exactly those in the forward pass that computes log-probs. When the answer
@@ -24,8 +28,8 @@ from otbrl.algos._common import (
     check_tensor,
     group_ids,
     group_sum,
+    masked_sum,
     whiten,
-    whiten_masked,
 )
 from otbrl.algos.otb import (
     optimal_token_baseline,
@@ -135,7 +139,7 @@ def _scores_and_groups(token_level_rewards, response_mask, index):
     r, m = check_batch(token_level_rewards, response_mask)
     gid, ng = group_ids(index, r.shape[0], r.device)
     n = torch.bincount(gid, minlength=ng).to(r.dtype)
-    return r.sum(-1), m, gid, n
+    return masked_sum(r, m, dim=-1), m, gid, n
 
 
 @register_estimator("grpo")
@@ -187,8 +191,8 @@ def reinforce_plus_plus_baseline(
     mean = group_sum(score, gid, n.numel()) / n
     a = torch.where(n[gid] > 1, score - mean[gid], score)
     # a is constant along each row, so whitening's token sums are a_i weighted by ℓ_i.
-    lengths = m.sum(-1)
-    adv = whiten(a[:, None], lengths[:, None])[:, 0, None] * m
+    lengths = m.sum(-1, keepdim=True)
+    adv = whiten(a[:, None], lengths) * m
     return adv, adv.clone()
 
 
@@ -212,7 +216,7 @@ def _reinforce_scan(r: Tensor, m: Tensor, gamma: float) -> Tensor:
     for start in range(((L - 1) // SCAN_BLOCK) * SCAN_BLOCK, -1, -SCAN_BLOCK):
         stop = min(start + SCAN_BLOCK, L)
         mT = _time_major(m, start, stop)
-        uT = _time_major(r, start, stop).mul_(mT)
+        uT = _time_major(r, start, stop).masked_fill_(mT == 0, 0.0)
         dT = mT * (gamma - 1.0) + 1.0  # γ where trained, 1 (carry through) elsewhere
         for t in range(stop - start - 1, -1, -1):
             carry = torch.addcmul(uT[t], dT[t], carry, out=uT[t])
@@ -233,8 +237,10 @@ def _gae_scan(r: Tensor, m: Tensor, v: Tensor, gamma: float, lam: float) -> Tens
     delta, v_new = r.new_empty(B), r.new_empty(B)
     for start in range(((L - 1) // SCAN_BLOCK) * SCAN_BLOCK, -1, -SCAN_BLOCK):
         stop = min(start + SCAN_BLOCK, L)
-        mT, vT = _time_major(m, start, stop), _time_major(v, start, stop)
-        rvT = _time_major(r, start, stop).sub_(vT)
+        mT = _time_major(m, start, stop)
+        skip = mT == 0  # r and V are not read there
+        vT = _time_major(v, start, stop).masked_fill_(skip, 0.0)
+        rvT = _time_major(r, start, stop).masked_fill_(skip, 0.0).sub_(vT)
         keepT = 1.0 - mT
         cT = mT * (gamma * lam) + keepT
         mvT = vT.mul_(mT)
@@ -260,10 +266,10 @@ def reinforce_plus_plus(
     """
     r, m = check_batch(token_level_rewards, response_mask)
     if gamma == 1.0:  # undiscounted: R is OTB's reward-to-go G
-        R = reward_to_go_and_energy(r, m, energy="uniform")[0].mul_(m)
+        R = reward_to_go_and_energy(r, m, energy="uniform")[0].mul_(m)  # G is finite: exact
     else:
         R = _reinforce_scan(r, m, float(gamma))
-    return whiten_masked(R, m), R
+    return whiten(R, m), R
 
 
 @register_estimator("gae", needs={"values"})
@@ -278,5 +284,5 @@ def gae(
     r, m = check_batch(token_level_rewards, response_mask)
     v = check_tensor("values", values, r.shape)
     A = _gae_scan(r, m, v, float(gamma), float(lam))
-    returns = torch.addcmul(A, v, m)
-    return whiten_masked(A, m), returns
+    returns = torch.add(A, v).masked_fill_(m.bool().logical_not_(), 0.0)
+    return whiten(A, m), returns

@@ -1,351 +1,309 @@
-"""Policy losses, KL estimators and loss aggregation over ``[B, L]`` token tensors.
+"""The loss registry and the losses the engine is handed (:func:`build_loss`,
+:func:`build_value_loss`).
 
-Gradient accumulation: a mini-batch is often split into micro-batches whose losses are
-backpropagated one by one. For the sum of the micro-batch losses to equal the mini-batch loss
-exactly, every aggregation divides by a normalizer of the *whole mini-batch*, not of the
-micro-batch. Compute it once with :func:`loss_normalizers` on the mini-batch's response mask
-and pass ``num_tokens`` / ``num_seqs`` (and, for ``seq-mean-token-sum-norm``, a fixed
-``horizon``) to :func:`agg_loss` / :func:`ppo_policy_loss` for every micro-batch. Without them
-the micro-batch's own counts are used (right when there is one micro-batch).
+A loss term is registered, like an advantage estimator, with what it reads: the forward
+outputs the engine must compute with gradient (``needs`` ⊆ {"log_probs", "entropy",
+"values"}) and the batch keys (``batch_keys``). A built loss is called once per micro-batch::
+
+    loss, metrics = loss_fn(out, batch, norms)   # out: forward outputs [B, L], 0 where m = 0
+
+with ``norms`` the :class:`Normalizers` of the whole mini-batch summed over data-parallel
+ranks. Every micro-batch loss is its share of the mini-batch loss, and every metric is
+additive the same way (token fractions are divided by ``norms.num_tokens``, loss terms are
+shares): summing the values of all micro-batches on all ranks gives the mini-batch's, for
+every ``loss_agg_mode``. Metrics are detached 0-dim tensors.
+
+The math lives in :mod:`otbrl.algos.token_losses`; its functions are re-exported here.
 """
 
 from __future__ import annotations
 
+import inspect
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
 import torch
 from torch import Tensor
 
-from otbrl.algos._common import check_tensor, masked_mean
-
-LOSS_AGG_MODES = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
+from otbrl.algos._common import masked_sum
+from otbrl.algos.token_losses import (
+    K3_CLAMP,
+    KL_KINDS,
+    LOG_RATIO_CLAMP,
+    LOSS_AGG_MODES,
+    Normalizers,
+    _at_least_one,
+    _check_clip,
+    _ppo_token_loss,
+    _value_token_loss,
+    agg_loss,
+    entropy_bonus,
+    kl_in_reward,
+    kl_penalty,
+    loss_normalizers,
+    ppo_policy_loss,
+    value_loss,
 )
-KL_KINDS = {"k1": "k1", "kl": "k1", "abs": "abs", "k2": "k2", "mse": "k2", "k3": "k3"}
-KL_KINDS["low_var_kl"] = "k3"
-LOG_RATIO_CLAMP = 20.0  # exp(±20) is finite in float32; larger log-ratios are outliers anyway
-K3_CLAMP = 10.0
+
+__all__ = [
+    "K3_CLAMP", "KL_KINDS", "LOG_RATIO_CLAMP", "LOSSES", "LOSS_AGG_MODES", "Loss", "LossTerm",
+    "Normalizers", "SumOfTerms", "agg_loss", "build_loss", "build_value_loss", "entropy_bonus",
+    "kl_in_reward", "kl_penalty", "loss_normalizers", "ppo_policy_loss", "register_loss",
+    "value_loss",
+]  # fmt: skip
+
+FORWARD_OUTPUTS = frozenset({"log_probs", "entropy", "values"})
+ROLES = ("policy", "entropy", "kl", "value")
 
 
-def loss_normalizers(response_mask: Tensor) -> dict[str, Tensor]:
-    """Mini-batch normalizers for exact gradient accumulation.
+@runtime_checkable
+class Loss(Protocol):
+    """What the engine calls: ``(out, batch, norms) -> (loss [], metrics)`` (module docstring)."""
 
-    Shapes: ``response_mask`` ``[B, L]`` -> ``{"num_tokens": Σ m, "num_seqs": #rows with Σ m > 0}``
-    (0-dim float32 tensors). Rows with no trained token carry no gradient and are not counted.
+    needs: frozenset[str]
+    batch_keys: frozenset[str]
+
+    def __call__(
+        self, out: Mapping[str, Tensor], batch: Mapping[str, Tensor], norms: Normalizers
+    ) -> tuple[Tensor, dict[str, Tensor]]: ...
+
+
+@dataclass(frozen=True)
+class LossTerm:
+    """A registered loss term: ``fn(out, batch, norms, **options) -> (share [], metrics)``.
+
+    ``role``: one of :data:`ROLES` (``build_loss(policy_loss=...)`` takes a ``"policy"`` term);
+    ``options``: the keyword options ``fn`` takes (from its signature).
     """
-    m = check_tensor("response_mask", response_mask)
-    return {"num_tokens": m.sum(), "num_seqs": (m.sum(-1) > 0).sum().to(torch.float32)}
+
+    name: str
+    fn: Callable[..., tuple[Tensor, dict[str, Tensor]]]
+    role: str
+    needs: frozenset[str]
+    batch_keys: frozenset[str]
+    options: frozenset[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        params = inspect.signature(self.fn).parameters.values()
+        keyword = frozenset(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
+        object.__setattr__(self, "options", keyword)
 
 
-def agg_loss(
-    values: Tensor,
-    response_mask: Tensor,
-    loss_agg_mode: str = "token-mean",
-    *,
-    num_tokens: Tensor | float | None = None,
-    num_seqs: Tensor | float | None = None,
-    horizon: int | None = None,
-) -> Tensor:
-    """Aggregate a per-token loss ``values`` ``[B, L]`` to a scalar.
+LOSSES: dict[str, LossTerm] = {}
 
-    - ``token-mean``: Σ x·m / num_tokens.
-    - ``seq-mean-token-sum``: Σ_i Σ_t x·m / num_seqs.
-    - ``seq-mean-token-mean``: Σ_i (Σ_t x·m / Σ_t m) / num_seqs (empty rows add 0).
-    - ``seq-mean-token-sum-norm``: Σ x·m / (horizon · num_seqs) (Dr. GRPO); ``horizon``
-      defaults to L, pass a fixed one (e.g. the max response length) when micro-batches differ
-      in padded length.
-    ``num_tokens`` / ``num_seqs`` default to this batch's counts (:func:`loss_normalizers`);
-    pass the mini-batch's to make micro-batch losses sum to the mini-batch loss.
+
+def register_loss(name: str, *, role: str, needs=(), batch_keys=()):
+    """Decorator: register ``fn(out, batch, norms, *, **options)`` as loss term ``name``."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    if not set(needs) <= FORWARD_OUTPUTS:
+        raise ValueError(f"needs must be a subset of {sorted(FORWARD_OUTPUTS)}, got {needs}")
+
+    def wrap(fn):
+        if name in LOSSES:
+            raise ValueError(f"loss term {name!r} is already registered")
+        LOSSES[name] = LossTerm(name, fn, role, frozenset(needs), frozenset(batch_keys))
+        return fn
+
+    return wrap
+
+
+def _norm_kwargs(norms: Normalizers, loss_agg_mode: str, horizon: int | None) -> dict:
+    return dict(
+        loss_agg_mode=loss_agg_mode,
+        num_tokens=norms.num_tokens,
+        num_seqs=norms.num_seqs,
+        horizon=horizon,
+    )
+
+
+def _token_share(x: Tensor, mask: Tensor, norms: Normalizers) -> Tensor:
+    """Σ x·m / num_tokens of the mini-batch: additive over micro-batches and ranks."""
+    return (masked_sum(x.float(), mask) / _at_least_one(norms.num_tokens)).detach()
+
+
+@register_loss(
+    "ppo_clip",
+    role="policy",
+    needs={"log_probs"},
+    batch_keys={"response_mask", "old_log_probs", "advantages"},
+)
+def ppo_clip_term(
+    out, batch, norms, *, clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, horizon
+):
+    """PPO's clipped surrogate (:func:`ppo_policy_loss`), times ``batch["rollout_is_weights"]``
+    when the batch holds them. Metrics: ``policy/pg_loss``, ``policy/clip_frac``,
+    ``policy/clip_frac_lower`` (with dual clip), ``policy/approx_kl``."""
+    m = batch["response_mask"]
+    loss, clipped, dual, log_ratio = _ppo_token_loss(
+        out["log_probs"], batch["old_log_probs"], batch["advantages"], m != 0, clip_ratio_low,
+        clip_ratio_high, clip_ratio_c, batch.get("rollout_is_weights", None),
+    )  # fmt: skip
+    pg = agg_loss(loss, m, **_norm_kwargs(norms, loss_agg_mode, horizon))
+    metrics = {"policy/pg_loss": pg.detach(), "policy/clip_frac": _token_share(clipped, m, norms)}
+    if clip_ratio_c is not None:
+        metrics["policy/clip_frac_lower"] = _token_share(dual, m, norms)
+    metrics["policy/approx_kl"] = _token_share(-log_ratio, m, norms)
+    return pg, metrics
+
+
+@register_loss("entropy", role="entropy", needs={"entropy"}, batch_keys={"response_mask"})
+def entropy_term(out, batch, norms, *, coef, loss_agg_mode, horizon):
+    """−coef·agg(entropy) (:func:`entropy_bonus`); ``policy/entropy_loss`` = agg(entropy)."""
+    m = batch["response_mask"]
+    entropy = agg_loss(out["entropy"], m, **_norm_kwargs(norms, loss_agg_mode, horizon))
+    return -coef * entropy, {"policy/entropy_loss": entropy.detach()}
+
+
+@register_loss("kl", role="kl", needs={"log_probs"}, batch_keys={"response_mask", "ref_log_probs"})
+def kl_term(out, batch, norms, *, coef, kind, loss_agg_mode, horizon):
+    """coef·agg(KL(π‖π_ref)) (:func:`kl_penalty` of ``kind``); ``policy/kl_loss`` = agg(KL)."""
+    m = batch["response_mask"]
+    keep = m != 0
+    lp, ref = (torch.where(keep, x, 0.0) for x in (out["log_probs"], batch["ref_log_probs"]))
+    kl = agg_loss(kl_penalty(lp, ref, kind), m, **_norm_kwargs(norms, loss_agg_mode, horizon))
+    return coef * kl, {"policy/kl_loss": kl.detach()}
+
+
+@register_loss(
+    "value", role="value", needs={"values"}, batch_keys={"response_mask", "values", "returns"}
+)
+def value_term(out, batch, norms, *, cliprange_value, loss_agg_mode, horizon):
+    """The clipped critic loss (:func:`value_loss`; ``batch["values"]`` are the old values).
+    Metrics: ``critic/value_loss``, ``critic/vf_clip_frac``, ``critic/values_mean``."""
+    m = batch["response_mask"]
+    loss, clipped = _value_token_loss(
+        out["values"], batch["values"], batch["returns"], m != 0, cliprange_value
+    )
+    total = agg_loss(loss, m, **_norm_kwargs(norms, loss_agg_mode, horizon))
+    return total, {
+        "critic/value_loss": total.detach(),
+        "critic/vf_clip_frac": _token_share(clipped, m, norms),
+        "critic/values_mean": _token_share(out["values"], m, norms),
+    }
+
+
+@dataclass(frozen=True)
+class SumOfTerms:
+    """A loss made of registered terms, each with its options; implements :class:`Loss`.
+
+    ``total``: the metric name of the summed loss (``None``: no extra metric).
     """
+
+    terms: tuple[tuple[LossTerm, dict], ...]
+    total: str | None = None
+    needs: frozenset[str] = field(init=False)
+    batch_keys: frozenset[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "needs", frozenset().union(*(t.needs for t, _ in self.terms)))
+        keys = frozenset().union(*(t.batch_keys for t, _ in self.terms))
+        object.__setattr__(self, "batch_keys", keys)
+
+    def __call__(self, out, batch, norms: Normalizers) -> tuple[Tensor, dict[str, Tensor]]:
+        """One micro-batch: ``out`` / ``batch`` ``[B, L]`` tensors -> ``(share [], metrics)``."""
+        for what, given, wanted in (("out", out, self.needs), ("batch", batch, self.batch_keys)):
+            missing = sorted(wanted - set(given))
+            if missing:
+                raise ValueError(f"{what} is missing keys {missing} this loss reads")
+        if not isinstance(norms, Normalizers):
+            raise TypeError(f"norms must be Normalizers, got {type(norms).__name__}")
+        total, metrics = None, {}
+        for term, options in self.terms:
+            share, term_metrics = term.fn(out, batch, norms, **options)
+            total = share if total is None else total + share
+            metrics.update(term_metrics)
+        if self.total is not None:
+            metrics[self.total] = total.detach()
+        return total, metrics
+
+
+def _number(name: str, value, *, minimum: float = 0.0, strict: bool = False) -> float:
+    """A finite real ≥ ``minimum`` (> with ``strict``), else ValueError/TypeError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if value < minimum or (strict and value == minimum):
+        raise ValueError(f"{name} must be {'>' if strict else '>='} {minimum}, got {value}")
+    return float(value)
+
+
+def _check_mode(loss_agg_mode: str, horizon) -> int | None:
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
-    if values.dim() != 2:
-        raise ValueError(f"values must be 2-D [B, L], got shape {tuple(values.shape)}")
-    m = check_tensor("response_mask", response_mask, values.shape).to(values.dtype)
-    local = loss_normalizers(m)
-    n_tok = local["num_tokens"] if num_tokens is None else num_tokens
-    n_seq = local["num_seqs"] if num_seqs is None else num_seqs
-    masked = values * m
-    if loss_agg_mode == "token-mean":
-        return masked.sum() / _at_least_one(n_tok)
-    if loss_agg_mode == "seq-mean-token-sum":
-        return masked.sum() / _at_least_one(n_seq)
-    if loss_agg_mode == "seq-mean-token-mean":
-        per_seq = masked.sum(-1) / m.sum(-1).clamp(min=1.0)
-        return per_seq.sum() / _at_least_one(n_seq)
-    horizon = values.shape[-1] if horizon is None else horizon
-    if horizon <= 0:
-        raise ValueError(f"horizon must be a positive int, got {horizon}")
-    return masked.sum() / (horizon * _at_least_one(n_seq))
-
-
-def _at_least_one(n: Tensor | float) -> Tensor | float:
-    # An all-padding batch has loss 0 (not NaN); the numerator is 0 then too.
-    return n.clamp(min=1.0) if isinstance(n, Tensor) else max(float(n), 1.0)
-
-
-def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kind: str = "low_var_kl") -> Tensor:
-    """Per-token KL(π‖π_ref) estimators from sampled-token log-probs, ``[B, L]`` -> ``[B, L]``.
-
-    With log r = log_probs − ref_log_probs:
-    - ``k1`` (alias ``kl``): log r. Unbiased, high variance, can be negative.
-    - ``abs``: |log r|.
-    - ``k2`` (alias ``mse``): ½(log r)².
-    - ``k3`` (alias ``low_var_kl``): exp(−log r) + log r − 1 ≥ 0, unbiased and low-variance;
-      clamped to [−10, 10] (log r clamped to ±20 first) against outliers.
-    Gradients flow through both inputs as written.
-    """
-    if kind not in KL_KINDS:
-        raise ValueError(f"kind must be one of {sorted(KL_KINDS)}, got {kind!r}")
-    if log_probs.shape != ref_log_probs.shape:
-        raise ValueError(
-            f"ref_log_probs must have shape {tuple(log_probs.shape)}, "
-            f"got {tuple(ref_log_probs.shape)}"
-        )
-    log_ratio = log_probs - ref_log_probs
-    kind = KL_KINDS[kind]
-    if kind == "k1":
-        return log_ratio
-    if kind == "abs":
-        return log_ratio.abs()
-    if kind == "k2":
-        return 0.5 * log_ratio.square()
-    neg = (-log_ratio).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return (neg.exp() - neg - 1.0).clamp(-K3_CLAMP, K3_CLAMP)
-
-
-def kl_in_reward(
-    token_level_scores: Tensor,
-    log_probs: Tensor,
-    ref_log_probs: Tensor,
-    response_mask: Tensor,
-    *,
-    coef: float,
-    kind: str = "k1",
-) -> tuple[Tensor, Tensor]:
-    """Fold a KL penalty into the rewards: r = scores − coef·KL·m.
-
-    Shapes: ``[B, L]`` -> ``(token_level_rewards [B, L], mean KL over masked tokens [])``.
-    No gradient flows (rewards are data).
-    """
-    with torch.no_grad():
-        m = check_tensor("response_mask", response_mask, token_level_scores.shape)
-        kl = kl_penalty(log_probs, ref_log_probs, kind) * m
-        return token_level_scores - coef * kl, masked_mean(kl, m)
-
-
-def ppo_policy_loss(
-    log_probs: Tensor,
-    old_log_probs: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    *,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float | None = 3.0,
-    rollout_is_weights: Tensor | None = None,
-    loss_agg_mode: str = "token-mean",
-    num_tokens: Tensor | float | None = None,
-    num_seqs: Tensor | float | None = None,
-    horizon: int | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate with asymmetric clipping and dual-clip, aggregated to a scalar.
-
-    ratio = exp(log_probs − old_log_probs) (log-ratio clamped to ±20);
-    per token: ℓ = max(−A·ratio, −A·clip(ratio, 1 − low, 1 + high)); for A < 0 and
-    ``clip_ratio_c`` set (> 1), ℓ = min(ℓ, −A·c) (dual-clip); times ``rollout_is_weights``
-    when given. Aggregated by :func:`agg_loss` (normalizers as there).
-
-    Shapes: ``[B, L]`` inputs -> ``(loss [], metrics)``; metrics (0-dim, detached, masked means
-    over this batch): ``clip_frac`` (tokens where the clipped term is active), ``clip_frac_lower``
-    (tokens where the dual-clip bound is active), ``approx_kl`` (mean of old − new log-prob).
-    """
-    shape = log_probs.shape
-    old_log_probs = check_tensor("old_log_probs", old_log_probs, shape)
-    advantages = check_tensor("advantages", advantages, shape)
-    m = check_tensor("response_mask", response_mask, shape)
-    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1.0 (or None), got {clip_ratio_c}")
-    if clip_ratio_low < 0 or clip_ratio_high < 0:
-        raise ValueError(
-            f"clip ratios must be >= 0, got clip_ratio_low={clip_ratio_low}, "
-            f"clip_ratio_high={clip_ratio_high}"
-        )
-    log_ratio = (log_probs - old_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = log_ratio.exp()
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    loss = torch.maximum(unclipped, clipped)
-    metrics = {"clip_frac": masked_mean((clipped > unclipped).float(), m).detach()}
-    if clip_ratio_c is not None:
-        bound = -advantages * clip_ratio_c
-        lower = (advantages < 0) & (loss > bound)
-        loss = torch.where(advantages < 0, torch.minimum(loss, bound), loss)
-        metrics["clip_frac_lower"] = masked_mean(lower.float(), m).detach()
-    if rollout_is_weights is not None:
-        loss = loss * check_tensor("rollout_is_weights", rollout_is_weights, shape)
-    metrics["approx_kl"] = masked_mean(-log_ratio, m).detach()
-    total = agg_loss(
-        loss, m, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon
-    )
-    return total, metrics
-
-
-def entropy_bonus(
-    entropy: Tensor,
-    response_mask: Tensor,
-    coef: float,
-    loss_agg_mode: str = "token-mean",
-    **normalizers,
-) -> Tensor:
-    """The loss term −coef · agg(entropy): add it to the policy loss to reward exploration.
-
-    ``entropy``, ``response_mask`` ``[B, L]`` -> scalar; ``normalizers`` as in :func:`agg_loss`.
-    """
-    return -coef * agg_loss(entropy, response_mask, loss_agg_mode, **normalizers)
-
-
-def value_loss(
-    values: Tensor,
-    old_values: Tensor,
-    returns: Tensor,
-    response_mask: Tensor,
-    *,
-    clip_range: float | None = 0.2,
-    loss_agg_mode: str = "token-mean",
-    **normalizers,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped critic loss ½·max((V − R)², (V_clip − R)²), V_clip = V_old + clip(V − V_old, ±c).
-
-    Shapes: ``[B, L]`` -> ``(loss [], {"vf_clip_frac": []})``; ``clip_range=None`` disables
-    clipping. Normalizers as in :func:`agg_loss`.
-    """
-    shape = values.shape
-    old_values = check_tensor("old_values", old_values, shape)
-    returns = check_tensor("returns", returns, shape)
-    m = check_tensor("response_mask", response_mask, shape)
-    err = (values - returns).square()
-    if clip_range is None:
-        loss, frac = 0.5 * err, torch.zeros((), device=values.device)
-    else:
-        v_clip = old_values + (values - old_values).clamp(-clip_range, clip_range)
-        err_clip = (v_clip - returns).square()
-        loss = 0.5 * torch.maximum(err, err_clip)
-        frac = masked_mean((err_clip > err).float(), m)
-    total = agg_loss(loss, m, loss_agg_mode, **normalizers)
-    return total, {"vf_clip_frac": frac.detach()}
-
-
-# -- TEMPORARY: the lead's stand-in for the loss registry (replaced by the algos branch) ------
-from typing import NamedTuple  # noqa: E402
-
-
-class Normalizers(NamedTuple):
-    num_tokens: Tensor
-    num_seqs: Tensor
-
-    def __getitem__(self, key):
-        return getattr(self, key) if isinstance(key, str) else tuple.__getitem__(self, key)
-
-    def keys(self):
-        return self._fields
-
-
-class _Loss:
-    def __init__(self, fn, needs, batch_keys):
-        self.fn, self.needs, self.batch_keys = fn, frozenset(needs), frozenset(batch_keys)
-
-    def __call__(self, out, batch, norms):
-        return self.fn(out, batch, norms)
-
-
-Loss = _Loss
+    if horizon is None:
+        if loss_agg_mode == "seq-mean-token-sum-norm":
+            raise ValueError(
+                "horizon is required with loss_agg_mode='seq-mean-token-sum-norm' "
+                "(the fixed horizon: the maximum response length), got None"
+            )
+        return None
+    if isinstance(horizon, bool) or not isinstance(horizon, int) or horizon <= 0:
+        raise ValueError(f"horizon must be a positive int, got {horizon!r}")
+    return horizon
 
 
 def build_loss(
     *,
-    policy_loss="ppo_clip",
-    loss_agg_mode="token-mean",
-    horizon=None,
-    clip_ratio_low=0.2,
-    clip_ratio_high=0.2,
-    clip_ratio_c=3.0,
-    entropy_coeff=0.0,
-    kl_loss_coef=0.0,
-    kl_loss_type="low_var_kl",
-):
-    needs = {"log_probs"} | ({"entropy"} if entropy_coeff != 0 else set())
-    keys = {"response_mask", "old_log_probs", "advantages"}
-    if kl_loss_coef > 0:
-        keys.add("ref_log_probs")
+    policy_loss: str = "ppo_clip",
+    loss_agg_mode: str = "token-mean",
+    horizon: int | None = None,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float | None = 3.0,
+    entropy_coeff: float = 0.0,
+    kl_loss_coef: float = 0.0,
+    kl_loss_type: str = "low_var_kl",
+) -> SumOfTerms:
+    """The actor's loss: the policy term (+ ``entropy`` when ``entropy_coeff`` ≠ 0, then
+    ``"entropy"`` is in ``needs``) (+ ``kl`` when ``kl_loss_coef`` > 0, then
+    ``"ref_log_probs"`` is in ``batch_keys``). Metric ``policy/loss`` is the total.
 
-    def fn(out, batch, norms):
-        m = batch["response_mask"]
-        agg = {
-            "loss_agg_mode": loss_agg_mode,
-            "num_tokens": norms.num_tokens,
-            "num_seqs": norms.num_seqs,
-            "horizon": horizon,
-        }
-        loss, pg = ppo_policy_loss(
-            out["log_probs"],
-            batch["old_log_probs"],
-            batch["advantages"],
-            m,
-            clip_ratio_low=clip_ratio_low,
-            clip_ratio_high=clip_ratio_high,
-            clip_ratio_c=clip_ratio_c,
-            rollout_is_weights=batch.get("rollout_is_weights"),
-            **agg,
-        )
-        frac = m.sum() / norms.num_tokens.clamp(min=1.0)
-        metrics = {
-            "policy/pg_loss": loss.detach(),
-            "policy/clip_frac": pg["clip_frac"] * frac,
-            "policy/approx_kl": pg["approx_kl"] * frac,
-        }
-        if entropy_coeff != 0:
-            ent = entropy_bonus(out["entropy"], m, entropy_coeff, **agg)
-            loss = loss + ent
-            metrics["policy/entropy_loss"] = ent.detach()
-        if kl_loss_coef > 0:
-            kl = agg_loss(
-                kl_penalty(out["log_probs"], batch["ref_log_probs"], kl_loss_type), m, **agg
-            )
-            loss = loss + kl_loss_coef * kl
-            metrics["policy/kl_loss"] = kl.detach()
-        metrics["policy/loss"] = loss.detach()
-        return loss, metrics
-
-    return _Loss(fn, needs, keys)
+    ``horizon``: the fixed horizon of ``seq-mean-token-sum-norm`` (the maximum response
+    length), required for that mode. ``clip_ratio_c=None`` disables the dual clip. Bad options
+    raise ``ValueError`` (``TypeError`` for a non-number) naming the argument.
+    """
+    term = LOSSES.get(policy_loss)
+    if term is None or term.role != "policy":
+        valid = sorted(n for n, t in LOSSES.items() if t.role == "policy")
+        raise ValueError(f"policy_loss must be one of {valid}, got {policy_loss!r}")
+    horizon = _check_mode(loss_agg_mode, horizon)
+    low = _number("clip_ratio_low", clip_ratio_low)
+    high = _number("clip_ratio_high", clip_ratio_high)
+    c = (
+        None
+        if clip_ratio_c is None
+        else _number("clip_ratio_c", clip_ratio_c, minimum=1.0, strict=True)
+    )
+    _check_clip(low, high, c)
+    entropy_coeff = _number("entropy_coeff", entropy_coeff)
+    kl_loss_coef = _number("kl_loss_coef", kl_loss_coef)
+    if kl_loss_type not in KL_KINDS:
+        raise ValueError(f"kl_loss_type must be one of {sorted(KL_KINDS)}, got {kl_loss_type!r}")
+    agg = {"loss_agg_mode": loss_agg_mode, "horizon": horizon}
+    policy = {"clip_ratio_low": low, "clip_ratio_high": high, "clip_ratio_c": c, **agg}
+    terms = [(term, {k: v for k, v in policy.items() if k in term.options})]
+    if entropy_coeff != 0.0:
+        terms.append((LOSSES["entropy"], {"coef": entropy_coeff, **agg}))
+    if kl_loss_coef > 0.0:
+        terms.append((LOSSES["kl"], {"coef": kl_loss_coef, "kind": kl_loss_type, **agg}))
+    return SumOfTerms(tuple(terms), total="policy/loss")
 
 
-def build_value_loss(*, cliprange_value=0.5, loss_agg_mode="token-mean"):
-    def fn(out, batch, norms):
-        m = batch["response_mask"]
-        loss, info = value_loss(
-            out["values"],
-            batch["values"],
-            batch["returns"],
-            m,
-            clip_range=cliprange_value,
-            loss_agg_mode=loss_agg_mode,
-            num_tokens=norms.num_tokens,
-            num_seqs=norms.num_seqs,
-        )
-        frac = m.sum() / norms.num_tokens.clamp(min=1.0)
-        return loss, {
-            "critic/value_loss": loss.detach(),
-            "critic/vf_clip_frac": info["vf_clip_frac"] * frac,
-        }
-
-    return _Loss(fn, {"values"}, {"response_mask", "values", "returns"})
-
-
-_old_loss_normalizers = loss_normalizers
-
-
-def loss_normalizers(response_mask):
-    d = _old_loss_normalizers(response_mask)
-    return Normalizers(d["num_tokens"], d["num_seqs"])
+def build_value_loss(
+    *,
+    cliprange_value: float | None = 0.5,
+    loss_agg_mode: str = "token-mean",
+    horizon: int | None = None,
+) -> SumOfTerms:
+    """The critic's loss (the ``value`` term): ``needs`` {"values"}, ``batch_keys``
+    {"response_mask", "values" (the old values), "returns"}. ``cliprange_value=None``
+    disables clipping; ``horizon`` as in :func:`build_loss`."""
+    horizon = _check_mode(loss_agg_mode, horizon)
+    if cliprange_value is not None:
+        cliprange_value = _number("cliprange_value", cliprange_value, strict=True)
+    options = {"cliprange_value": cliprange_value, "loss_agg_mode": loss_agg_mode}
+    return SumOfTerms(((LOSSES["value"], {**options, "horizon": horizon}),))

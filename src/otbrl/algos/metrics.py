@@ -1,6 +1,7 @@
 """Batch metrics: masked summaries, OTB's W-score and zero-tail share, Σπ² variance proxies.
 
-All return 0-dim tensors (no host sync here; the logger converts) keyed by metric name.
+All return 0-dim tensors (no host sync here; the logger converts) keyed by metric name. Inputs
+are read only where the mask selects them: a NaN or inf at a masked position never shows.
 """
 
 from __future__ import annotations
@@ -8,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from otbrl.algos._common import check_tensor
-from otbrl.algos.otb import ENERGIES, zero_tail_mask
+from otbrl.algos._common import check_tensor, masked_mean, masked_var
+from otbrl.algos.otb import token_energy, zero_tail_mask
 
 
 def masked_summary(x: Tensor, response_mask: Tensor, prefix: str) -> dict[str, Tensor]:
@@ -18,18 +19,16 @@ def masked_summary(x: Tensor, response_mask: Tensor, prefix: str) -> dict[str, T
     Shapes: ``x`` ``[B, L]`` (or any shape matching the mask) -> 0-dim tensors. An empty mask
     gives zeros rather than NaN/inf.
     """
-    m = check_tensor("response_mask", response_mask, x.shape) > 0
+    m = check_tensor("response_mask", response_mask, x.shape)
     x = x.detach().float()
-    n = m.sum()
-    any_ = n > 0
-    mean = torch.where(m, x, 0.0).sum() / n.clamp(min=1)
-    var = torch.where(m, (x - mean) ** 2, 0.0).sum() / (n - 1).clamp(min=1)
+    selected = m != 0
     zero = torch.zeros((), device=x.device)
+    any_ = selected.any()
     return {
-        f"{prefix}/mean": mean,
-        f"{prefix}/std": var.sqrt(),
-        f"{prefix}/min": torch.where(any_, torch.where(m, x, torch.inf).min(), zero),
-        f"{prefix}/max": torch.where(any_, torch.where(m, x, -torch.inf).max(), zero),
+        f"{prefix}/mean": masked_mean(x, m),
+        f"{prefix}/std": masked_var(x, m).sqrt(),
+        f"{prefix}/min": torch.where(any_, torch.where(selected, x, torch.inf).min(), zero),
+        f"{prefix}/max": torch.where(any_, torch.where(selected, x, -torch.inf).max(), zero),
     }
 
 
@@ -43,20 +42,17 @@ def trajectory_w(
 ) -> Tensor:
     """W-score per trajectory: W(τ) = Σ_t w_t m_t, ``[B, L]`` -> ``[B]`` float32.
 
-    w_t = 1 − 2·exp(old_log_probs) + sum_pi_squared (the squared logit-gradient norm of the
-    sampled token; ``energy="uniform"``: w ≡ 1), times rollout_is_weights² when given, as in OTB.
+    w_t·m_t is :func:`otbrl.algos.otb.token_energy` (1 − 2·exp(old_log_probs) + sum_pi_squared,
+    or 1 with ``energy="uniform"``, times rollout_is_weights² when given), as in OTB.
     """
-    if energy not in ENERGIES:
-        raise ValueError(f"energy must be one of {ENERGIES}, got {energy!r}")
-    m = check_tensor("response_mask", response_mask)
-    if energy == "uniform":
-        w = torch.ones_like(m)
-    else:
-        lp = check_tensor("old_log_probs", old_log_probs, m.shape)
-        w = 1.0 - 2.0 * lp.exp() + check_tensor("sum_pi_squared", sum_pi_squared, m.shape)
-    if rollout_is_weights is not None:
-        w = w * check_tensor("rollout_is_weights", rollout_is_weights, m.shape).square()
-    return (w * m).sum(-1)
+    w = token_energy(
+        response_mask,
+        old_log_probs,
+        sum_pi_squared,
+        rollout_is_weights=rollout_is_weights,
+        energy=energy,
+    )
+    return w.sum(-1)
 
 
 def variance_proxy(
@@ -78,7 +74,7 @@ def variance_proxy(
     m = check_tensor("response_mask", response_mask, advantages.shape)
     n_tok = m.sum(-1)
     w_score = check_tensor("w_score", w_score, n_tok.shape)
-    a_bar = (advantages.detach().float() * m).sum(-1) / n_tok.clamp(min=1.0)
+    a_bar = masked_mean(advantages.detach().float(), m, dim=-1)
     power = (a_bar.square() * w_score.clamp(min=0.0)).mean()
     out = {"variance_proxy/total_power": power}
     if grad_norm is not None:
@@ -98,8 +94,7 @@ def zero_tail_fraction(response_mask: Tensor, index, *, response_space: bool = F
     :func:`otbrl.algos.otb.zero_tail_mask`.
     """
     tail = zero_tail_mask(response_mask, index, response_space=response_space)
-    n = (response_mask > 0).sum()
-    return tail.sum().float() / n.clamp(min=1).float()
+    return tail.sum().float() / (response_mask != 0).sum().clamp(min=1).float()
 
 
 def otb_metrics(
@@ -137,14 +132,9 @@ def explained_variance(values: Tensor, returns: Tensor, response_mask: Tensor) -
 
     Shapes: ``[B, L]`` -> 0-dim tensor; 0 when the returns do not vary.
     """
-    m = check_tensor("response_mask", response_mask, values.shape) > 0
+    m = check_tensor("response_mask", response_mask, values.shape)
     r = check_tensor("returns", returns, values.shape)
     v = check_tensor("values", values, values.shape)
-
-    def var(x: Tensor) -> Tensor:
-        n = m.sum().clamp(min=1)
-        mean = torch.where(m, x, 0.0).sum() / n
-        return torch.where(m, (x - mean) ** 2, 0.0).sum() / n
-
-    total = var(r)
-    return torch.where(total > 0, 1.0 - var(r - v) / total.clamp(min=1e-12), torch.zeros(()))
+    # The unbiased factors cancel in the ratio: this is the population form as well.
+    total = masked_var(r, m)
+    return torch.where(total > 0, 1.0 - masked_var(r - v, m) / total.clamp(min=1e-12), 0.0)

@@ -1,17 +1,23 @@
 """Optimal Token Baseline (OTB) and its multi-turn form (TIR-OTB), vectorized.
 
-Notation (all ``[B, L]``): m = response_mask, r = token_level_rewards,
+Notation (all ``[B, L]``): m = response_mask (0/1), r = token_level_rewards,
 G_{i,t} = Σ_{j≥t} r_{i,j} m_{i,j} (undiscounted reward-to-go),
 w_{i,t} = 1 − 2·exp(old_log_probs) + sum_pi_squared = ‖∇_z log π(y_t)‖² (the squared
 logit-gradient norm of the sampled token), times rollout_is_weights² when given,
 W_{i,t} = Σ_{j≤t} w_{i,j} m_{i,j}. A group is the set of rows sharing an ``index`` value.
 
-The baseline at position t of a group is the W-weighted mean of G over the rows active there:
-B_t = Σ_i G_{i,t} W_{i,t} m_{i,t} / (Σ_i W_{i,t} m_{i,t} + 1e-8).
+The baseline at position t of a group is the W-weighted mean of G over the rows active there,
+and the advantage is the reward-to-go minus it:
 
-Group sums are one ``index_add_`` (no Python loop over groups or rows, no host sync per
-group). Fresh ``[B, L]`` allocations cost as much as arithmetic on this hardware (page faults),
-so the code reuses the buffers it allocated; that is why some lines write into ``out=``.
+    B_t = Σ_i G_{i,t} W_{i,t} m_{i,t} / (Σ_i W_{i,t} m_{i,t} + 1e-8)
+    A_{i,t} = (G_{i,t} − B_t)·m_{i,t}
+
+The inputs are selected with m (``torch.where``) before any arithmetic, so a NaN or inf where
+m = 0 (padding, tool output) never reaches an output, which is 0 there. The later products with
+m act on sums of selected terms only (finite wherever the trained inputs are): exact there.
+Group sums are one row-wise ``index_add_`` into a ``[num_groups, L]`` table (no Python loop
+over groups or rows). Fresh ``[B, L]`` buffers cost as much as arithmetic on the CPUs measured
+(page faults), so the code writes into buffers it allocated; that is what the ``out=`` are for.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from otbrl.algos._common import check_batch, check_tensor, group_ids
+from otbrl.algos._common import check_batch, check_tensor, group_ids, group_sum
 
 OTB_EPS = 1e-8
 ENERGIES = ("logit_gradient", "uniform")
@@ -28,6 +34,57 @@ ENERGIES = ("logit_gradient", "uniform")
 def _check_energy(energy: str) -> None:
     if energy not in ENERGIES:
         raise ValueError(f"energy must be one of {ENERGIES}, got {energy!r}")
+
+
+def _trained(m: Tensor) -> Tensor:
+    # m.bool() is m ≠ 0, several times faster on CPU than the float comparison
+    return m.bool()
+
+
+def _energy(m, keep, old_log_probs, sum_pi_squared, rollout_is_weights, energy, out=None):
+    """w·m into ``out`` (see :func:`token_energy`); ``keep`` = (m ≠ 0), computed once."""
+    _check_energy(energy)
+    if energy == "logit_gradient":
+        old_log_probs = check_tensor("old_log_probs", old_log_probs, m.shape)
+        sum_pi_squared = check_tensor("sum_pi_squared", sum_pi_squared, m.shape)
+        w = torch.exp(old_log_probs, out=out)
+        w = torch.add(sum_pi_squared, w, alpha=-2.0, out=w).add_(1.0)
+    else:
+        w = torch.ones_like(m) if out is None else out.fill_(1.0)
+    if rollout_is_weights is not None:
+        isw = check_tensor("rollout_is_weights", rollout_is_weights, m.shape)
+        w.mul_(isw).mul_(isw)
+    return torch.where(keep, w, w.new_zeros(()), out=w)
+
+
+def token_energy(
+    response_mask: Tensor,
+    old_log_probs: Tensor | None = None,
+    sum_pi_squared: Tensor | None = None,
+    *,
+    rollout_is_weights: Tensor | None = None,
+    energy: str = "logit_gradient",
+) -> Tensor:
+    """Per-token energy w·m, ``[B, L]`` -> ``[B, L]`` float32, exactly 0 where m = 0.
+
+    ``energy="logit_gradient"``: w = 1 − 2·exp(old_log_probs) + sum_pi_squared;
+    ``energy="uniform"``: w = 1 (old_log_probs and sum_pi_squared are not used).
+    Either way w is multiplied by rollout_is_weights² when given.
+    """
+    m = check_tensor("response_mask", response_mask)
+    if m.dim() != 2:
+        raise ValueError(f"response_mask must be 2-D [B, L], got shape {tuple(m.shape)}")
+    return _energy(m, _trained(m), old_log_probs, sum_pi_squared, rollout_is_weights, energy)
+
+
+def _returns_and_energy(r, m, keep, old_log_probs, sum_pi_squared, rollout_is_weights, energy):
+    # G reversed, cumsum, reversed back into r·m's buffer (index_select(out=): flip allocates)
+    reverse = torch.arange(r.shape[1] - 1, -1, -1, device=r.device)
+    rm = torch.where(keep, r, 0.0)
+    G = rm.flip(1).cumsum_(1)
+    G, W = torch.index_select(G, 1, reverse, out=rm), G  # W reuses the reversed scratch
+    _energy(m, keep, old_log_probs, sum_pi_squared, rollout_is_weights, energy, out=W)
+    return G, W.cumsum_(1)
 
 
 def reward_to_go_and_energy(
@@ -41,68 +98,62 @@ def reward_to_go_and_energy(
 ) -> tuple[Tensor, Tensor]:
     """G (reward-to-go) and W (cumulative token energy), the work every OTB variant must do.
 
-    Shapes: all inputs ``[B, L]`` -> ``(G, W)`` both ``[B, L]`` float32.
-    ``energy="logit_gradient"``: w = 1 − 2·exp(old_log_probs) + sum_pi_squared;
-    ``energy="uniform"``: w = 1 (old_log_probs and sum_pi_squared are not used).
-    Either way w is multiplied by rollout_is_weights² when given. W = cumsum(w·m); G is not
-    masked (it is the reward-to-go of the trained tokens seen from every position).
+    Shapes: all inputs ``[B, L]`` -> ``(G, W)`` both ``[B, L]`` float32. W = cumsum of
+    :func:`token_energy`; G is not masked (it is the reward-to-go of the trained tokens seen
+    from every position). Neither reads an input where m = 0.
     """
-    _check_energy(energy)
     r, m = check_batch(token_level_rewards, response_mask)
-    shape = r.shape
-    # Reverse along L with index_select(out=) rather than flip(): flip always allocates.
-    reverse = torch.arange(shape[1] - 1, -1, -1, device=r.device)
-    rm = torch.mul(r, m)
-    G = torch.index_select(rm, 1, reverse)
-    G.cumsum_(-1)
-    torch.index_select(G, 1, reverse, out=rm)
-    G, W = rm, G  # W reuses the reversed scratch buffer
-    if energy == "logit_gradient":
-        old_log_probs = check_tensor("old_log_probs", old_log_probs, shape)
-        sum_pi_squared = check_tensor("sum_pi_squared", sum_pi_squared, shape)
-        torch.exp(old_log_probs, out=W).mul_(-2.0).add_(sum_pi_squared).add_(1.0).mul_(m)
-    else:
-        W.copy_(m)
-    if rollout_is_weights is not None:
-        isw = check_tensor("rollout_is_weights", rollout_is_weights, shape)
-        W.mul_(isw).mul_(isw)
-    W.cumsum_(-1)
-    return G, W
+    return _returns_and_energy(
+        r, m, _trained(m), old_log_probs, sum_pi_squared, rollout_is_weights, energy
+    )
 
 
 def zero_tail_start(
     lengths: Tensor, gid: Tensor, num_groups: int, seq_len: int, member: Tensor | None = None
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Where OTB's zero tail starts, per row and per group.
+) -> Tensor:
+    """Where OTB's zero tail starts, per row: ``[B]`` int64.
 
     If exactly one member of a group has the strictly largest length ℓ_max, that row's
-    baseline is 0 from position ℓ_2 on (ℓ_2 = the group's second-largest member length).
-
-    Args:
-        lengths: ``[B]`` response lengths Σ_t m.
-        gid: ``[B]`` int64 dense group ids; num_groups: their count.
-        seq_len: L, the "no tail" sentinel.
-        member: ``[B]`` bool, rows that count as group members (all when None).
-
-    Returns:
-        ``(row_start [B] int64, has_tail [B] bool, group_start [num_groups] int64)``:
-        ``row_start`` is ℓ_2 for the unique longest member of a group of ≥ 2 members, else L;
-        ``group_start`` is ℓ_2 for groups that have such a row, else L.
+    baseline is 0 from position ℓ_2 on (ℓ_2 = the group's second-largest member length); every
+    other row gets L (``seq_len``, no tail). ``lengths`` ``[B]`` = Σ_t m; ``gid`` ``[B]`` dense
+    group ids; ``member`` ``[B]`` bool, the rows that count as group members (all when None).
     """
     lengths = lengths.to(torch.int64)
     if member is not None:
         lengths = torch.where(member, lengths, -1)
-    neg = torch.full((num_groups,), -1, dtype=torch.int64, device=lengths.device)
-    gmax = neg.scatter_reduce(0, gid, lengths, "amax")
-    at_max = (lengths == gmax[gid]) & (lengths >= 0)
-    n_at_max = torch.zeros_like(neg).index_add_(0, gid, at_max.long())
-    second = neg.scatter_reduce(0, gid, torch.where(at_max, -1, lengths), "amax")
-    # second ≥ 0 means the group has another member, so it has ≥ 2 members.
-    group_has = (n_at_max == 1) & (second >= 0)
-    group_start = torch.where(group_has, second, seq_len)
-    has_tail = at_max & group_has[gid]
-    row_start = torch.where(has_tail, group_start[gid], seq_len)
-    return row_start, has_tail, group_start
+    none = torch.full((num_groups,), -1, dtype=torch.int64, device=lengths.device)
+    longest = none.scatter_reduce(0, gid, lengths, "amax")
+    at_max = (lengths == longest[gid]) & (lengths >= 0)
+    n_at_max = torch.zeros_like(none).index_add_(0, gid, at_max.long())
+    second = none.scatter_reduce(0, gid, torch.where(at_max, -1, lengths), "amax")
+    # second ≥ 0: the group has another member, so it has ≥ 2 members
+    has_tail = at_max & ((n_at_max == 1) & (second >= 0))[gid]
+    return torch.where(has_tail, second[gid], seq_len)
+
+
+def baseline_cut_from(
+    lengths: Tensor,
+    gid: Tensor,
+    num_groups: int,
+    seq_len: int,
+    *,
+    member: Tensor | None = None,
+    zero_tail: bool = True,
+) -> Tensor:
+    """Per row, the first position from which its baseline is 0: ``[B]`` int64.
+
+    0 for a row whose group has fewer than two members (a lone row has no baseline), the zero
+    tail's start (:func:`zero_tail_start`) with ``zero_tail``, else L. Arguments as there.
+    """
+    if member is None:
+        member = torch.ones_like(gid, dtype=torch.bool)
+    n_members = torch.zeros(num_groups, dtype=torch.int64, device=gid.device)
+    n_members.index_add_(0, gid, member.long())
+    if zero_tail:
+        start = zero_tail_start(lengths, gid, num_groups, seq_len, member)
+    else:
+        start = torch.full_like(gid, seq_len)
+    return torch.where(n_members[gid] > 1, start, 0)
 
 
 def zero_tail_mask(response_mask: Tensor, index, *, response_space: bool = False) -> Tensor:
@@ -119,9 +170,9 @@ def zero_tail_mask(response_mask: Tensor, index, *, response_space: bool = False
     gid, ng = group_ids(index, B, m.device)
     lengths = m.sum(-1)
     member = lengths > 0 if response_space else None
-    row_start, _, _ = zero_tail_start(lengths, gid, ng, L, member)
+    start = zero_tail_start(lengths, gid, ng, L, member)
     pos = m.cumsum(-1) - 1 if response_space else torch.arange(L, device=m.device)[None]
-    return (m > 0) & (pos >= row_start[:, None])
+    return (m > 0) & (pos >= start[:, None])
 
 
 def row_lengths(response_mask: Tensor) -> Tensor:
@@ -146,145 +197,99 @@ def rows_with_holes(response_mask: Tensor, lengths: Tensor | None = None) -> Ten
     return torch.mv(response_mask, positions) != lengths * (lengths - 1) / 2
 
 
-def _flat_positions(mask_rows: Tensor, gid_rows: Tensor, num_groups: int) -> Tensor:
-    """Flat group-space index gid·L + k of every position of the given rows, ``[R, L]`` ->
-    ``[R·L]`` (``mask_rows`` is a scratch copy and is overwritten).
+class _GroupTable:
+    """Where each row's tokens sit in a group table ``[num_groups, L]``.
 
-    k = (number of trained tokens up to t) − 1: the response-token index. Unmasked positions
-    carry num = den = 0, so where they land (their clamped k) adds nothing, and what they read
-    back is multiplied by m = 0.
-    """
-    L = mask_rows.shape[1]
-    kpos = mask_rows.cumsum_(-1).sub_(1).clamp_(min=0)
-    if num_groups * L < 2**24:  # float32 holds the index exactly: convert in place
-        kpos.add_((gid_rows.to(kpos.dtype) * L)[:, None])
-        flat = kpos.view(torch.int32)  # same 4-byte slots, elementwise conversion
-        flat.copy_(kpos)
-        return flat.view(-1)
-    return (kpos.to(torch.int64) + (gid_rows * L)[:, None]).view(-1)
-
-
-class _GroupLayout:
-    """Where each row's values sit in group space ``[num_groups, L]``.
-
-    A row without holes puts position t at group column t: one row-wise ``index_add_`` and
-    ``index_select`` (OTB uses only this). TIR-OTB puts a row's k-th response token at column k:
-    rows with holes go through a flat ``index_add_`` / ``index_select`` with index gid·L + k;
-    when most rows (≥ 3/4) have holes, every row does (cheaper than splitting).
+    A row without holes puts position t at column t: all such rows go through one row-wise
+    ``index_add_`` / ``index_select``. A row with holes (``holes``, TIR-OTB only) puts its k-th
+    trained token at column k: those rows go element by element through the flat index
+    g·L + k (their row-wise sums land in a spare row, ``num_groups``, and are dropped). An
+    untrained position gets its predecessor's k; it adds 0 there (its values are 0). Measured
+    (``benchmarks/advantages.py``): the element-wise path costs ~2× the row-wise one, which is
+    why rows without holes keep the row-wise one.
     """
 
-    def __init__(
-        self, gid: Tensor, num_groups: int, seq_len: int, response_mask: Tensor | None = None
-    ):
-        self.gid, self.ng, self.L = gid, num_groups, seq_len
-        self.mode, self.row_gid = "rows", gid
-        if response_mask is None:
+    def __init__(self, gid: Tensor, ng: int, keep: Tensor, holes: Tensor | None = None):
+        self.gid, self.ng, self.L = gid, ng, keep.shape[1]
+        self.holes = holes if holes is not None and holes.numel() else None
+        self.every_row = self.holes is not None and self.holes.numel() == gid.numel()
+        if self.holes is None:
             return
-        # Rows without holes already have k = t; only the others need their k computed.
-        holes = rows_with_holes(response_mask).nonzero()[:, 0]  # one host sync per batch
-        if 4 * holes.numel() >= 3 * gid.numel():
-            self.mode = "flat"
-            self.flat = _flat_positions(response_mask.clone(), gid, num_groups)
-        elif holes.numel():
-            self.mode, self.holes = "mixed", holes
-            self.row_gid = gid.index_fill(0, holes, num_groups)  # a dump row for hole rows
-            rows = response_mask.index_select(0, holes)
-            self.flat = _flat_positions(rows, gid.index_select(0, holes), num_groups)
+        self.row_gid = gid.index_fill(0, self.holes, ng)
+        index_dtype = torch.int32 if (ng + 1) * self.L < 2**31 else torch.int64
+        self.offsets = self._hole_rows(gid).to(index_dtype)[:, None] * self.L  # g·L, [R, 1]
+        k = self._hole_rows(keep).cumsum(1, dtype=index_dtype).sub_(1).clamp_(0)
+        self.flat = k.add_(self.offsets)  # [R, L], non-decreasing along a row
+
+    def _hole_rows(self, x: Tensor) -> Tensor:
+        return x if self.every_row else x.index_select(0, self.holes)
 
     def sums(self, x: Tensor) -> Tensor:
-        """Per-group column sums of ``x`` ``[B, L]`` -> ``[num_groups, L]``."""
-        if self.mode == "flat":
-            out = torch.zeros(self.ng * self.L, device=x.device)
-            return out.index_add_(0, self.flat, x.view(-1)).view(self.ng, self.L)
-        rows = self.ng + (self.mode == "mixed")
-        out = torch.zeros((rows, self.L), device=x.device).index_add_(0, self.row_gid, x)
-        out = out[: self.ng]
-        if self.mode == "mixed":
-            out.view(-1).index_add_(0, self.flat, x.index_select(0, self.holes).view(-1))
-        return out
+        """Per group and column, the sum over its rows: ``[B, L]`` -> ``[num_groups, L]``."""
+        if self.holes is None:
+            return group_sum(x, self.gid, self.ng)
+        if self.every_row:
+            table = x.new_zeros(self.ng, self.L)
+        else:
+            table = group_sum(x, self.row_gid, self.ng + 1)[: self.ng]
+        flat, values = self.flat.view(-1), self._hole_rows(x).view(-1)
+        return table.view(-1).index_add_(0, flat, values).view_as(table)
 
-    def gather(self, table: Tensor, out: Tensor) -> Tensor:
-        """Each row's entries of a group table ``[num_groups, L]`` -> ``out`` ``[B, L]``."""
-        if self.mode == "flat":
-            torch.index_select(table.reshape(-1), 0, self.flat, out=out.view(-1))
-            return out
+    def read(self, table: Tensor, out: Tensor) -> Tensor:
+        """Each row's entries of a group table, at its own columns -> ``out`` ``[B, L]``."""
+        flat = None if self.holes is None else self.flat.view(-1)
+        if self.every_row:
+            return torch.index_select(table.view(-1), 0, flat, out=out.view(-1)).view_as(out)
         torch.index_select(table, 0, self.gid, out=out)
-        if self.mode == "mixed":
-            picked = table.reshape(-1).index_select(0, self.flat).view(-1, self.L)
-            out.index_copy_(0, self.holes, picked)
+        if self.holes is not None:
+            out.index_copy_(0, self.holes, table.view(-1).index_select(0, flat).view(-1, self.L))
         return out
 
+    def cut_positions(self, cut_from: Tensor) -> Tensor:
+        """``[B]`` cut positions in k -> in t: a row with holes is cut from its (cut_from)-th
+        trained token on, the first position whose k reaches cut_from (L when none does)."""
+        if self.holes is None:
+            return cut_from
+        in_flat = self._hole_rows(cut_from).to(self.flat.dtype)[:, None] + self.offsets
+        in_t = torch.searchsorted(self.flat, in_flat)[:, 0]
+        return in_t if self.every_row else cut_from.index_copy(0, self.holes, in_t)
 
-def _baseline(
-    G: Tensor,
-    den: Tensor,
-    layout: _GroupLayout,
-    n_members: Tensor,
-    leave_one_out: bool,
-    group_start: Tensor | None = None,
-    uncut_rows: Tensor | None = None,
-) -> Tensor:
-    """Per-row baselines ``[B, L]`` from den = W·m ``[B, L]`` (its buffer is reused).
 
-    Group baseline: Σ G·den / (Σ den + ε), 0 for groups of one member; with ``group_start``,
-    cut to 0 from ``group_start[g]`` on, except for ``uncut_rows`` (row ids), which read the
-    uncut values. Leave-one-out: (Σ_g G·den − G_i·den_i) / (Σ_g den − den_i + ε).
+def _advantages(G, W, m, keep, groups: _GroupTable, cut_from, leave_one_out):
+    """(G − B)·m, B = Σ_group G·W·m / (Σ_group W·m + ε) per column of ``groups``, 0 from
+    ``cut_from`` on; with ``leave_one_out`` row i's sums leave row i out. Reuses the buffers
+    of W (for B, then the advantages) and of ``keep`` (m ≠ 0, no longer needed: the cut).
+
+    Products with m are exact here: G and W are sums of selected terms only, so they are finite
+    wherever the trained inputs are, and the table sums hold nothing else.
     """
-    sum_den = layout.sums(den)
+    den = W.mul_(m)  # W·m
+    sum_den = groups.sums(den)
+    num = den * G if leave_one_out else den.mul_(G)  # G·W·m
+    sum_num = groups.sums(num)
     if leave_one_out:
-        num = den * G
-        sum_num = layout.sums(num)
-        loo_den = layout.gather(sum_den, torch.empty_like(den)).sub_(den).add_(OTB_EPS)
-        baseline = layout.gather(sum_num, den).sub_(num).div_(loo_den)
-        return baseline.mul_((n_members[layout.gid] > 1).to(den.dtype)[:, None])
-    num = den.mul_(G)
-    sum_num = layout.sums(num)
-    base = sum_num.div_(sum_den.add_(OTB_EPS))
-    base.mul_((n_members > 1).to(base.dtype)[:, None])  # groups of one get B = 0
-    if group_start is None:
-        return layout.gather(base, num)
-    saved = None
-    if uncut_rows is not None and uncut_rows.numel():
-        saved = base.index_select(0, layout.gid.index_select(0, uncut_rows))
+        others_num = groups.read(sum_num, torch.empty_like(num)).sub_(num)
+        others_den = groups.read(sum_den, num).sub_(den).add_(OTB_EPS)
+        base = others_num.div_(others_den)
+    else:
+        base = groups.read(sum_num.div_(sum_den.add_(OTB_EPS)), num)
+    # One pass over the batch: cutting only the rows that have a cut is faster with large
+    # groups but costs as much with groups of 2, so the cost would grow with the group count.
     positions = torch.arange(base.shape[1], device=base.device)
-    base.masked_fill_(positions[None] >= group_start[:, None], 0.0)
-    baseline = layout.gather(base, num)
-    if saved is not None:
-        baseline.index_copy_(0, uncut_rows, saved)
-    return baseline
-
-
-def _row_ends(response_mask: Tensor, lengths: Tensor) -> Tensor:
-    """``[B]`` one past each row's last trained position (ℓ for a row without holes)."""
-    holes = rows_with_holes(response_mask, lengths).nonzero()[:, 0]
-    ends = lengths.clone()
-    if holes.numel():
-        positions = torch.arange(1, response_mask.shape[1] + 1, device=response_mask.device)
-        last = response_mask.index_select(0, holes).mul_(positions).amax(-1)
-        ends.index_copy_(0, holes, last.to(ends.dtype))
-    return ends
+    cut = torch.ge(positions, groups.cut_positions(cut_from)[:, None], out=keep)
+    base.masked_fill_(cut, 0.0)
+    return torch.sub(G, base, out=base).mul_(m)
 
 
 def _returns_energy_groups(
-    token_level_rewards,
-    response_mask,
-    index,
-    old_log_probs,
-    sum_pi_squared,
-    rollout_is_weights,
-    energy,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
-    """Shared by both OTB forms: ``(G, W, m, gid, num_groups)``; G, W, m ``[B, L]``, gid ``[B]``."""
-    G, W = reward_to_go_and_energy(
-        token_level_rewards,
-        response_mask,
-        old_log_probs,
-        sum_pi_squared,
-        rollout_is_weights=rollout_is_weights,
-        energy=energy,
-    )
+    token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, isw, energy
+):
+    """Shared by both OTB forms: ``(G, W, m, keep = (m ≠ 0), lengths, gid, num_groups)``."""
+    r, m = check_batch(token_level_rewards, response_mask)
+    keep = _trained(m)
+    G, W = _returns_and_energy(r, m, keep, old_log_probs, sum_pi_squared, isw, energy)
     gid, ng = group_ids(index, G.shape[0], G.device)
-    return G, W, response_mask.float(), gid, ng
+    return G, W, m, keep, row_lengths(m), gid, ng
 
 
 def optimal_token_baseline(
@@ -310,7 +315,7 @@ def optimal_token_baseline(
       ``"uniform"`` (w ≡ 1, the ablation).
     - returns = G.
     """
-    G, W, m, gid, ng = _returns_energy_groups(
+    G, W, m, keep, lengths, gid, ng = _returns_energy_groups(
         token_level_rewards,
         response_mask,
         index,
@@ -319,30 +324,8 @@ def optimal_token_baseline(
         rollout_is_weights,
         energy,
     )
-    L = G.shape[1]
-    n_members = torch.bincount(gid, minlength=ng)
-    layout = _GroupLayout(gid, ng, L)
-    den = W.mul_(m)
-    if not handle_zero_tail:
-        baseline = _baseline(G, den, layout, n_members, leave_one_out)
-    else:
-        lengths = row_lengths(m)
-        row_start, has_tail, group_start = zero_tail_start(lengths, gid, ng, L)
-        if leave_one_out:  # per-row baselines: cut the (at most one per group) tail rows
-            baseline = _baseline(G, den, layout, n_members, leave_one_out)
-            rows = has_tail.nonzero()[:, 0]  # one host sync per batch
-            cut = baseline.index_select(0, rows)
-            positions = torch.arange(L, device=G.device)
-            cut.masked_fill_(positions[None] >= row_start.index_select(0, rows)[:, None], 0.0)
-            baseline.index_copy_(0, rows, cut)
-        else:
-            # Cut the group's baseline from ℓ_2 on: that reaches only the tail row, except for
-            # rows whose holes carry them past ℓ_2; those read the uncut values.
-            ends = _row_ends(m, lengths)
-            uncut = ((~has_tail) & (ends > group_start[gid])).nonzero()[:, 0]
-            baseline = _baseline(G, den, layout, n_members, False, group_start, uncut)
-    advantages = torch.sub(G, baseline, out=baseline).mul_(m)
-    return advantages, G
+    cut_from = baseline_cut_from(lengths, gid, ng, G.shape[1], zero_tail=handle_zero_tail)
+    return _advantages(G, W, m, keep, _GroupTable(gid, ng, keep), cut_from, leave_one_out), G
 
 
 def tir_optimal_token_baseline(
@@ -369,7 +352,7 @@ def tir_optimal_token_baseline(
     Shapes: ``[B, L]`` tensors, ``index`` ``[B]`` -> ``(advantages, returns)`` ``[B, L]``;
     advantages are (G − B)·m at the masked positions, 0 elsewhere; returns = G (not masked).
     """
-    G, W, m, gid, ng = _returns_energy_groups(
+    G, W, m, keep, lengths, gid, ng = _returns_energy_groups(
         token_level_rewards,
         response_mask,
         index,
@@ -378,19 +361,10 @@ def tir_optimal_token_baseline(
         rollout_is_weights,
         energy,
     )
-    L = G.shape[1]
-    lengths = row_lengths(m)
     member = lengths > 0
-    n_members = torch.zeros(ng, dtype=torch.int64, device=G.device).index_add_(
-        0, gid, member.long()
+    cut_from = baseline_cut_from(
+        lengths, gid, ng, G.shape[1], member=member, zero_tail=handle_zero_tail
     )
-    layout = _GroupLayout(gid, ng, L, m)
-    group_start = None
-    if handle_zero_tail and not leave_one_out:
-        # In k space no other member has a token at k ≥ ℓ_2, so cutting the group's baseline
-        # there touches only the unique longest row. Leave-one-out needs no cut at all: that
-        # row's "others" have nothing at k ≥ ℓ_2, so its baseline is already exactly 0.
-        _, _, group_start = zero_tail_start(lengths, gid, ng, L, member)
-    baseline = _baseline(G, W.mul_(m), layout, n_members, leave_one_out, group_start)
-    advantages = torch.sub(G, baseline, out=baseline).mul_(m)
-    return advantages, G
+    holes = rows_with_holes(m, lengths).nonzero()[:, 0]  # one host sync per batch
+    groups = _GroupTable(gid, ng, keep, holes)
+    return _advantages(G, W, m, keep, groups, cut_from, leave_one_out), G

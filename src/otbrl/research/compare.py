@@ -313,7 +313,8 @@ def run_compare(
     """
     from otbrl.config import load_config
     from otbrl.run.build import model_path, validate_config
-    from otbrl.run.outputs import atomic_write_text, json_safe
+    from otbrl.run.files import atomic_write_text
+    from otbrl.run.outputs import json_safe
     from otbrl.run.presets import task_preset
     from otbrl.run.trainer import Trainer
 

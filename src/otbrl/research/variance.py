@@ -302,7 +302,8 @@ def run_variance(
         policy_loss,
         seed_everything,
     )
-    from otbrl.run.outputs import atomic_write_text, json_safe
+    from otbrl.run.files import atomic_write_text
+    from otbrl.run.outputs import json_safe
     from otbrl.tools import resolve_tools
 
     specs = check_variance_args(estimators, ns, repeats, prompts, reference_samples, base)

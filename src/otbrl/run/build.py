@@ -414,7 +414,9 @@ def policy_loss(cfg: Config, *, regularizers: bool = True) -> losses.Loss:
 def critic_loss(cfg: Config) -> losses.Loss:
     """The critic's clipped value loss."""
     return losses.build_value_loss(
-        cliprange_value=cfg.critic.cliprange_value, loss_agg_mode=cfg.actor.loss_agg_mode
+        cliprange_value=cfg.critic.cliprange_value,
+        loss_agg_mode=cfg.actor.loss_agg_mode,
+        horizon=cfg.rollout.max_new_tokens,
     )
 
 

@@ -48,9 +48,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from otbrl.run.files import apply_umask, make_temp_dir
+from otbrl.run.files import apply_umask, fsync_dir, fsync_tree, make_temp_dir
 from otbrl.run.integrity import IntegrityError, file_manifest, verify_manifest
-from otbrl.run.outputs import fsync_dir, fsync_tree, to_plain_dict
+from otbrl.run.outputs import to_plain_dict
 from otbrl.run.state_codec import _decode, _encode, capture_rng_state, restore_rng_state
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""New folders and files with the permissions the user's umask gives, read without a race.
+"""Files written safely: atomically (temp file in the same folder, fsync, rename), durably
+(fsync of files and folders), and with the permissions the user's umask gives.
 
 ``tempfile.mkdtemp`` makes 0700 folders and ``mkstemp`` 0600 files, and safetensors'
 ``save_file`` writes 0600 files too; renamed into place they stay that way, and a team's
@@ -7,6 +8,7 @@ shared storage cannot read the run. No torch here.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 from pathlib import Path
@@ -67,3 +69,44 @@ def open_temp_file(parent: str | Path, prefix: str, suffix: str = ".tmp") -> tup
             continue
         return fd, path
     raise FileExistsError(f"open_temp_file: no free name {prefix}*{suffix} in {parent}")
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory, so a rename inside it survives a crash."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temp file in the same folder, fsync, rename."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temp file in the same folder, fsync, rename; the file
+    gets the umask's permissions."""
+    path = Path(path)
+    fd, tmp = open_temp_file(path.parent, f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and folder under ``root`` (before renaming it into place)."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(Path(dirpath))

@@ -5,20 +5,18 @@ run killed at any moment leaves every finished step on disk. Resuming from a che
 k drops the lines with ``step > k`` (they belong to steps the resumed run will redo), which makes
 the file of a resumed run equal to the file of an uninterrupted one.
 
-This module is the one place for run output files: the metrics log, the summary, and the
-atomic-write helpers (temp file in the same folder, fsync, rename) every other writer uses.
-It imports no torch, so tools that only read runs start fast.
+This module holds the metrics log and the summary; the atomic-write helpers every writer
+uses (temp file in the same folder, fsync, rename) live in :mod:`otbrl.run.files`. It imports
+no torch, so tools that only read runs start fast.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
 import importlib.util
 import json
 import math
-import os
 import sys
 import time
 import warnings
@@ -28,7 +26,7 @@ from typing import Any, TextIO
 
 from tqdm.auto import tqdm
 
-from otbrl.run.files import open_temp_file
+from otbrl.run.files import atomic_write_text
 
 BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
 # backend -> (module that must be importable, pip extra that provides it)
@@ -50,47 +48,6 @@ _SUMMARY_KEYS = (
     ("policy/sum_pi_squared_mean", "last Σπ²"),
     ("policy/grad_norm", "last grad norm"),
 )
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a directory, so a rename inside it survives a crash."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temp file in the same folder, fsync, rename."""
-    atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temp file in the same folder, fsync, rename; the file
-    gets the umask's permissions."""
-    path = Path(path)
-    fd, tmp = open_temp_file(path.parent, f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(path.parent)
-
-
-def fsync_tree(root: Path) -> None:
-    """fsync every file and folder under ``root`` (before renaming it into place)."""
-    for dirpath, _, filenames in os.walk(root):
-        for name in filenames:
-            with open(os.path.join(dirpath, name), "rb") as f:
-                os.fsync(f.fileno())
-        fsync_dir(Path(dirpath))
 
 
 def _plain(value: Any) -> Any:

@@ -15,7 +15,8 @@ from typing import Any, NamedTuple
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from otbrl.run.outputs import SUMMARY_FILE, atomic_write_bytes, read_metrics
+from otbrl.run.files import atomic_write_bytes
+from otbrl.run.outputs import SUMMARY_FILE, read_metrics
 
 # (metrics key, panel title, smooth?) in panel order; a key no run logged gets no panel.
 PANELS = (

@@ -40,7 +40,8 @@ from typing import Any, TextIO
 import otbrl
 from otbrl.config import Config, ConfigError, to_dict
 from otbrl.run import checkpoint
-from otbrl.run.outputs import METRICS_FILE, SUMMARY_FILE, atomic_write_text
+from otbrl.run.files import atomic_write_text
+from otbrl.run.outputs import METRICS_FILE, SUMMARY_FILE
 
 MANIFEST = "run.json"
 LOCK = "run.lock"
