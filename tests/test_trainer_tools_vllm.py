@@ -14,6 +14,11 @@ pytest.importorskip("vllm")
 
 from test_agent_loop_vllm import taught_tool_model
 
+LENGTH_REWARD = """
+def score(data_source, solution_str, ground_truth, extra_info):
+    return float(len(solution_str) % 2)
+"""
+
 
 def test_three_tir_otb_steps_on_vllm_with_tools(tmp_path):
     previous = torch.get_num_threads()
@@ -23,9 +28,13 @@ def test_three_tir_otb_steps_on_vllm_with_tools(tmp_path):
         task = get_task("tool_arithmetic")
         train = write_parquet_rows(task.rows("train", 16, seed=0), tmp_path / "train.parquet")
         val = write_parquet_rows(task.rows("val", 8, seed=0), tmp_path / "val.parquet")
+        # the taught model seldom multiplies right: a reward that varies inside each group
+        # gives the lr 1e-2 updates a real gradient (so a missed sync would be visible)
+        (tmp_path / "reward.py").write_text(LENGTH_REWARD)
         out = tmp_path / "run"
         argv = [
-            "train", f"model.path={path}", f"trainer.output_dir={out}",
+            "train", f"reward.function={tmp_path / 'reward.py'}:score", f"model.path={path}",
+            f"trainer.output_dir={out}",
             f"data.train_files=[{train}]", f"data.val_files=[{val}]", "rollout.name=vllm",
             "rollout.multi_turn.tools=[calculator]", "rollout.multi_turn.max_turns=3",
             "data.max_response_length=32", "algorithm.adv_estimator=tir_optimal_token_baseline",
@@ -38,8 +47,10 @@ def test_three_tir_otb_steps_on_vllm_with_tools(tmp_path):
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in lines if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2, 3]
+    # the taught start calls on most rows; the lr 1e-2 updates on a length reward may move off
+    assert steps[0]["tool/calls_per_sample"] > 0.5
     for r in steps:
-        assert r["tool/calls_per_sample"] > 0.5 and r["tool/rows_with_holes_frac"] > 0.5
+        assert r["tool/calls_per_sample"] > 0 and r["tool/rows_with_holes_frac"] > 0
         assert 0 < r["rollout/observation_tokens_frac"] < 1
         # synced after each lr 1e-2 update: the engine samples from the trainer's weights
         # (fp32 rounding of a peaked model, see test_agent_loop_vllm; a missed sync is >1e-2)

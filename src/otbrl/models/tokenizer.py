@@ -23,11 +23,23 @@ SPECIAL_TOKENS = (PAD, BOS, EOS, UNK, *ROLE_TOKENS)
 TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 
 # Renders ``<bos><user>12+34=<assistant>`` for a one-turn prompt with the generation prompt on,
-# and closes assistant turns with ``<eos>``: the same token that ends a sampled response. A
+# and closes assistant turns with ``<eos>``: the same token that ends a sampled response.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unsupported chat role: ' + message['role']) }}"
+    "{% endif %}"
+    "<{{ message['role'] }}>{{ message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+# The tool tasks' template (tokenizers with ``TOOL_TOKENS``): also a ``tool`` role. A
 # tool-calling turn ends with its ``</tool_call>`` (where generation stops, no ``<eos>``), a tool
 # message renders as ``<tool_response>...</tool_response>``: the template is prefix-preserving,
 # so observation tokens are its suffix difference (``otbrl.tools.formats``).
-CHAT_TEMPLATE = (
+TOOL_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
     "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
@@ -56,7 +68,8 @@ def build_tokenizer(alphabet: str, *, tool_tokens: bool = False) -> PreTrainedTo
 
     Returns:
         A ``PreTrainedTokenizerFast`` with pad/bos/eos and chat-role special tokens, the
-        ``CHAT_TEMPLATE`` chat template and ``padding_side="left"``. Vocabulary size is
+        ``CHAT_TEMPLATE`` chat template (``TOOL_CHAT_TEMPLATE`` with ``tool_tokens``) and
+        ``padding_side="left"``. Vocabulary size is
         ``len(SPECIAL_TOKENS) + len(set(alphabet))`` (+ 4 with ``tool_tokens``); special tokens
         take ids 0..6, then the characters, then the tool tokens.
     """
@@ -92,7 +105,7 @@ def build_tokenizer(alphabet: str, *, tool_tokens: bool = False) -> PreTrainedTo
         unk_token=UNK,
         additional_special_tokens=extra,
         padding_side="left",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=TOOL_CHAT_TEMPLATE if tool_tokens else CHAT_TEMPLATE,
     )
 
 
