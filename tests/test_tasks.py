@@ -113,3 +113,40 @@ def test_digit_sum_reward(text, truth, expected):
     from otbrl.rewards import BUILTIN_REWARDS
 
     assert BUILTIN_REWARDS["digit_sum"]("otbrl/digit_sum", text, truth, {}) == expected
+
+
+def test_tool_arithmetic_demonstrations_mix_calls_and_direct_answers():
+    from otbrl.data.tasks import ToolArithmeticTask
+
+    task = ToolArithmeticTask(n_train=3000, n_val=50)
+    rows = task.rows("train", seed=0)
+    calls = []
+    for row in rows:
+        validate_row(row)
+        a, b = map(int, row["extra_info"]["expression"].split("*"))
+        assert 1000 <= a <= 9999 and 10 <= b <= 99
+        truth = row["reward_model"]["ground_truth"]
+        demo = task.demonstration(row)
+        assert demo == task.demonstration(row)  # fixed per row
+        if isinstance(demo, str):
+            assert demo == truth == str(a * b)
+            calls.append(False)
+            continue
+        call, observation, answer = demo
+        assert call["tool_calls"] == [
+            {"name": "calculator", "arguments": {"expression": f"{a}*{b}"}}
+        ]
+        assert observation == {"role": "tool", "name": "calculator", "content": str(a * b)}
+        assert answer == {"role": "assistant", "content": truth}
+        calls.append(True)
+    leading = [r["extra_info"]["expression"][0] in "123" for r in rows]
+    # the prompts the greedy policy learns to call on always call; the others sometimes
+    assert all(c for c, lead in zip(calls, leading) if lead)
+    others = [c for c, lead in zip(calls, leading) if not lead]
+    assert 0.17 < sum(others) / len(others) < 0.23
+    never = ToolArithmeticTask(n_train=200, n_val=10, tool_leading_digits="", tool_fraction=0.0)
+    assert all(isinstance(never.demonstration(r), str) for r in never.rows("train"))
+    with pytest.raises(ValueError, match="tool_leading_digits"):
+        ToolArithmeticTask(tool_leading_digits="0")
+    with pytest.raises(ValueError, match="tool_fraction"):
+        ToolArithmeticTask(tool_fraction=1.5)

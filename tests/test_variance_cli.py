@@ -85,6 +85,55 @@ def test_probe_gradients_match_autograd_of_each_loss(tiny_model):
     assert set(extras["power"]) == {"grpo", "rloo", "otb"}
 
 
+def test_probe_samples_through_the_agent_loop(tmp_path):
+    """Tool runs: the probe's batches come from the agent loop (holes, the reward on the last
+    model token after them), and its TIR-OTB gradient is the autograd one on such a batch."""
+    from otbrl.rollout import make_agent
+    from otbrl.tools import resolve_tools
+    from test_agent_loop import ScriptedEngine, tool_then_answer
+
+    path = build_tiny_model(tmp_path / "tool", task="tool_arithmetic", seed=0, **SMALL)
+    model, tokenizer = load_model_and_tokenizer(path)
+    tools = resolve_tools(["calculator"])
+    agent = make_agent(
+        ScriptedEngine(tool_then_answer), tokenizer, tools,
+        eos_token_ids=[tokenizer.eos_token_id], max_turns=3,
+    )  # fmt: skip
+    probe = GradientProbe(
+        model, tokenizer, temperature=1.0, max_new_tokens=32,
+        options={"handle_zero_tail": True, "norm_adv_by_std_in_grpo": True},
+        loss_fn=losses.build_loss(loss_agg_mode="token-mean"), agent=agent,
+    )  # fmt: skip
+    rows = get_task("tool_arithmetic").rows("train", 2, seed=0)
+    enc = encode_prompts(rows, tokenizer, 64, tools)
+    batch = probe.sample(enc, rows, n=2, seed=0)
+    # sample 0 answers "123" at once (wrong); sample 1 calls and copies the product (right)
+    assert batch["num_turns"].tolist() == [1, 2, 1, 2]
+    mask = batch["response_mask"]
+    attention = batch["attention_mask"][:, batch["prompts"].shape[1] :]
+    assert ((attention > 0) & (mask == 0)).any(dim=1).tolist() == [False, True, False, True]
+    rewards = batch["token_level_rewards"]
+    assert rewards.sum(dim=1).tolist() == [0.0, 1.0, 0.0, 1.0]
+    last = torch.where(mask > 0, torch.arange(1, mask.shape[1] + 1), 0).amax(1) - 1
+    assert torch.equal(rewards[torch.arange(4), last], rewards.sum(dim=1))
+    (spec,) = parse_estimators("tir_optimal_token_baseline")
+    grads, _ = probe.gradients(batch, [spec])
+    probe.model.zero_grad(set_to_none=True)
+    stats = forward_outputs(
+        probe.model, batch, Layout(), outputs=frozenset({"log_probs", "sum_pi_squared"})
+    )
+    old = stats["log_probs"].detach()
+    adv, _ = compute_advantage(
+        spec.name, token_level_rewards=rewards, response_mask=mask, index=batch["uid"],
+        old_log_probs=old, sum_pi_squared=stats["sum_pi_squared"], **probe.options,
+    )  # fmt: skip
+    assert (adv[mask == 0] == 0).all() and (adv != 0).any()
+    loss, _ = losses.ppo_policy_loss(stats["log_probs"], old, adv, mask, loss_agg_mode="token-mean")
+    loss.backward()
+    want = torch.cat([p.grad.reshape(-1) for p in probe.params])
+    torch.testing.assert_close(grads[0], want, rtol=1e-4, atol=1e-7)
+
+
 def test_parse_estimators_aliases_and_options():
     specs = parse_estimators("otb_notail,drgrpo,optimal_token_baseline:energy=uniform:x=1.5")
     assert specs[0] == EstimatorSpec(

@@ -37,7 +37,7 @@ USER_MESSAGES = [
 ]
 
 
-def build_user_style_model(out_dir: str | Path, *, seed: int = 0) -> Path:
+def build_user_style_model(out_dir: str | Path, *, seed: int = 0, chat_template=CHATML) -> Path:
     """Write the directory; returns its path (loadable with ``load_model_and_tokenizer``)."""
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -50,7 +50,7 @@ def build_user_style_model(out_dir: str | Path, *, seed: int = 0) -> Path:
     tk.train_from_iterator(CORPUS, trainer)
     tok = PreTrainedTokenizerFast(
         tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        unk_token=None, chat_template=CHATML,
+        unk_token=None, chat_template=chat_template,
     )  # fmt: skip
     config = Qwen2Config(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

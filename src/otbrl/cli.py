@@ -101,7 +101,10 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    cfg, plan = _config(args, DEMO_PRESET)
+    from otbrl.run.presets import task_preset
+
+    # the task's own preset (tool_arithmetic: the calculator on...), before the user's overrides
+    cfg, plan = _config(args, [*DEMO_PRESET, *task_preset(args.overrides, args.config)])
     from otbrl.run.rundir import claim_run_dir
     from otbrl.run.trainer import Trainer
 
@@ -123,6 +126,13 @@ def _demo(args: argparse.Namespace) -> int:
         f"{cfg.algorithm.adv_estimator}), gain {after - before:+.3f}; "
         f"{wall:.0f} s incl. warm start; curves: {cfg.trainer.output_dir}/curves.png"
     )
+    if "final_val_accuracy_without_tools" in summary:
+        rates = [summary.get(f"{k}_val_tool_call_rate") for k in ("initial", "final")]
+        if None not in rates:
+            print(f"tool-call rate: {rates[0]:.3f} -> {rates[1]:.3f}", end="; ")
+        print(
+            f"the final policy without its tools: {summary['final_val_accuracy_without_tools']:.3f}"
+        )
     return 0
 
 
@@ -178,7 +188,9 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _variance(args: argparse.Namespace) -> int:
-    cfg, _ = _config(args)
+    from otbrl.run.presets import task_preset
+
+    cfg, _ = _config(args, task_preset(args.overrides, args.config))
     from otbrl.research.variance import DEFAULT_ESTIMATORS, check_variance_args, run_variance
 
     try:

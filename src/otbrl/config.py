@@ -57,14 +57,27 @@ class VLLMConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn tool use (``otbrl.rollout.agent``): on when ``tools`` is not empty."""
+
+    tools: list[str] = field(default_factory=list)  # built-in names or "path/to/file.py:fn"
+    format: str = "auto"  # "auto" | "hermes" | "compact" (auto: compact for the built-in model)
+    max_turns: int = 4  # model turns per sample
+    max_tool_response_tokens: int = 64  # each tool result is cut to this many tokens
+    tool_timeout_s: float = 5.0  # a call running longer returns an error observation
+
+
+@dataclass
 class RolloutConfig:
     name: str = "hf"  # "hf" (the training model's own sampler) | "vllm"
     n: int = 8  # responses per prompt
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+    # the response budget: model and (multi-turn) observation tokens together
     max_new_tokens: int = "${data.max_response_length}"  # type: ignore[assignment]
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass
@@ -198,6 +211,7 @@ _CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "rollout.name": ("hf", "vllm"),
     "rollout.vllm.dtype": ("float32", "bfloat16", "float16"),
+    "rollout.multi_turn.format": ("auto", "hermes", "compact"),
     "algorithm.rollout_correction": ("none", "token_tis", "seq_mis"),
     "actor.loss_agg_mode": (
         "token-mean",
@@ -211,7 +225,7 @@ _CHOICES = {
     "algorithm.otb.energy": ("logit_gradient", "uniform"),
     "reward.on_error": ("raise", "zero"),
 }
-_LIST_KEYS = ("data.train_files", "data.val_files", "trainer.logger")
+_LIST_KEYS = ("data.train_files", "data.val_files", "trainer.logger", "rollout.multi_turn.tools")
 _LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 _POSITIVE = (
     "data.train_batch_size",
@@ -219,6 +233,9 @@ _POSITIVE = (
     "data.max_response_length",
     "rollout.n",
     "rollout.max_new_tokens",
+    "rollout.multi_turn.max_turns",
+    "rollout.multi_turn.max_tool_response_tokens",
+    "rollout.multi_turn.tool_timeout_s",
     "actor.ppo_epochs",
     "actor.micro_batch_size",
     "critic.lr",
@@ -415,6 +432,15 @@ def check_config(cfg: Config) -> None:
                     f"'rollout.vllm.{key}' is set but 'rollout.name' is "
                     f"'{cfg.rollout.name}'; set rollout.name=vllm or drop the key",
                     f"rollout.vllm.{key}",
+                )
+    multi, multi_defaults = cfg.rollout.multi_turn, MultiTurnConfig()
+    if not multi.tools:
+        for key in ("format", "max_turns", "max_tool_response_tokens", "tool_timeout_s"):
+            if getattr(multi, key) != getattr(multi_defaults, key):
+                raise ConfigError(
+                    f"'rollout.multi_turn.{key}' is set but 'rollout.multi_turn.tools' is empty; "
+                    "list the tools (e.g. rollout.multi_turn.tools=[calculator]) or drop the key",
+                    f"rollout.multi_turn.{key}",
                 )
     if not 0.0 < vllm.gpu_memory_utilization <= 1.0:
         raise ConfigError(

@@ -140,18 +140,41 @@ def write_parquet_rows(rows: Sequence[dict], path: str | Path) -> Path:
     return path
 
 
-def render_prompts(rows: Sequence[dict], tokenizer: PreTrainedTokenizerBase) -> list[str]:
-    """Chat-template text of each row's prompt, with the generation prompt appended."""
+def render_prompts(
+    rows: Sequence[dict], tokenizer: PreTrainedTokenizerBase, tools: dict | None = None
+) -> list[str]:
+    """Chat-template text of each row's prompt, with the generation prompt appended.
+
+    ``tools`` (``{name: otbrl.tools.Tool}``, multi-turn runs): each row's tools — its
+    ``extra_info.tools`` / ``extra_info.tools_kwargs`` names, else all — reach the template as
+    ``tools=[JSON schemas]`` (what chat templates that list tools expect).
+    """
+    if not tools:
+        return [
+            tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+            for row in rows
+        ]
+    from otbrl.tools import tool_schemas, tools_for_row
+
     return [
-        tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+        tokenizer.apply_chat_template(
+            row["prompt"],
+            tools=tool_schemas(tools_for_row(row, tools), tools),
+            add_generation_prompt=True,
+            tokenize=False,
+        )
         for row in rows
     ]
 
 
 def encode_prompts(
-    rows: Sequence[dict], tokenizer: PreTrainedTokenizerBase, max_prompt_length: int
+    rows: Sequence[dict],
+    tokenizer: PreTrainedTokenizerBase,
+    max_prompt_length: int,
+    tools: dict | None = None,
 ) -> dict[str, Tensor]:
-    """Tokenize prompts through the chat template, left-padded.
+    """Tokenize prompts through the chat template (``tools`` as in ``render_prompts``),
+    left-padded.
 
     Returns:
         ``input_ids`` [B, Lp] long and ``attention_mask`` [B, Lp] long, Lp = longest prompt.
@@ -159,7 +182,7 @@ def encode_prompts(
     """
     if not rows:
         raise ValueError("rows: expected at least one row, got none")
-    texts = render_prompts(rows, tokenizer)
+    texts = render_prompts(rows, tokenizer, tools)
     # The template already holds the special tokens (BOS, role markers): add none twice.
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     lengths = [len(x) for x in ids]
@@ -187,7 +210,8 @@ class PromptDataset:
 
     Every epoch is a fresh permutation drawn from ``(seed, epoch)``; batches never straddle
     two epochs (a short tail is skipped), so ``batch_size`` rows come back every time.
-    ``state_dict()`` is two ints; loading it resumes the exact same sequence.
+    ``state_dict()`` is two ints; loading it resumes the exact same sequence. ``tools``: the
+    multi-turn run's tools, which prompts are rendered with (``render_prompts``).
     """
 
     def __init__(
@@ -199,6 +223,7 @@ class PromptDataset:
         batch_size: int,
         seed: int = 0,
         shuffle: bool = True,
+        tools: dict | None = None,
     ):
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size: expected an int ≥ 1, got {batch_size!r}")
@@ -213,7 +238,9 @@ class PromptDataset:
         if tokenizer is not None:
             # Fail at start-up, not at step 900, when one prompt is too long.
             for start in range(0, len(rows), 4096):
-                enc = encode_prompts(rows[start : start + 4096], tokenizer, max_prompt_length)
+                enc = encode_prompts(
+                    rows[start : start + 4096], tokenizer, max_prompt_length, tools
+                )
                 longest = int(enc["attention_mask"].sum(dim=1).max())
                 self.longest_prompt = max(self.longest_prompt, longest)
         self.rows = list(rows)

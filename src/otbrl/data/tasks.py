@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from otbrl.tools.calculator import calculator
+
 ARITHMETIC_SOURCE = "otbrl/arithmetic"
 DIGIT_SUM_SOURCE = "otbrl/digit_sum"
+TOOL_ARITHMETIC_SOURCE = "otbrl/tool_arithmetic"
 SPLITS = ("train", "val")
 
 
@@ -24,13 +27,16 @@ class Task:
         data_source: the ``data_source`` of every row; selects the built-in reward.
         alphabet: every character a prompt or response can contain (sizes the tiny tokenizer).
         max_response_chars: longest demonstration, in characters (= tokens for the tiny
-            tokenizer, before EOS).
+            tokenizer, before EOS; observation tokens included for a tool task).
+        tools: built-in tools the task's demonstrations call (its tokenizer then has the
+            tool-call tokens); empty for single-turn tasks.
     """
 
     name: str
     data_source: str
     alphabet: str
     max_response_chars: int
+    tools: tuple[str, ...] = ()
     _pools: dict[str, np.ndarray]  # per split, one item per row; ``_row`` turns it into a row
 
     def split_size(self, split: str) -> int:
@@ -48,8 +54,11 @@ class Task:
         order = np.random.default_rng(seed).permutation(len(pool))[:n]
         return [self._row(split, int(i), pool[i]) for i in order]
 
-    def demonstration(self, row: dict) -> str:
-        """The target response text for ``row`` (without EOS): what SFT teaches."""
+    def demonstration(self, row: dict) -> str | list[dict]:
+        """What SFT teaches for ``row``: the response text (without EOS), or for a tool task
+        possibly a list of turns — assistant messages (``content`` or ``tool_calls``) and the
+        tool messages answering them (``otbrl.tools.ChatTurns.conversation_ids`` encodes
+        them the way the agent loop would)."""
         raise NotImplementedError
 
     def _split(self, split: str) -> np.ndarray:
@@ -167,7 +176,95 @@ class DigitSumTask(Task):
         }
 
 
-TASKS: dict[str, type[Task]] = {"arithmetic": ArithmeticTask, "digit_sum": DigitSumTask}
+class ToolArithmeticTask(Task):
+    """``a*b=`` with a 4-digit ``a`` and a 2-digit ``b``: the product, which the tiny model cannot
+    compute alone but can read off the built-in ``calculator``.
+
+    ``n_train + n_val`` distinct pairs are drawn once (``split_seed``) and split. Demonstrations
+    mix the two ways to answer, fixed per row: a call ``<tool_call>a*b</tool_call>``, the
+    calculator's result as the observation, then the answer; or the answer directly. Rows whose
+    ``a`` starts with one of ``tool_leading_digits`` always call; the others call with
+    probability ``tool_fraction``. The split is one the model can read off the prompt, so the
+    warm-started *greedy* policy calls on those prompts only (a per-row coin alone would not do:
+    the call token, one choice, outweighs any one first digit of a direct answer, and greedy
+    decoding would always call), while the sampled policy still tries the tool elsewhere. RL
+    from the exact-match reward alone then has to spread the tool to the other prompts.
+    """
+
+    name = "tool_arithmetic"
+    data_source = TOOL_ARITHMETIC_SOURCE
+    # every printable ASCII character: tool error messages survive the character tokenizer
+    alphabet = "".join(map(chr, range(32, 127)))
+    tools = ("calculator",)
+    # call (<tool_call> 7 </tool_call>) + observation (<tool_response> 6 </tool_response>
+    # <assistant>) + 6 answer digits, in tokens of the built-in tokenizer
+    max_response_chars = 24
+
+    def __init__(
+        self,
+        n_train: int = 20000,
+        n_val: int = 1000,
+        tool_leading_digits: str = "123",
+        tool_fraction: float = 0.2,
+        split_seed: int = 1234,
+    ):
+        for name, value in (("n_train", n_train), ("n_val", n_val)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        if not isinstance(tool_leading_digits, str) or not set(tool_leading_digits) <= set(
+            "123456789"
+        ):
+            raise ValueError(
+                f"tool_leading_digits: expected a string of digits 1-9, got {tool_leading_digits!r}"
+            )
+        if not 0.0 <= tool_fraction <= 1.0:
+            raise ValueError(f"tool_fraction: expected a number in [0, 1], got {tool_fraction!r}")
+        self.tool_leading_digits = tool_leading_digits
+        self.tool_fraction, self.split_seed = tool_fraction, split_seed
+        rng = np.random.default_rng(split_seed)
+        codes = rng.choice(9000 * 90, size=n_train + n_val, replace=False)
+        pairs = np.stack([1000 + codes // 90, 10 + codes % 90], axis=1)
+        self._pools = {"val": pairs[:n_val], "train": pairs[n_val:]}
+
+    def uses_tool(self, row: dict) -> bool:
+        """Whether the demonstration of ``row`` calls the calculator (fixed per row)."""
+        if row["extra_info"]["expression"][0] in self.tool_leading_digits:
+            return True
+        split_id = SPLITS.index(row["extra_info"]["split"])
+        rng = np.random.default_rng([self.split_seed, 7, split_id, row["extra_info"]["index"]])
+        return bool(rng.random() < self.tool_fraction)
+
+    def demonstration(self, row: dict) -> str | list[dict]:
+        answer = str(row["reward_model"]["ground_truth"])
+        if not self.uses_tool(row):
+            return answer
+        expression = row["extra_info"]["expression"]
+        return [
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"name": "calculator", "arguments": {"expression": expression}}],
+            },
+            {"role": "tool", "name": "calculator", "content": calculator(expression)},
+            {"role": "assistant", "content": answer},
+        ]
+
+    def _row(self, split: str, index: int, pair: np.ndarray) -> dict:
+        a, b = int(pair[0]), int(pair[1])
+        return {
+            "prompt": [{"role": "user", "content": f"{a}*{b}="}],
+            "data_source": self.data_source,
+            "ability": "arithmetic",
+            "reward_model": {"style": "rule", "ground_truth": str(a * b)},
+            "extra_info": {"split": split, "index": index, "expression": f"{a}*{b}"},
+        }
+
+
+TASKS: dict[str, type[Task]] = {
+    "arithmetic": ArithmeticTask,
+    "digit_sum": DigitSumTask,
+    "tool_arithmetic": ToolArithmeticTask,
+}
 
 
 def get_task(name: str, **kwargs) -> Task:

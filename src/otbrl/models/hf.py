@@ -72,7 +72,8 @@ def build_tiny_model(
         raise ValueError(
             f"size: unknown keys {unknown}; expected a subset of {sorted(DEFAULT_SIZE)}"
         )
-    tokenizer = build_tokenizer(get_task(task).alphabet)
+    task_obj = get_task(task)
+    tokenizer = build_tokenizer(task_obj.alphabet, tool_tokens=bool(task_obj.tools))
     model = random_causal_lm(
         arch,
         seed=seed,

@@ -18,6 +18,9 @@ ROLE_TOKENS = ("<system>", "<user>", "<assistant>")
 # An explicit unknown token matters: without one, AutoTokenizer's Qwen2Tokenizer (picked for a
 # ``qwen2`` config) adds its default "<|endoftext|>" past the model's vocabulary.
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK, *ROLE_TOKENS)
+# Tool tasks only (``build_tokenizer(..., tool_tokens=True)``), after the others: the ids of the
+# tokenizers without them stay what they were.
+TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 
 # Renders ``<bos><user>12+34=<assistant>`` for a one-turn prompt with the generation prompt on,
 # and closes assistant turns with ``<eos>``: the same token that ends a sampled response.
@@ -32,20 +35,43 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
 )
+# The tool tasks' template (tokenizers with ``TOOL_TOKENS``): also a ``tool`` role. A
+# tool-calling turn ends with its ``</tool_call>`` (where generation stops, no ``<eos>``), a tool
+# message renders as ``<tool_response>...</tool_response>``: the template is prefix-preserving,
+# so observation tokens are its suffix difference (``otbrl.tools.formats``).
+TOOL_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('unsupported chat role: ' + message['role']) }}"
+    "{% endif %}"
+    "{% if message['role'] == 'tool' %}"
+    "<tool_response>{{ message['content'] }}</tool_response>"
+    "{% else %}"
+    "<{{ message['role'] }}>{{ message['content'] }}"
+    "{% if message['role'] == 'assistant' and not message['content'].endswith('</tool_call>') %}"
+    "{{ eos_token }}{% endif %}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 
 
-def build_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
+def build_tokenizer(alphabet: str, *, tool_tokens: bool = False) -> PreTrainedTokenizerFast:
     """Build a character-level byte-level-BPE tokenizer over ``alphabet`` plus special tokens.
 
     Args:
         alphabet: the characters the task uses (non-empty, ASCII only: one byte per character,
             so each character is exactly one token). Characters outside it are dropped when
             encoding, as a BPE without an unknown token does.
+        tool_tokens: also add ``TOOL_TOKENS`` (tool-use tasks), one special token each.
 
     Returns:
         A ``PreTrainedTokenizerFast`` with pad/bos/eos and chat-role special tokens, the
-        ``CHAT_TEMPLATE`` chat template and ``padding_side="left"``. Vocabulary size is
-        ``len(SPECIAL_TOKENS) + len(set(alphabet))``; special tokens take ids 0..6.
+        ``CHAT_TEMPLATE`` chat template (``TOOL_CHAT_TEMPLATE`` with ``tool_tokens``) and
+        ``padding_side="left"``. Vocabulary size is
+        ``len(SPECIAL_TOKENS) + len(set(alphabet))`` (+ 4 with ``tool_tokens``); special tokens
+        take ids 0..6, then the characters, then the tool tokens.
     """
     if not isinstance(alphabet, str):
         raise TypeError(f"alphabet: expected a str, got {type(alphabet).__name__}")
@@ -70,15 +96,16 @@ def build_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     tok.train_from_iterator(["".join(chars)], trainer=trainer)
+    extra = list(ROLE_TOKENS) + (list(TOOL_TOKENS) if tool_tokens else [])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=PAD,
         bos_token=BOS,
         eos_token=EOS,
         unk_token=UNK,
-        additional_special_tokens=list(ROLE_TOKENS),
+        additional_special_tokens=extra,
         padding_side="left",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=TOOL_CHAT_TEMPLATE if tool_tokens else CHAT_TEMPLATE,
     )
 
 

@@ -315,10 +315,13 @@ def run_compare(
     from otbrl.run.build import model_path, validate_config
     from otbrl.run.files import atomic_write_text
     from otbrl.run.outputs import json_safe
+    from otbrl.run.presets import task_preset
     from otbrl.run.trainer import Trainer
 
     arm_list = parse_arms(arms)
     check_settings(seeds, budget_responses, prompts, updates_per_step, jobs)
+    # the task's own preset (tool_arithmetic: the calculator on...) before the user's overrides
+    overrides = [*task_preset(overrides, config_file), *overrides]
     out = Path(out_dir)
     base_cfg = load_config(config_file, overrides)
     validate_config(base_cfg)

@@ -23,10 +23,20 @@ from otbrl.algos.losses import Loss, loss_normalizers
 from otbrl.algos.metrics import trajectory_w, variance_proxy
 from otbrl.algos.otb import zero_tail_mask
 from otbrl.engine.layout import Layout, forward_outputs, row_features, scatter_rows
+from otbrl.models import eos_token_ids
 from otbrl.ops import token_stats
 from otbrl.rewards import score_responses
 from otbrl.rewards.placement import place_scores
-from otbrl.rollout import decode_responses, generate
+from otbrl.rollout import (
+    SamplingParams,
+    completions_to_batch,
+    decode_responses,
+    decode_transcripts,
+    generate,
+    transcript_rows,
+    unpad_prompts,
+)
+from otbrl.tools import tools_for_row
 
 
 @dataclass(frozen=True)
@@ -95,6 +105,8 @@ class GradientProbe:
     (``otbrl.run.build.policy_loss(cfg, regularizers=False)``, the trainer's own construction
     without the entropy and KL terms). ``method``: ``"loop"`` (one backward per estimator, graph
     retained) or ``"batched"`` (one batched vector-Jacobian product, ``is_grads_batched``).
+    ``agent``: an ``otbrl.rollout.AgentLoop`` over an engine of ``model`` (multi-turn tool
+    runs): batches are sampled through it, with holes, as the trainer samples them.
     """
 
     def __init__(
@@ -109,6 +121,7 @@ class GradientProbe:
         reward_fn: Callable | None = None,
         on_error: str = "raise",
         method: str = "loop",
+        agent=None,
     ):
         if method not in ("loop", "batched"):
             raise ValueError(f"method: expected 'loop' or 'batched', got {method!r}")
@@ -118,9 +131,13 @@ class GradientProbe:
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self.options, self.loss_fn = options, loss_fn
         self.reward_fn, self.on_error, self.method = reward_fn, on_error, method
+        self.agent = agent
 
     def sample(self, enc: dict[str, Tensor], rows: list[dict], n: int, seed: int) -> dict:
-        """One rollout of ``n`` responses per prompt, scored; reward on the last token."""
+        """One rollout of ``n`` responses per prompt, scored; reward on the last model token
+        (``enc``: the prompts rendered with the agent's tools when there is one)."""
+        if self.agent is not None:
+            return self._sample_agent(enc, rows, n, seed)
         batch = generate(
             self.model,
             self.tokenizer,
@@ -136,6 +153,33 @@ class GradientProbe:
         repeated = [row for row in rows for _ in range(n)]
         scores, _ = score_responses(
             texts, repeated, function=self.reward_fn, on_error=self.on_error
+        )
+        batch["token_level_rewards"] = place_scores(torch.tensor(scores), mask)
+        return batch
+
+    def _sample_agent(self, enc: dict[str, Tensor], rows: list[dict], n: int, seed: int) -> dict:
+        tok = self.tokenizer
+        params = SamplingParams(
+            n=n,
+            temperature=self.temperature,
+            max_tokens=self.max_new_tokens,
+            stop_token_ids=tuple(eos_token_ids(self.model, tok)),
+            seed=seed,
+        )
+        allowed = [tools_for_row(row, self.agent.tools) for row in rows]
+        prompts = unpad_prompts(enc["input_ids"], enc["attention_mask"])
+        out = self.agent.generate(prompts, params, allowed=allowed)
+        pad = tok.pad_token_id
+        batch = completions_to_batch(enc["input_ids"], enc["attention_mask"], out, pad_id=pad)
+        mask = batch["response_mask"]
+        attention = batch["attention_mask"][:, batch["prompts"].shape[1] :]
+        repeated = [row for row in rows for _ in range(n)]
+        transcripts = decode_transcripts(tok, batch["responses"], attention)
+        scores, _ = score_responses(
+            decode_responses(tok, batch["responses"], mask),
+            transcript_rows(repeated, transcripts, batch),
+            function=self.reward_fn,
+            on_error=self.on_error,
         )
         batch["token_level_rewards"] = place_scores(torch.tensor(scores), mask)
         return batch

@@ -304,6 +304,7 @@ def run_variance(
     )
     from otbrl.run.files import atomic_write_text
     from otbrl.run.outputs import json_safe
+    from otbrl.tools import resolve_tools
 
     specs = check_variance_args(estimators, ns, repeats, prompts, reference_samples, base)
     labels = [s.label for s in specs]
@@ -316,7 +317,20 @@ def run_variance(
         raise ValueError(f"prompts: expected <= {len(train_rows)} (the data size), got {prompts}")
     order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(seed))
     rows = [train_rows[i] for i in order[:prompts].tolist()]
-    enc = encode_prompts(rows, tokenizer, cfg.data.max_prompt_length)
+    tools = resolve_tools(cfg.rollout.multi_turn.tools) if cfg.rollout.multi_turn.tools else None
+    enc = encode_prompts(rows, tokenizer, cfg.data.max_prompt_length, tools)
+    agent = None
+    if tools:  # multi-turn: the trainer's agent loop over the HF sampler
+        from otbrl.models import eos_token_ids
+        from otbrl.rollout import HFRollout, make_agent
+
+        multi = cfg.rollout.multi_turn
+        agent = make_agent(
+            HFRollout(model, tokenizer), tokenizer, tools,
+            eos_token_ids=eos_token_ids(model, tokenizer), fmt=multi.format,
+            max_turns=multi.max_turns, max_tool_response_tokens=multi.max_tool_response_tokens,
+            timeout_s=multi.tool_timeout_s, model=str(path),
+        )  # fmt: skip
     probe = GradientProbe(
         model,
         tokenizer,
@@ -327,6 +341,7 @@ def run_variance(
         reward_fn=resolve_reward_function(cfg.reward.function),
         on_error=cfg.reward.on_error,
         method=method,
+        agent=agent,
     )
     sketch = choose_sketch_dim(len(specs), repeats, probe.num_params, sketch_dim)
     echo(

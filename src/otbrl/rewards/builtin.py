@@ -74,6 +74,7 @@ BUILTIN_REWARDS: dict[str, RewardFunction] = {
 DATA_SOURCE_REWARDS: dict[str, RewardFunction] = {
     "otbrl/arithmetic": exact_match,
     "otbrl/digit_sum": digit_sum,
+    "otbrl/tool_arithmetic": exact_match,
     "openai/gsm8k": gsm8k,
     "gsm8k": gsm8k,
 }

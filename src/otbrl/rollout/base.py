@@ -223,6 +223,10 @@ def completions_to_batch(
     ``rollout_log_probs`` [B, Lr] float32 (0 on padding); ``input_ids`` / ``attention_mask`` /
     ``position_ids`` [B, Lp+Lr] long; ``uid`` [B] int64 (the prompt index); ``truncated`` [B]
     bool (finish reason ``"length"``).
+
+    Multi-turn completions (``otbrl.rollout.agent.Trajectory``, with a ``mask``): the response
+    mask is that mask (0 on observation tokens: holes), the attention mask stays 1 on every real
+    token, and ``num_turns`` / ``tool_calls`` / ``tool_errors`` [B] int64 are added.
     """
     if not isinstance(prompt_ids, Tensor) or prompt_ids.dim() != 2:
         raise ValueError(f"prompt_ids: expected a [P, Lp] tensor, got {_describe(prompt_ids)}")
@@ -256,13 +260,20 @@ def completions_to_batch(
         responses[r, : lengths[r]] = torch.tensor(c.token_ids, dtype=torch.long)
         logprobs[r, : lengths[r]] = torch.tensor(c.logprobs, dtype=torch.float32)
     response_mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).float()
+    attention = response_mask
+    multi_turn = any(getattr(c, "mask", None) is not None for c in flat)
+    if multi_turn:
+        attention = response_mask.clone()
+        for r, c in enumerate(flat):
+            if getattr(c, "mask", None) is not None:
+                response_mask[r, : lengths[r]] = torch.tensor(c.mask, dtype=torch.float32)
     truncated = torch.tensor([c.finish_reason == "length" for c in flat], dtype=torch.bool)
     repeats = torch.tensor(counts, device=device)
     prompts = prompt_ids.repeat_interleave(repeats, dim=0)
     masks = prompt_mask.to(dtype=torch.long).repeat_interleave(repeats, dim=0)
     responses, response_mask = responses.to(device), response_mask.to(device)
-    attention_mask = torch.cat([masks, response_mask.long()], dim=1)
-    return {
+    attention_mask = torch.cat([masks, attention.long().to(device)], dim=1)
+    batch = {
         "prompts": prompts,
         "responses": responses,
         "response_mask": response_mask,
@@ -273,6 +284,11 @@ def completions_to_batch(
         "uid": torch.arange(len(counts), device=device).repeat_interleave(repeats),
         "truncated": truncated.to(device),
     }
+    if multi_turn:
+        for key, default in (("num_turns", 1), ("tool_calls", 0), ("tool_errors", 0)):
+            values = [int(getattr(c, key, default)) for c in flat]
+            batch[key] = torch.tensor(values, dtype=torch.int64, device=device)
+    return batch
 
 
 def _check_completion(c: Completion, where: str) -> None:
@@ -283,6 +299,12 @@ def _check_completion(c: Completion, where: str) -> None:
     if len(c.logprobs) != len(c.token_ids):
         raise ValueError(
             f"{where}: expected one log-prob per token ({len(c.token_ids)}), got {len(c.logprobs)}"
+        )
+    mask = getattr(c, "mask", None)
+    if mask is not None and (len(mask) != len(c.token_ids) or not set(mask) <= {0, 1}):
+        raise ValueError(
+            f"{where}: expected a 0/1 mask with one entry per token ({len(c.token_ids)}), got "
+            f"{_describe(mask)}"
         )
     if c.finish_reason not in FINISH_REASONS:
         raise ValueError(

@@ -238,19 +238,46 @@ def eos_response_mask(responses: Tensor, eos_ids: list[int] | int) -> Tensor:
 def decode_responses(
     tokenizer: PreTrainedTokenizerBase, responses: Tensor, response_mask: Tensor
 ) -> list[str]:
-    """Text of each response: masked tokens only, special tokens (EOS) dropped.
+    """The answer text of each response: its model tokens after the last observation, special
+    tokens (EOS) dropped.
 
     Args:
-        responses: [B, Lr] long. response_mask: [B, Lr] 0/1.
+        responses: [B, Lr] long. response_mask: [B, Lr] 0/1 — 1 on model tokens; 0 on padding
+            and on tool observations (holes). A row without holes decodes all its masked tokens;
+            a multi-turn row decodes its last run of 1s (the final turn), so a reward sees the
+            final answer, not the tool calls before it (``decode_transcripts`` has the rest).
     """
     if responses.shape != response_mask.shape:
         raise ValueError(
             f"response_mask: expected shape {tuple(responses.shape)} like responses, "
             f"got {tuple(response_mask.shape)}"
         )
-    lengths = response_mask.sum(dim=1).long().tolist()
-    rows = [ids[:k] for ids, k in zip(responses.tolist(), lengths)]
+    start, end = final_turn_span(response_mask)
+    rows = [ids[s:e] for ids, s, e in zip(responses.tolist(), start.tolist(), end.tolist())]
     return tokenizer.batch_decode(rows, skip_special_tokens=True)
+
+
+def final_turn_span(response_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """``(start, end)`` [B] int64: the last run of 1s of each row is ``[start, end)``; a row
+    with no 1 gets ``(0, 0)``. For a mask without holes that is ``(0, Σ mask)``."""
+    trained = response_mask > 0
+    width = response_mask.shape[1]
+    positions = torch.arange(1, width + 1, device=response_mask.device)
+    end = torch.where(trained, positions, 0).amax(dim=1)  # one past the last 1
+    # the last 0 before the end (a hole), + 1; 0 when the row has none
+    hole = (~trained) & (positions[None, :] <= end[:, None])
+    start = torch.where(hole, positions, 0).amax(dim=1)
+    return start.long(), end.long()
+
+
+def decode_transcripts(
+    tokenizer: PreTrainedTokenizerBase, responses: Tensor, attention: Tensor
+) -> list[str]:
+    """The whole response of each row — model turns and observations — with special tokens
+    kept (``<tool_call>``, ``<tool_response>``...). ``attention``: [B, Lr], 1 on real tokens."""
+    lengths = (attention > 0).sum(dim=1).tolist()
+    rows = [ids[:k] for ids, k in zip(responses.tolist(), lengths)]
+    return tokenizer.batch_decode(rows, skip_special_tokens=False)
 
 
 def _devices(t: Tensor) -> list:

@@ -64,6 +64,7 @@ class Plan:
     resolved ``actor.engine`` for ``world_size`` processes. ``mini_batch_size``: prompts per
     optimizer step. ``reward_fn``: the resolved ``reward.function`` (None: by data_source).
     ``train_rows`` / ``val_rows``: the checked data rows (``load_rows``).
+    ``tools``: the resolved ``rollout.multi_turn.tools`` (None when empty: single-turn).
     """
 
     needs: frozenset[str]
@@ -75,6 +76,7 @@ class Plan:
     reward_fn: Any = None
     train_rows: list = field(default_factory=list, repr=False)
     val_rows: list = field(default_factory=list, repr=False)
+    tools: Any = None  # {name: otbrl.tools.Tool} of rollout.multi_turn.tools; None: single-turn
 
     @property
     def distributed(self) -> bool:
@@ -258,6 +260,7 @@ def validate_config(cfg: Config, world_size: int | None = None) -> Plan:
             reward_fn = resolve_reward_function(cfg.reward.function)
         except (ValueError, TypeError, ImportError, AttributeError) as err:
             raise ConfigError(f"'reward.function': {err}", "reward.function") from None
+    tools = _check_tools(cfg)
     if cfg.rollout.name == "vllm":
         from otbrl.rollout import check_vllm_installed
 
@@ -273,6 +276,8 @@ def validate_config(cfg: Config, world_size: int | None = None) -> Plan:
     train_rows, val_rows = load_rows(cfg)
     if reward_fn is None:
         _check_rewards_resolvable(train_rows + val_rows)
+    if tools:
+        _check_row_tools(train_rows + val_rows, tools)
     if len(train_rows) < cfg.data.train_batch_size:
         raise ConfigError(
             f"'data.train_batch_size' ({cfg.data.train_batch_size}) is larger than the training "
@@ -289,6 +294,7 @@ def validate_config(cfg: Config, world_size: int | None = None) -> Plan:
         reward_fn=reward_fn,
         train_rows=train_rows,
         val_rows=val_rows,
+        tools=tools,
     )
 
 
@@ -310,6 +316,81 @@ def _check_rewards_resolvable(rows: list[dict]) -> None:
         f"{sorted(DATA_SOURCE_REWARDS)}); set reward.function to a built-in "
         f"({sorted(BUILTIN_REWARDS)}) or to path/to/file.py:function",
         "reward.function",
+    )
+
+
+def _check_tools(cfg: Config):
+    """The resolved tools (None without any), after checking that the model's tokenizer and
+    chat template can carry tool turns in the configured format: the built-in task's tokenizer
+    for ``model.path=builtin``, else the one in ``model.path`` (no model is loaded)."""
+    multi = cfg.rollout.multi_turn
+    if not multi.tools:
+        return None
+    from otbrl.rollout.agent import make_agent
+    from otbrl.tools import resolve_tools
+
+    try:
+        tools = resolve_tools(multi.tools)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(
+            f"'rollout.multi_turn.tools': {err}", "rollout.multi_turn.tools"
+        ) from None
+    if cfg.model.path == "builtin":
+        from otbrl.models import build_tokenizer
+
+        task = get_task(cfg.data.task)
+        tokenizer = build_tokenizer(task.alphabet, tool_tokens=bool(task.tools))
+        key, where = "data.task", f"built-in model of task {cfg.data.task!r}"
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        key, where = "model.path", cfg.model.path
+    try:
+        make_agent(
+            None,
+            tokenizer,
+            tools,
+            eos_token_ids=[tokenizer.eos_token_id],
+            fmt=multi.format,
+            model=where,
+        )
+    except ValueError as err:
+        key = "rollout.multi_turn.format" if str(err).startswith("format:") else key
+        raise ConfigError(f"'{key}': {err}", key) from None
+    return tools
+
+
+def _check_row_tools(rows: list[dict], tools) -> None:
+    """Rows that name their tools (``extra_info.tools`` / ``tools_kwargs``) name configured
+    ones."""
+    from otbrl.tools import tools_for_row
+
+    for i, row in enumerate(rows):
+        try:
+            tools_for_row(row, tools)
+        except ValueError as err:
+            raise ConfigError(f"'rollout.multi_turn.tools': data row {i}: {err}",
+                              "rollout.multi_turn.tools") from None  # fmt: skip
+
+
+def build_agent(cfg: Config, plan: Plan, engine, tokenizer, eos_ids, model_name: str):
+    """The ``AgentLoop`` of ``rollout.multi_turn`` over ``engine``, or None without tools."""
+    if not plan.tools:
+        return None
+    from otbrl.rollout.agent import make_agent
+
+    multi = cfg.rollout.multi_turn
+    return make_agent(
+        engine,
+        tokenizer,
+        plan.tools,
+        eos_token_ids=eos_ids,
+        fmt=multi.format,
+        max_turns=multi.max_turns,
+        max_tool_response_tokens=multi.max_tool_response_tokens,
+        timeout_s=multi.tool_timeout_s,
+        model=model_name,
     )
 
 

@@ -29,9 +29,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 import otbrl
 from otbrl.data import get_task, render_prompts
 from otbrl.models import build_tiny_model, eos_token_ids, load_model_and_tokenizer
-from otbrl.rollout import HFRollout
+from otbrl.rollout import HFRollout, make_agent
 from otbrl.run.evaluate import evaluate_accuracy
 from otbrl.run.files import apply_umask, atomic_write_text
+from otbrl.tools import resolve_tools
 
 logger = logging.getLogger(__name__)
 IGNORE = -100  # label of tokens the loss skips (prompt and padding)
@@ -39,13 +40,23 @@ WARM_START_FILE = "warm_start.json"
 
 
 def tokenize_demonstrations(
-    rows: Sequence[dict], demonstrations: Sequence[str], tokenizer: PreTrainedTokenizerBase
+    rows: Sequence[dict],
+    demonstrations: Sequence[str | list[dict]],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    turns=None,
 ) -> dict[str, torch.Tensor]:
     """Prompt (chat template, generation prompt on) + demonstration + EOS, right-padded.
 
+    A demonstration is a response text, or (tool tasks) a list of turns — assistant messages
+    and the tool messages answering them — encoded by ``turns`` (an ``otbrl.tools.ChatTurns``)
+    exactly as the agent loop builds a multi-turn response: observation tokens
+    are in the sequence (the model attends to them) but carry no label.
+
     Returns:
         ``input_ids`` [N, L] long, ``attention_mask`` [N, L] long and ``labels`` [N, L] long
-        (the token ids on response tokens, EOS included; ``IGNORE`` on prompt and padding).
+        (the token ids on model tokens, EOS included; ``IGNORE`` on prompt, observation and
+        padding tokens).
     """
     if len(rows) != len(demonstrations):
         raise ValueError(
@@ -55,17 +66,27 @@ def tokenize_demonstrations(
         raise ValueError("rows: expected at least one row, got none")
     eos = _eos_id(tokenizer)
     prompts = tokenizer(render_prompts(rows, tokenizer), add_special_tokens=False)["input_ids"]
-    answers = tokenizer(list(demonstrations), add_special_tokens=False)["input_ids"]
-    sequences = [(p, [*a, eos]) for p, a in zip(prompts, answers)]
-    width = max(len(p) + len(a) for p, a in sequences)
+    sequences = []  # (prompt ids, response ids, response label mask)
+    for p, demo in zip(prompts, demonstrations):
+        if isinstance(demo, str):
+            answer = [*tokenizer(demo, add_special_tokens=False)["input_ids"], eos]
+            sequences.append((p, answer, [1] * len(answer)))
+        elif turns is None:
+            raise ValueError("turns: a multi-turn demonstration needs the ChatTurns to encode it")
+        else:
+            sequences.append((p, *turns.conversation_ids(demo)))
+    width = max(len(p) + len(a) for p, a, _ in sequences)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     input_ids = torch.full((len(sequences), width), pad, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     labels = torch.full_like(input_ids, IGNORE)
-    for i, (p, a) in enumerate(sequences):
+    for i, (p, a, m) in enumerate(sequences):
         input_ids[i, : len(p) + len(a)] = torch.tensor(p + a)
         attention_mask[i, : len(p) + len(a)] = 1
-        labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
+        response = torch.tensor(a)
+        labels[i, len(p) : len(p) + len(a)] = torch.where(
+            torch.tensor(m, dtype=torch.bool), response, IGNORE
+        )
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
@@ -91,6 +112,8 @@ def run_sft(
     seed: int = 0,
     trigger_window: int = 5,
     progress: bool = False,
+    tools: dict | None = None,
+    max_turns: int = 4,
 ) -> dict:
     """Teacher-forced SFT with AdamW on response tokens only; stops at ``target_accuracy``.
 
@@ -106,6 +129,9 @@ def run_sft(
             batches reaches the target (at most every ``trigger_window`` steps).
         max_new_tokens: response cap when evaluating.
         progress: show a progress bar (stderr) with the loss and the last greedy accuracy.
+        tools: ``{name: Tool}`` for a tool task: multi-turn demonstrations are encoded as the
+            agent loop builds responses, and greedy evaluation runs the agent loop (at most
+            ``max_turns`` model turns) with these tools.
 
     Teacher-forced accuracy is free (the training forward's own argmax) and exact: a prompt
     whose every response token (EOS included) is the argmax given the true prefix is a
@@ -125,7 +151,15 @@ def run_sft(
         raise ValueError(f"eval_every: expected an int ≥ 1, got {eval_every!r}")
     if not isinstance(trigger_window, int) or trigger_window < 1:
         raise ValueError(f"trigger_window: expected an int ≥ 1, got {trigger_window!r}")
-    data = tokenize_demonstrations(rows, demonstrations, tokenizer)
+    stops = eos_token_ids(model, tokenizer)
+    agent = None
+    if tools:
+        agent = make_agent(
+            HFRollout(model, tokenizer), tokenizer, tools, eos_token_ids=stops, max_turns=max_turns
+        )
+    data = tokenize_demonstrations(
+        rows, demonstrations, tokenizer, turns=agent.turns if agent else None
+    )
     n = data["input_ids"].shape[0]
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -176,10 +210,10 @@ def run_sft(
         if eval_rows and (step % eval_every == 0 or step == max_steps or triggered):
             last_eval = step
             accuracy = evaluate_accuracy(
-                HFRollout(model, tokenizer),
+                agent or HFRollout(model, tokenizer),
                 tokenizer,
                 eval_rows,
-                stop_token_ids=eos_token_ids(model, tokenizer),
+                stop_token_ids=stops,
                 max_new_tokens=max_new_tokens,
             )
             result["accuracy"] = accuracy
@@ -290,6 +324,7 @@ def _build_warm_start(tmp: Path, final: Path, settings: dict) -> None:
             max_new_tokens=task_obj.max_response_chars + 1,
             seed=seed,
             progress=True,
+            tools=resolve_tools(task_obj.tools) if task_obj.tools else None,
         )
     if not result["reached_target"]:
         logger.warning(

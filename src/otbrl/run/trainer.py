@@ -34,11 +34,20 @@ from otbrl.engine.world import collective_guard, start_world, teardown_distribut
 from otbrl.models import eos_token_ids, load_model_and_tokenizer, load_value_model
 from otbrl.rewards import score_responses
 from otbrl.rewards.placement import place_scores
-from otbrl.rollout import SamplingParams, completions_to_batch, decode_responses, unpad_prompts
+from otbrl.rollout import (
+    SamplingParams,
+    completions_to_batch,
+    decode_responses,
+    decode_transcripts,
+    tool_metrics,
+    transcript_rows,
+    unpad_prompts,
+)
 from otbrl.run import checkpoint
 from otbrl.run.build import (
     POLICY_STATS,
     Plan,
+    build_agent,
     build_rollout,
     critic_loss,
     estimator_options,
@@ -48,10 +57,11 @@ from otbrl.run.build import (
     step_seed,
     validate_config,
 )
-from otbrl.run.evaluate import evaluate_accuracy
+from otbrl.run.evaluate import evaluate
 from otbrl.run.outputs import MetricsLogger
 from otbrl.run.plotting import plot_run
 from otbrl.run.rundir import RunDir, claim_run_dir
+from otbrl.tools import tools_for_row
 
 
 @contextlib.contextmanager
@@ -104,14 +114,19 @@ class Trainer:
             max_prompt_length=cfg.data.max_prompt_length,
             batch_size=cfg.data.train_batch_size,
             seed=cfg.data.seed,
+            tools=plan.tools,
         )
         longest = self.dataset.longest_prompt
         if self.val_rows:
-            val = encode_prompts(self.val_rows, self.tokenizer, max_prompt_length=10**9)
+            val = encode_prompts(self.val_rows, self.tokenizer, 10**9, plan.tools)
             longest = max(longest, int(val["attention_mask"].sum(dim=1).max()))
         # before the engine shards the model: an HF rollout on several processes copies it
         self.rollout = build_rollout(
             cfg, model, self.tokenizer, world, path, longest + cfg.rollout.max_new_tokens
+        )
+        # multi-turn tool use: the agent loop over that engine (None: single-turn rollouts)
+        self.agent = build_agent(
+            cfg, plan, self.rollout, self.tokenizer, self.eos_ids.tolist(), path
         )
         common = {
             "world": world,
@@ -151,6 +166,8 @@ class Trainer:
         self.step = 0
         self.initial_val_accuracy: float | None = None
         self.last_val_accuracy: float | None = None
+        self.last_val_metrics: dict[str, float] = {}  # val/* beyond the accuracy (tool use)
+        self.initial_val_metrics: dict[str, float] = {}  # the same at step 0 (not resumed)
         # wall time of the steps so far: earlier (resumed) segments + this fit() call's
         self._earlier_wall_seconds = 0.0
         self._fit_start = time.perf_counter()
@@ -215,7 +232,7 @@ class Trainer:
         """This rank's share of the next prompts, n responses each; (batch, repeated rows)."""
         cfg = self.cfg
         rows = self.world.shard(self.dataset.next_batch())
-        enc = encode_prompts(rows, self.tokenizer, cfg.data.max_prompt_length)
+        enc = encode_prompts(rows, self.tokenizer, cfg.data.max_prompt_length, self.plan.tools)
         params = SamplingParams(
             n=cfg.rollout.n,
             temperature=cfg.rollout.temperature,
@@ -225,9 +242,12 @@ class Trainer:
             stop_token_ids=tuple(self.eos_ids.tolist()),
             seed=step_seed(cfg.trainer.seed, self.step, self.world.dp_rank),
         )
-        completions = self.rollout.generate(
-            unpad_prompts(enc["input_ids"], enc["attention_mask"]), params
-        )
+        prompts = unpad_prompts(enc["input_ids"], enc["attention_mask"])
+        if self.agent is None:
+            completions = self.rollout.generate(prompts, params)
+        else:
+            allowed = [tools_for_row(row, self.plan.tools) for row in rows]
+            completions = self.agent.generate(prompts, params, allowed=allowed)
         self.rollout.sleep()  # frees the engine's memory for training, where supported
         batch = completions_to_batch(
             enc["input_ids"], enc["attention_mask"], completions, pad_id=self.tokenizer.pad_token_id
@@ -236,9 +256,15 @@ class Trainer:
         return batch, [row for row in rows for _ in range(cfg.rollout.n)]
 
     def reward(self, batch: dict[str, Tensor], rows: list[dict]) -> dict[str, float]:
-        """Score decoded responses; the scalar reward sits on the last trained token."""
+        """Score decoded responses (a multi-turn one on its final turn, its whole transcript in
+        ``extra_info``); the scalar reward sits on the last trained token."""
         mask = batch["response_mask"]
         texts = decode_responses(self.tokenizer, batch["responses"], mask)
+        multi_turn = "num_turns" in batch
+        if multi_turn:
+            attention = batch["attention_mask"][:, batch["prompts"].shape[1] :]
+            transcripts = decode_transcripts(self.tokenizer, batch["responses"], attention)
+            rows = transcript_rows(rows, transcripts, batch)
         scores, info = score_responses(
             texts,
             rows,
@@ -256,6 +282,8 @@ class Trainer:
             "train/response_clip_ratio": float(batch["truncated"].float().mean()),
         }
         metrics.update({k: float(v) for k, v in info.items()})
+        if multi_turn:
+            metrics.update(tool_metrics(batch))
         return metrics
 
     def old_stats(self, batch: dict[str, Tensor], timing: dict) -> None:
@@ -365,15 +393,17 @@ class Trainer:
             out["critic/explained_variance"] = float(ev)
         return out
 
-    def validate(self) -> float:
+    def validate(self, with_tools: bool = True) -> float:
         """Accuracy on the validation rows (greedy unless ``trainer.val_greedy=false``); each
-        rank scores its share with the rollout engine."""
+        rank scores its share with the rollout engine (through the agent loop when tools are
+        configured, unless ``with_tools`` is false: the same policy answering alone)."""
         cfg = self.cfg
         rows = self.val_rows[self.world.rank :: self.world.size]
-        accuracy = 0.0
+        accuracy = rate = 0.0
+        agent = self.agent if with_tools else None
         if rows:
-            accuracy = evaluate_accuracy(
-                self.rollout,
+            result = evaluate(
+                agent or self.rollout,
                 self.tokenizer,
                 rows,
                 stop_token_ids=self.eos_ids.tolist(),
@@ -385,8 +415,21 @@ class Trainer:
                 function=self.plan.reward_fn,
                 timeout_s=cfg.reward.timeout_s,
             )
-        total, count = self.world.sum([accuracy * len(rows), len(rows)])
+            accuracy, rate = result["accuracy"], result.get("tool_call_rate", 0.0)
+        total, called, count = self.world.sum([accuracy * len(rows), rate * len(rows), len(rows)])
+        if agent is not None:
+            self.last_val_metrics = {"val/tool_call_rate": called / max(count, 1.0)}
         return total / max(count, 1.0)
+
+    def _tool_summary(self) -> dict:
+        """The tool-call rates at the start and end, and the final policy's accuracy with the
+        tools taken away (what the tools are worth to it)."""
+        out = {
+            "initial_val_tool_call_rate": self.initial_val_metrics.get("val/tool_call_rate"),
+            "final_val_tool_call_rate": self.last_val_metrics.get("val/tool_call_rate"),
+        }
+        out["final_val_accuracy_without_tools"] = self.validate(with_tools=False)
+        return out
 
     # -- the loop ---------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -435,7 +478,8 @@ class Trainer:
         try:
             if validating and self.step == 0:
                 self.initial_val_accuracy = self.last_val_accuracy = self.validate()
-                log(0, {"val/accuracy": self.initial_val_accuracy})
+                self.initial_val_metrics = dict(self.last_val_metrics)
+                log(0, {"val/accuracy": self.initial_val_accuracy, **self.last_val_metrics})
             while self.step < cfg.total_steps:
                 self.step += 1
                 metrics = self.train_step()
@@ -447,6 +491,7 @@ class Trainer:
                     start = time.perf_counter()
                     self.last_val_accuracy = self.validate()
                     metrics["val/accuracy"] = self.last_val_accuracy
+                    metrics.update(self.last_val_metrics)
                     metrics["timing/val"] = time.perf_counter() - start
                 log(self.step, metrics)
                 self._check_skipped_steps()
@@ -456,17 +501,18 @@ class Trainer:
                     log(self.step, {"trainer/stopped_at_wall_limit": 1.0})
                     break
             segment = time.perf_counter() - self._fit_start
+            final = {
+                "initial_val_accuracy": self.initial_val_accuracy,
+                "final_val_accuracy": self.last_val_accuracy,
+                "steps": self.step,
+                "wall_seconds": self._earlier_wall_seconds + segment,
+                "segment_wall_seconds": segment,
+                "adv_estimator": self.cfg.algorithm.adv_estimator,
+            }
+            if validating and self.agent is not None:
+                final.update(self._tool_summary())
             if logger is not None:
-                summary = logger.summary(
-                    {
-                        "initial_val_accuracy": self.initial_val_accuracy,
-                        "final_val_accuracy": self.last_val_accuracy,
-                        "steps": self.step,
-                        "wall_seconds": self._earlier_wall_seconds + segment,
-                        "segment_wall_seconds": segment,
-                        "adv_estimator": self.cfg.algorithm.adv_estimator,
-                    }
-                )
+                summary = logger.summary(final)
         finally:
             if logger is not None:
                 logger.close()

@@ -1,0 +1,253 @@
+"""The trainer with tools: multi-turn steps end to end on the HF backend (metrics, holes, the
+old statistics computed with the observations in context), config errors before any model
+loads, and the single-turn path unchanged when no tool is configured."""
+
+import json
+import math
+
+import pytest
+import torch
+
+import otbrl.run.trainer as trainer_mod
+from otbrl import cli
+from otbrl.config import load_config
+from otbrl.data import encode_prompts, get_task, write_parquet_rows
+from otbrl.engine.layout import Layout, forward_outputs
+from otbrl.models import build_tiny_model
+from otbrl.rewards import score_responses
+from otbrl.rewards.placement import place_scores
+from otbrl.rollout import HFRollout, SamplingParams, completions_to_batch, unpad_prompts
+from otbrl.run.build import step_seed
+from otbrl.run.evaluate import evaluate_accuracy
+
+TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
+TOOL_METRICS = (
+    "tool/calls_per_sample",
+    "tool/errors",
+    "tool/rows_with_holes_frac",
+    "rollout/observation_tokens_frac",
+)
+
+
+@pytest.fixture(scope="module")
+def tool_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tool"), task="tool_arithmetic", **TINY)
+
+
+@pytest.fixture(scope="module")
+def tool_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    task = get_task("tool_arithmetic")
+    train = task.rows("train", 16, seed=0)
+    for row in train[::2]:  # half the rows name their tools (verl's schema)
+        row["extra_info"]["tools_kwargs"] = {"calculator": {"create_kwargs": {"unused": 1}}}
+    return (
+        write_parquet_rows(train, root / "train.parquet"),
+        write_parquet_rows(task.rows("val", 8, seed=0), root / "val.parquet"),
+    )
+
+
+def overrides(model_dir, files, out, *extra):
+    return [
+        f"model.path={model_dir}",
+        f"data.train_files=[{files[0]}]",
+        f"data.val_files=[{files[1]}]",
+        f"trainer.output_dir={out}",
+        "trainer.total_steps=2",
+        "trainer.val_every=2",
+        "trainer.logger=[jsonl]",
+        "data.train_batch_size=4",
+        "data.max_response_length=24",
+        "rollout.n=4",
+        "actor.micro_batch_size=8",
+        *extra,
+    ]
+
+
+def steer_to_calls(model, tokenizer):
+    """A random model seldom writes a call: raise the logits of ``<tool_call>`` and
+    ``</tool_call>`` in every forward (sampling and the trainer's alike), so samples hold calls
+    (error observations mostly: the bodies are random), holes and later turns."""
+    bias = torch.zeros(model.config.vocab_size)
+    bias[tokenizer.convert_tokens_to_ids("<tool_call>")] = 3.0
+    bias[tokenizer.convert_tokens_to_ids("</tool_call>")] = 2.5
+    model.lm_head.register_forward_hook(lambda module, args, out: out + bias)
+
+
+def read(out):
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_multi_turn_training_steps(tool_dir, tool_files, tmp_path, monkeypatch):
+    cfg = load_config(
+        None,
+        overrides(
+            tool_dir, tool_files, tmp_path / "run",
+            "rollout.multi_turn.tools=[calculator]", "rollout.multi_turn.max_turns=3",
+            "rollout.multi_turn.max_tool_response_tokens=4",
+            "algorithm.adv_estimator=tir_optimal_token_baseline",
+        ),
+    )  # fmt: skip
+    trainer = trainer_mod.Trainer(cfg)
+    model = trainer.policy.model
+    steer_to_calls(model, trainer.tokenizer)
+    seen = []
+    compute = trainer.policy.compute
+
+    def spy(batch, outputs):
+        stats = compute(batch, outputs)
+        # the old statistics come from one forward over the whole stream, observations in
+        # context: a plain forward attending to every real token gives them; one that hides the
+        # observations from the model does not
+        prompt_len = batch["prompts"].shape[1]
+        hidden = dict(batch)
+        hidden["attention_mask"] = batch["attention_mask"].clone()
+        hidden["attention_mask"][:, prompt_len:] = (batch["response_mask"] > 0).long()
+        hidden["position_ids"] = (hidden["attention_mask"].cumsum(1) - 1).clamp(min=0)
+        with torch.no_grad():
+            full = forward_outputs(model, batch, Layout(), outputs=frozenset({"log_probs"}))
+            blind = forward_outputs(model, hidden, Layout(), outputs=frozenset({"log_probs"}))
+        seen.append((batch, stats["log_probs"], full["log_probs"], blind["log_probs"]))
+        return stats
+
+    monkeypatch.setattr(trainer.policy, "compute", spy)
+    summary = trainer.fit()
+    records = read(tmp_path / "run")
+    steps = [r for r in records if r["step"] > 0]
+    for record in steps:
+        for key in TOOL_METRICS:
+            assert key in record and math.isfinite(record[key]), key
+        assert record["tool/calls_per_sample"] > 0 and record["tool/rows_with_holes_frac"] > 0
+        assert record["tool/errors"] > 0  # random call bodies: error observations, no crash
+    assert "val/tool_call_rate" in records[0] and "val/tool_call_rate" in steps[-1]
+    assert summary["initial_val_tool_call_rate"] == records[0]["val/tool_call_rate"]
+    assert summary["final_val_tool_call_rate"] == steps[-1]["val/tool_call_rate"]
+    # the final policy without its tools: the plain engine, prompts rendered without tools
+    alone = evaluate_accuracy(
+        HFRollout(model, trainer.tokenizer), trainer.tokenizer, trainer.val_rows,
+        stop_token_ids=trainer.eos_ids.tolist(), max_new_tokens=24,
+    )  # fmt: skip
+    assert summary["final_val_accuracy_without_tools"] == alone
+    batch, old, full, blind = seen[-1]
+    mask, prompt_len = batch["response_mask"], batch["prompts"].shape[1]
+    attention = batch["attention_mask"][:, prompt_len:]
+    holes = (attention > 0) & (mask == 0)
+    assert holes.any() and (batch["num_turns"] > 1).any()
+    m = mask > 0
+    assert (old - full)[m].abs().max() <= 1e-6 and (old[~m] == 0).all()
+    after = m & (holes.long().cumsum(1) > 0)  # model tokens that follow an observation
+    assert after.any() and (full - blind)[after].abs().max() > 1e-3
+    # the reward sits on the last model token, after the holes; advantages 0 off the mask
+    scores = batch["token_level_scores"]
+    last = torch.where(m, torch.arange(1, m.shape[1] + 1), 0).amax(1) - 1
+    assert torch.equal(scores[torch.arange(m.shape[0]), last], scores.sum(1))
+    assert (batch["advantages"][~m] == 0).all()
+
+
+def test_config_errors_name_the_key(tool_dir, tool_files, tmp_path, capsys):
+    base = overrides(tool_dir, tool_files, tmp_path / "e")
+    cases = [
+        (["rollout.multi_turn.tools=[calculater]"], "'rollout.multi_turn.tools'"),
+        (["rollout.multi_turn.max_turns=2"], "'rollout.multi_turn.max_turns' is set but"),
+        (["rollout.multi_turn.tools=[calculator]", "rollout.multi_turn.max_turns=0"],
+         "'rollout.multi_turn.max_turns' must be > 0"),
+        (["rollout.multi_turn.tools=[calculator]", "rollout.multi_turn.format=xml"],
+         "'rollout.multi_turn.format' must be one of"),
+        (["rollout.multi_turn.tools=[calculator]", "data.task=arithmetic", "model.path=builtin",
+          "data.train_files=[]", "data.val_files=[]", "rollout.multi_turn.format=compact"],
+         "'rollout.multi_turn.format'"),
+    ]  # fmt: skip
+    for extra, message in cases:
+        assert cli.main(["train", *base, *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert message in err, (extra, err)
+    rows = get_task("tool_arithmetic").rows("train", 8, seed=0)
+    rows[3]["extra_info"]["tools"] = ["search"]
+    bad = write_parquet_rows(rows, tmp_path / "bad.parquet")
+    assert cli.main(["train", *base, f"data.train_files=[{bad}]",
+                     "rollout.multi_turn.tools=[calculator]"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "data row 3" in err and "['search']" in err
+
+
+def _single_turn_generate(self):
+    """``Trainer.generate`` as it was before multi-turn rollouts (commit 6411f9e)."""
+    cfg = self.cfg
+    rows = self.world.shard(self.dataset.next_batch())
+    enc = encode_prompts(rows, self.tokenizer, cfg.data.max_prompt_length)
+    params = SamplingParams(
+        n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_new_tokens,
+        stop_token_ids=tuple(self.eos_ids.tolist()),
+        seed=step_seed(cfg.trainer.seed, self.step, self.world.dp_rank),
+    )  # fmt: skip
+    completions = self.rollout.generate(
+        unpad_prompts(enc["input_ids"], enc["attention_mask"]), params
+    )
+    batch = completions_to_batch(
+        enc["input_ids"], enc["attention_mask"], completions, pad_id=self.tokenizer.pad_token_id
+    )
+    batch["uid"] = batch["uid"] + self.world.dp_rank * len(rows)
+    return batch, [row for row in rows for _ in range(cfg.rollout.n)]
+
+
+def _single_turn_reward(self, batch, rows):
+    """``Trainer.reward`` before multi-turn rollouts (the mask was a prefix of ones)."""
+    mask = batch["response_mask"]
+    lengths = mask.sum(dim=1).long().tolist()
+    texts = self.tokenizer.batch_decode(
+        [ids[:k] for ids, k in zip(batch["responses"].tolist(), lengths)], skip_special_tokens=True
+    )
+    scores, info = score_responses(
+        texts, rows, function=self.plan.reward_fn, on_error=self.cfg.reward.on_error,
+        timeout_s=self.cfg.reward.timeout_s,
+    )  # fmt: skip
+    score = torch.tensor(scores, dtype=torch.float32)
+    batch["token_level_scores"] = place_scores(score, mask)
+    return {
+        "train/reward_mean": float(score.mean()),
+        "train/reward_max": float(score.max()),
+        "train/response_length_mean": float(mask.sum(dim=1).mean()),
+        "train/response_clip_ratio": float(batch["truncated"].float().mean()),
+        **{k: float(v) for k, v in info.items()},
+    }
+
+
+def _single_turn_validate(self):
+    cfg = self.cfg
+    accuracy = evaluate_accuracy(
+        self.rollout, self.tokenizer, self.val_rows, stop_token_ids=self.eos_ids.tolist(),
+        max_new_tokens=cfg.rollout.max_new_tokens, greedy=cfg.trainer.val_greedy,
+        temperature=cfg.trainer.val_temperature, batch_size=cfg.trainer.val_batch_size,
+        seed=step_seed(cfg.trainer.seed, self.step), function=self.plan.reward_fn,
+        timeout_s=cfg.reward.timeout_s,
+    )  # fmt: skip
+    return accuracy
+
+
+def test_without_tools_the_metrics_equal_the_single_turn_trainer(tmp_path, monkeypatch):
+    """No tool configured: every metric of a 3-step run equals the one of the trainer whose
+    rollout, reward and validation are the single-turn code from before this feature."""
+    path = build_tiny_model(tmp_path / "tiny", task="arithmetic", **TINY)
+    task = get_task("arithmetic")
+    train = write_parquet_rows(task.rows("train", 32, seed=0), tmp_path / "train.parquet")
+    val = write_parquet_rows(task.rows("val", 16, seed=0), tmp_path / "val.parquet")
+
+    def run(name):
+        cfg = load_config(
+            None, overrides(path, (train, val), tmp_path / name, "trainer.total_steps=3",
+                            "data.max_response_length=4")
+        )  # fmt: skip
+        trainer_mod.Trainer(cfg).fit()
+        return [
+            {k: v for k, v in r.items() if not k.startswith(("timing/", "throughput/"))}
+            for r in read(tmp_path / name)
+        ]
+
+    today = run("today")
+    monkeypatch.setattr(trainer_mod.Trainer, "generate", _single_turn_generate)
+    monkeypatch.setattr(trainer_mod.Trainer, "reward", _single_turn_reward)
+    monkeypatch.setattr(trainer_mod.Trainer, "validate", _single_turn_validate)
+    before = run("before")
+    assert today == before
+    assert not any(k.startswith("tool/") for r in today for k in r)
