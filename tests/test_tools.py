@@ -291,3 +291,28 @@ def test_the_examples_tool_file():
     )
     assert [r.text for r in results[:3]] == ["2.25", "3.75", "0.33"]
     assert results[3].error and "no item 'caviar'" in results[3].text
+
+
+def test_one_file_with_reward_and_tools_runs_once(tmp_path):
+    """A file named by reward.function and by rollout.multi_turn.tools is executed once: both
+    keys load it through the same user-code cache (it may count calls or hold state)."""
+    from otbrl.rewards import resolve_reward_function
+
+    path = tmp_path / "task_code.py"
+    path.write_text(
+        "import builtins\n"
+        "builtins.otbrl_test_runs = getattr(builtins, 'otbrl_test_runs', 0) + 1\n"
+        "def reward(data_source, solution_str, ground_truth, extra_info):\n"
+        "    return float(solution_str == ground_truth)\n"
+        "def lookup(key: str) -> str:\n"
+        '    """Look a key up.\n\n    Args:\n        key: the key\n    """\n'
+        "    return key.upper()\n"
+    )
+    import builtins
+
+    before = getattr(builtins, "otbrl_test_runs", 0)
+    fn = resolve_reward_function(f"{path}:reward")
+    tools = resolve_tools([f"{path}:lookup"])
+    resolve_reward_function(f"{path}:reward")
+    assert builtins.otbrl_test_runs - before == 1
+    assert fn("s", "7", "7", {}) == 1.0 and tools["lookup"].fn("ab") == "AB"

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import logging
 import math
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from otbrl.rewards.builtin import BUILTIN_REWARDS, RewardFunction, reward_for_data_source
+from otbrl.user_code import load_user_function
 
 logger = logging.getLogger(__name__)
 ON_ERROR = ("raise", "zero")
@@ -49,49 +46,7 @@ def resolve_reward_function(spec: str | None) -> RewardFunction | None:
             f"reward function: {spec!r} is neither a built-in ({sorted(BUILTIN_REWARDS)}) "
             f"nor 'path/to/file.py:function'"
         )
-    file, _, name = spec.rpartition(":")
-    path = Path(file).expanduser()
-    if not path.is_file():
-        raise ValueError(f"reward function: file {file!r} (from {spec!r}) does not exist")
-    module = _import_file(path, file)
-    fn = getattr(module, name, None)
-    if fn is None:
-        available = sorted(
-            k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
-        )
-        raise ValueError(
-            f"reward function: {file!r} has no {name!r} (callables there: {available})"
-        )
-    if not callable(fn):
-        raise TypeError(
-            f"reward function: {name!r} in {file!r} is a {type(fn).__name__}, not callable"
-        )
-    return fn
-
-
-def _import_file(path: Path, file: str):
-    """The module of a user file, executed once per process (and again only if it changed):
-    a reward file may count its calls or hold state, and importing is not free."""
-    resolved = path.resolve()
-    module_name = f"otbrl_user_{hashlib.sha256(str(resolved).encode()).hexdigest()[:16]}"
-    stamp = resolved.stat().st_mtime_ns
-    module = sys.modules.get(module_name)
-    if module is not None and getattr(module, "__otbrl_mtime__", None) == stamp:
-        return module
-    module_spec = importlib.util.spec_from_file_location(module_name, resolved)
-    if module_spec is None or module_spec.loader is None:
-        raise ValueError(f"reward function: cannot import {file!r} as a Python module")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module  # lets dataclasses/pickling inside the file resolve it
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:
-        del sys.modules[module_name]
-        raise ValueError(
-            f"reward function: importing {file!r} failed: {type(e).__name__}: {e}"
-        ) from e
-    module.__otbrl_mtime__ = stamp
-    return module
+    return load_user_function(spec, "reward function")
 
 
 def score_responses(

@@ -9,15 +9,11 @@ and a user tool whose name is a built-in's replaces the built-in.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import inspect
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from otbrl.tools.calculator import calculator
+from otbrl.user_code import load_user_function
 
 BUILTIN_TOOLS: dict[str, Callable] = {"calculator": calculator}
 
@@ -89,7 +85,7 @@ def resolve_tools(specs: Sequence[str]) -> dict[str, Tool]:
                 f"tools: {spec!r} is neither a built-in tool ({sorted(BUILTIN_TOOLS)}) nor "
                 "'path/to/file.py:function'"
             )
-        tool = make_tool(_load_function(spec), source=repr(spec))
+        tool = make_tool(load_user_function(spec, "tools"), source=repr(spec))
         if tool.name in user:
             raise ValueError(f"tools: two tools are named {tool.name!r} ({spec!r} is the second)")
         user[tool.name] = tool
@@ -127,44 +123,3 @@ def tools_for_row(row: Mapping, available: Mapping[str, Tool]) -> list[str]:
 def tool_schemas(names: Sequence[str], available: Mapping[str, Tool]) -> list[dict]:
     """The JSON schemas of ``names``, for a chat template's ``tools=`` argument."""
     return [available[n].schema for n in names]
-
-
-def _load_function(spec: str) -> Callable:
-    file, _, name = spec.rpartition(":")
-    path = Path(file).expanduser()
-    if not path.is_file():
-        raise ValueError(f"tools: file {file!r} (from {spec!r}) does not exist")
-    module = _import_file(path, file)
-    fn = getattr(module, name, None)
-    if fn is None:
-        available = sorted(
-            k for k, v in vars(module).items() if inspect.isfunction(v) and not k.startswith("_")
-        )
-        raise ValueError(f"tools: {file!r} has no {name!r} (functions there: {available})")
-    if not callable(fn):
-        raise TypeError(f"tools: {name!r} in {file!r} is a {type(fn).__name__}, not callable")
-    return fn
-
-
-def _import_file(path: Path, file: str):
-    """The module of a user file, executed once per process (again only if it changed). The
-    module name is the one ``otbrl.rewards`` gives the same file, so a file holding both the
-    reward and the tools runs once."""
-    resolved = path.resolve()
-    module_name = f"otbrl_user_{hashlib.sha256(str(resolved).encode()).hexdigest()[:16]}"
-    stamp = resolved.stat().st_mtime_ns
-    module = sys.modules.get(module_name)
-    if module is not None and getattr(module, "__otbrl_mtime__", None) == stamp:
-        return module
-    module_spec = importlib.util.spec_from_file_location(module_name, resolved)
-    if module_spec is None or module_spec.loader is None:
-        raise ValueError(f"tools: cannot import {file!r} as a Python module")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:
-        del sys.modules[module_name]
-        raise ValueError(f"tools: importing {file!r} failed: {type(e).__name__}: {e}") from e
-    module.__otbrl_mtime__ = stamp
-    return module
