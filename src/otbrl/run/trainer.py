@@ -47,8 +47,6 @@ from otbrl.run import checkpoint
 from otbrl.run.build import (
     POLICY_STATS,
     Plan,
-    build_agent,
-    build_rollout,
     critic_loss,
     estimator_options,
     model_path,
@@ -60,6 +58,7 @@ from otbrl.run.build import (
 from otbrl.run.evaluate import evaluate
 from otbrl.run.outputs import MetricsLogger
 from otbrl.run.plotting import plot_run
+from otbrl.run.rollout_setup import build_agent, build_rollout
 from otbrl.run.rundir import RunDir, claim_run_dir
 from otbrl.tools import tools_for_row
 
