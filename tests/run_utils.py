@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 from otbrl.data import get_task, write_parquet_rows
@@ -37,3 +41,17 @@ def tiny_run_factory(root: Path):
         ]
 
     return overrides
+
+
+def kill_at_first_checkpoint(command: list[str], run_dir: Path, env: dict) -> None:
+    """Start ``command`` (an ``otbrl train`` writing to ``run_dir``) and SIGKILL it as soon as
+    its step-2 checkpoint is complete (``checkpoint.json`` is written last)."""
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker = run_dir / "checkpoints" / "step_2" / "checkpoint.json"
+    deadline = time.monotonic() + 300
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert marker.exists(), "the first checkpoint never appeared"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL

@@ -2,10 +2,8 @@
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -14,6 +12,7 @@ from safetensors.torch import load_file
 from otbrl.data import get_task, write_parquet_rows
 from otbrl.models import build_tiny_model
 from otbrl.run.checkpoint import latest_checkpoint
+from run_utils import kill_at_first_checkpoint
 
 VOLATILE = ("timing/", "throughput/")  # wall-clock measurements differ between any two runs
 
@@ -64,20 +63,7 @@ def test_sigkill_and_resume_matches_uninterrupted(tmp_path):
     )
 
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(
-        command(model_dir, killed, train, val),
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    marker = killed / "checkpoints" / "step_2" / "checkpoint.json"
-    deadline = time.monotonic() + 300
-    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert marker.exists(), "the first checkpoint never appeared"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    kill_at_first_checkpoint(command(model_dir, killed, train, val), killed, env)
     # the kill landed before the end (else this test proves nothing)
     assert not (killed / "summary.json").exists()
     resumed_from = latest_checkpoint(killed / "checkpoints")

@@ -7,10 +7,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ from otbrl import cli
 from otbrl.config import ConfigError, load_config
 from otbrl.data import get_task, write_parquet_rows
 from otbrl.models import build_tiny_model
+from run_utils import kill_at_first_checkpoint
 
 pytest.importorskip("vllm")
 
@@ -130,17 +129,7 @@ def test_sigkill_and_resume_syncs_the_engine(model_dir, data, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     full, killed = tmp_path / "full", tmp_path / "killed"
     subprocess.run(command(model_dir, data, full), env=env, check=True, capture_output=True)
-    proc = subprocess.Popen(
-        command(model_dir, data, killed), env=env, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    marker = killed / "checkpoints" / "step_2" / "checkpoint.json"
-    deadline = time.monotonic() + 300
-    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert marker.exists(), "the first checkpoint never appeared"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_at_first_checkpoint(command(model_dir, data, killed), killed, env)
     assert not (killed / "summary.json").exists()
     subprocess.run(command(model_dir, data, killed), env=env, check=True, capture_output=True)
 
