@@ -192,7 +192,7 @@ OUTPUTS = frozenset({"log_probs", "entropy", "sum_pi_squared"})
 
 
 def _step(engine, batch):
-    from otbrl.algos.losses import build_loss
+    from otbrl.algos.loss_terms import build_loss
 
     stats = engine.compute(batch, OUTPUTS)
     engine.update({**batch, "old_log_probs": stats["log_probs"]}, build_loss())

@@ -7,7 +7,7 @@ import os
 import pickle
 from pathlib import Path
 
-from otbrl.run.integrity import file_manifest
+from otbrl.store.integrity import file_manifest
 
 
 class Payload:

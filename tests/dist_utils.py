@@ -226,6 +226,6 @@ def start_test_world(rank: int, world_size: int, *, sp: int = 1, tp: int = 1):
 
 def policy_loss():
     """The PPO loss the multi-process tests train with."""
-    from otbrl.algos.losses import build_loss
+    from otbrl.algos.loss_terms import build_loss
 
     return build_loss()

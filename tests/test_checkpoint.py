@@ -20,7 +20,7 @@ from transformers import (
 )
 
 from ckpt_utils import plant_pickle, reseal
-from otbrl.run.checkpoint import (
+from otbrl.store.checkpoint import (
     IntegrityError,
     capture_rng_state,
     checkpoint_step,
@@ -339,7 +339,7 @@ def test_export_loads_with_auto_classes(tmp_path, tokenizer):
 KILLED_SAVE = """
 import os, signal, sys
 sys.path.insert(0, sys.argv[2])
-import otbrl.run.checkpoint as ckpt
+import otbrl.store.checkpoint as ckpt
 from otbrl.config import ActorConfig
 from otbrl.engine.engine import Engine
 from tiny_models import tiny_causal_lm

@@ -14,7 +14,8 @@ from otbrl import cli
 from otbrl.config import ActorConfig, load_config
 from otbrl.engine.engine import Engine
 from otbrl.models import build_tiny_model, load_model_and_tokenizer
-from otbrl.run.checkpoint import (
+from otbrl.report.metrics_log import MetricsLogger
+from otbrl.store.checkpoint import (
     IntegrityError,
     export_checkpoint,
     latest_verified_checkpoint,
@@ -22,8 +23,7 @@ from otbrl.run.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from otbrl.run.outputs import MetricsLogger
-from otbrl.run.rundir import claim_run_dir
+from otbrl.store.rundir import claim_run_dir
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,13 @@ from otbrl import cli
 @pytest.fixture
 def no_model_loading(monkeypatch):
     """Any attempt to build a trainer or warm-start a model fails the test."""
+    import otbrl.run.build as build_mod
     import otbrl.run.sft as sft_mod
-    import otbrl.run.trainer as trainer_mod
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a model was loaded before the config was validated")
 
-    monkeypatch.setattr(trainer_mod, "load_model_and_tokenizer", forbidden)
+    monkeypatch.setattr(build_mod, "load_model_and_tokenizer", forbidden)
     monkeypatch.setattr(sft_mod, "ensure_warm_start", forbidden)
 
 

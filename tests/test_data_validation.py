@@ -10,7 +10,7 @@ from otbrl import cli
 from otbrl.config import ConfigError, load_config
 from otbrl.data import get_task, read_parquet_rows, write_parquet_rows
 from otbrl.rewards import score_responses
-from otbrl.run.build import validate_config
+from otbrl.run.plan import validate_config
 from run_utils import tiny_run_factory
 
 
@@ -21,13 +21,13 @@ def overrides(tmp_path_factory):
 
 @pytest.fixture
 def no_model_loading(monkeypatch):
+    import otbrl.run.build as build_mod
     import otbrl.run.sft as sft_mod
-    import otbrl.run.trainer as trainer_mod
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a model was loaded before the data was checked")
 
-    monkeypatch.setattr(trainer_mod, "load_model_and_tokenizer", forbidden)
+    monkeypatch.setattr(build_mod, "load_model_and_tokenizer", forbidden)
     monkeypatch.setattr(sft_mod, "ensure_warm_start", forbidden)
 
 

@@ -35,7 +35,7 @@ def _ppo_step(engine, batch):
 def _worker(rank, world_size, port, ckpt_root, save):
     from otbrl.engine.engine import Engine
     from otbrl.engine.world import World
-    from otbrl.run.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from otbrl.store.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
     world = start_test_world(rank, world_size) if world_size > 1 else World()
     # a resumed run starts from other weights: everything must come from the checkpoint

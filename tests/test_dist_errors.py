@@ -178,7 +178,7 @@ def test_collective_guard_names_the_step():
 )
 def test_parallel_config_errors_name_the_key(overrides, world_size, key):
     from otbrl.config import ConfigError, load_config
-    from otbrl.run.build import validate_config
+    from otbrl.run.plan import validate_config
 
     cfg = load_config(None, overrides)
     with pytest.raises(ConfigError) as info:
@@ -190,7 +190,7 @@ def test_parallel_defaults_fit_any_world_size():
     """engine=auto picks FSDP2 on several processes, one process otherwise; the micro-batch
     size is a cap (8 > each rank's 4 sequences is fine)."""
     from otbrl.config import load_config
-    from otbrl.run.build import validate_config
+    from otbrl.run.plan import validate_config
 
     small = ["data.train_batch_size=4", "rollout.n=2", "actor.micro_batch_size=8"]
     assert validate_config(load_config(None, small), 2).engine == "fsdp"
@@ -217,7 +217,7 @@ def test_warm_start_comes_before_the_process_group_and_its_timeout_is_configured
         events.append(("warm start", torch.distributed.is_initialized()))
         return tmp_path / "model"
 
-    def fake_start_world(*, distributed, sp, tp, timeout_s):
+    def fake_start_world(dims, *, timeout_s):
         events.append(("start_world", timeout_s))
         raise Stop
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from otbrl.algos.losses import build_loss
+from otbrl.algos.loss_terms import build_loss
 from otbrl.config import ActorConfig
 from otbrl.engine.engine import Engine, warmup_schedule
 from otbrl.engine.layout import Layout, forward_outputs, sequence_inputs

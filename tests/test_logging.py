@@ -17,7 +17,7 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from otbrl.run.outputs import MetricsLogger, check_backends, read_metrics
+from otbrl.report.metrics_log import MetricsLogger, check_backends, read_metrics
 
 
 def strict_lines(path):
@@ -86,7 +86,7 @@ def test_resume_truncates_to_an_uninterrupted_file(tmp_path):
 
 CHILD = """
 import os, signal, sys
-from otbrl.run.outputs import MetricsLogger
+from otbrl.report.metrics_log import MetricsLogger
 out, stop, start = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 logger = MetricsLogger(out, backends=("jsonl",), total_steps=8, initial_step=start)
 for step in range(start + 1, 9):

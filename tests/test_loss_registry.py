@@ -6,17 +6,8 @@ import math
 import pytest
 import torch
 
-from otbrl.algos.losses import (
-    KL_KINDS,
-    LOSS_AGG_MODES,
-    LOSSES,
-    Loss,
-    Normalizers,
-    build_loss,
-    build_value_loss,
-    loss_normalizers,
-    register_loss,
-)
+from otbrl.algos.loss_math import KL_KINDS, LOSS_AGG_MODES, Normalizers, loss_normalizers
+from otbrl.algos.loss_terms import LOSSES, Loss, build_loss, build_value_loss, register_loss
 
 B, L = 9, 7
 MICRO = ((0, 2), (2, 7), (7, 9))  # three uneven micro-batches
@@ -287,7 +278,7 @@ def test_a_registered_policy_term_can_be_built():
     @register_loss("test_vanilla_pg", role="policy", needs={"log_probs"},
                    batch_keys={"response_mask", "advantages"})  # fmt: skip
     def vanilla(out, batch, norms, *, loss_agg_mode, horizon):
-        from otbrl.algos.losses import agg_loss
+        from otbrl.algos.loss_math import agg_loss
 
         per_token = -batch["advantages"] * out["log_probs"]
         kw = dict(num_tokens=norms.num_tokens, num_seqs=norms.num_seqs, horizon=horizon)

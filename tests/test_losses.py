@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from otbrl.algos.losses import (
+from otbrl.algos.loss_math import (
     KL_KINDS,
     LOSS_AGG_MODES,
     agg_loss,

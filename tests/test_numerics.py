@@ -5,19 +5,18 @@ import pytest
 import torch
 
 from otbrl.algos import ESTIMATORS, compute_advantage
-from otbrl.algos._common import masked_mean, masked_sum, masked_var, whiten
-from otbrl.algos.losses import (
+from otbrl.algos.loss_math import (
     agg_loss,
-    build_loss,
-    build_value_loss,
     entropy_bonus,
     kl_in_reward,
     loss_normalizers,
     ppo_policy_loss,
     value_loss,
 )
+from otbrl.algos.loss_terms import build_loss, build_value_loss
 from otbrl.algos.metrics import masked_summary, otb_metrics, trajectory_w, variance_proxy
 from otbrl.algos.otb import reward_to_go_and_energy, token_energy
+from otbrl.algos.reductions import masked_mean, masked_sum, masked_var, whiten
 
 T = torch.tensor
 BAD = (float("nan"), float("inf"), float("-inf"))

@@ -12,7 +12,7 @@ from dist_utils import OUTPUTS, actor_config, policy_loss, ppo_batch, tiny_llama
 from otbrl import cli
 from otbrl.config import Config, ConfigError, _floats, load_config
 from otbrl.engine.engine import Engine, NumericsError
-from otbrl.run.checkpoint import list_checkpoints
+from otbrl.store.checkpoint import list_checkpoints
 from run_utils import tiny_run_factory
 
 
@@ -31,13 +31,13 @@ def overrides(tmp_path_factory):
 
 @pytest.fixture
 def no_model_loading(monkeypatch):
+    import otbrl.run.build as build_mod
     import otbrl.run.sft as sft_mod
-    import otbrl.run.trainer as trainer_mod
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a model was loaded before the config was validated")
 
-    monkeypatch.setattr(trainer_mod, "load_model_and_tokenizer", forbidden)
+    monkeypatch.setattr(build_mod, "load_model_and_tokenizer", forbidden)
     monkeypatch.setattr(sft_mod, "ensure_warm_start", forbidden)
 
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from otbrl.run.outputs import MetricsLogger
-from otbrl.run.plotting import (
+from otbrl.report.metrics_log import MetricsLogger
+from otbrl.report.plots import (
     _figure,
     collect_series,
     load_run,

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from otbrl.data import get_task, write_parquet_rows
 from otbrl.models import build_tiny_model
-from otbrl.run.checkpoint import latest_checkpoint
+from otbrl.store.checkpoint import latest_checkpoint
 from run_utils import kill_at_first_checkpoint
 
 VOLATILE = ("timing/", "throughput/")  # wall-clock measurements differ between any two runs

@@ -10,7 +10,7 @@ from otbrl.rollout import (
     left_pad,
     unpad_prompts,
 )
-from otbrl.rollout.base import check_generate_args
+from otbrl.rollout.protocol import check_generate_args
 
 
 def _random_completions(g, counts, max_len, stop=3):

@@ -13,9 +13,9 @@ import torch
 from ckpt_utils import flip_byte, truncate
 from otbrl import cli
 from otbrl.config import ConfigError, load_config
-from otbrl.run.checkpoint import list_checkpoints, verify_checkpoint
-from otbrl.run.rundir import RESUME_MAY_DIFFER, claim_run_dir, config_sha256
 from otbrl.run.trainer import Trainer
+from otbrl.store.checkpoint import list_checkpoints, verify_checkpoint
+from otbrl.store.rundir import RESUME_MAY_DIFFER, claim_run_dir, config_sha256
 from run_utils import tiny_run_factory
 
 VOLATILE = ("timing/", "throughput/")  # wall-clock measurements differ between any two runs
@@ -52,13 +52,13 @@ def stable(run):
 
 @pytest.fixture
 def no_model_loading(monkeypatch):
+    import otbrl.run.build as build_mod
     import otbrl.run.sft as sft_mod
-    import otbrl.run.trainer as trainer_mod
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a model was loaded before the run directory was checked")
 
-    monkeypatch.setattr(trainer_mod, "load_model_and_tokenizer", forbidden)
+    monkeypatch.setattr(build_mod, "load_model_and_tokenizer", forbidden)
     monkeypatch.setattr(sft_mod, "ensure_warm_start", forbidden)
 
 
@@ -155,7 +155,7 @@ def test_a_legacy_run_without_manifest_is_compared_with_its_config_yaml(setup, t
 HOLDER = """
 import sys, time
 from otbrl.config import load_config
-from otbrl.run.rundir import claim_run_dir
+from otbrl.store.rundir import claim_run_dir
 run = claim_run_dir(load_config(None, [f"trainer.output_dir={sys.argv[1]}"]))
 print("ready", flush=True)
 time.sleep(600)

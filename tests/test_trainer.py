@@ -12,7 +12,7 @@ from otbrl import cli
 from otbrl.config import ConfigError, load_config
 from otbrl.data import get_task, write_parquet_rows
 from otbrl.models import build_tiny_model
-from otbrl.run.build import validate_config
+from otbrl.run.plan import validate_config
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
 REQUIRED = (
@@ -258,7 +258,7 @@ def test_wall_time_limit_stops_after_a_final_validation(tiny_dir, arith_files, t
 
 
 def _loss_modes():
-    from otbrl.algos.losses import LOSS_AGG_MODES
+    from otbrl.algos.loss_math import LOSS_AGG_MODES
 
     return LOSS_AGG_MODES
 

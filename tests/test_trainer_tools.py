@@ -17,8 +17,8 @@ from otbrl.models import build_tiny_model
 from otbrl.rewards import score_responses
 from otbrl.rewards.placement import place_scores
 from otbrl.rollout import HFRollout, SamplingParams, completions_to_batch, unpad_prompts
-from otbrl.run.build import step_seed
 from otbrl.run.evaluate import evaluate_accuracy
+from otbrl.run.seeds import step_seed
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
 TOOL_METRICS = (

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from otbrl import cli
-from otbrl.algos import losses
+from otbrl.algos import loss_math, loss_terms
 from otbrl.algos.advantages import compute_advantage
 from otbrl.data import encode_prompts, get_task
 from otbrl.engine.layout import Layout, forward_outputs
@@ -39,7 +39,7 @@ def _probe(path, method, agg):
         temperature=1.0,
         max_new_tokens=4,
         options={"handle_zero_tail": True, "norm_adv_by_std_in_grpo": True},
-        loss_fn=losses.build_loss(**loss_kwargs),
+        loss_fn=loss_terms.build_loss(**loss_kwargs),
         method=method,
     )
     rows = get_task("arithmetic").rows("train", 3, seed=0)
@@ -75,7 +75,7 @@ def test_probe_gradients_match_autograd_of_each_loss(tiny_model):
             sum_pi_squared=stats["sum_pi_squared"],
             **{**probe.options, **spec.options},
         )
-        loss, _ = losses.ppo_policy_loss(
+        loss, _ = loss_math.ppo_policy_loss(
             stats["log_probs"], old, adv, batch["response_mask"], **loss_kwargs
         )
         loss.backward()
@@ -102,7 +102,7 @@ def test_probe_samples_through_the_agent_loop(tmp_path):
     probe = GradientProbe(
         model, tokenizer, temperature=1.0, max_new_tokens=32,
         options={"handle_zero_tail": True, "norm_adv_by_std_in_grpo": True},
-        loss_fn=losses.build_loss(loss_agg_mode="token-mean"), agent=agent,
+        loss_fn=loss_terms.build_loss(loss_agg_mode="token-mean"), agent=agent,
     )  # fmt: skip
     rows = get_task("tool_arithmetic").rows("train", 2, seed=0)
     enc = encode_prompts(rows, tokenizer, 64, tools)
@@ -128,7 +128,9 @@ def test_probe_samples_through_the_agent_loop(tmp_path):
         old_log_probs=old, sum_pi_squared=stats["sum_pi_squared"], **probe.options,
     )  # fmt: skip
     assert (adv[mask == 0] == 0).all() and (adv != 0).any()
-    loss, _ = losses.ppo_policy_loss(stats["log_probs"], old, adv, mask, loss_agg_mode="token-mean")
+    loss, _ = loss_math.ppo_policy_loss(
+        stats["log_probs"], old, adv, mask, loss_agg_mode="token-mean"
+    )
     loss.backward()
     want = torch.cat([p.grad.reshape(-1) for p in probe.params])
     torch.testing.assert_close(grads[0], want, rtol=1e-4, atol=1e-7)

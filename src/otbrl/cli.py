@@ -83,16 +83,19 @@ def _add_variance_args(p: argparse.ArgumentParser) -> None:
 
 def _config(args: argparse.Namespace, extra: list[str] | None = None):
     """The loaded config and its ``Plan`` (validated once, before any model loads)."""
-    from otbrl.run.build import validate_config
+    from otbrl.run.plan import validate_config
 
     cfg = load_config(args.config, [*(extra or []), *args.overrides])
     return cfg, validate_config(cfg)
 
 
 def _train(args: argparse.Namespace) -> int:
-    cfg, plan = _config(args)
-    from otbrl.run.rundir import claim_run_dir
+    from otbrl.run.presets import task_preset
+
+    # a built-in task's own preset (tool_arithmetic: the calculator on...), before the user's
+    cfg, plan = _config(args, task_preset(args.overrides, args.config))
     from otbrl.run.trainer import Trainer
+    from otbrl.store.rundir import claim_run_dir
 
     run = claim_run_dir(cfg)  # still before any model loads
     # one process, or one per device under torchrun: the same loop
@@ -105,8 +108,8 @@ def _demo(args: argparse.Namespace) -> int:
 
     # the task's own preset (tool_arithmetic: the calculator on...), before the user's overrides
     cfg, plan = _config(args, [*DEMO_PRESET, *task_preset(args.overrides, args.config)])
-    from otbrl.run.rundir import claim_run_dir
     from otbrl.run.trainer import Trainer
+    from otbrl.store.rundir import claim_run_dir
 
     start = time.perf_counter()
     run = claim_run_dir(cfg)
@@ -137,7 +140,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _sft(args: argparse.Namespace) -> int:
-    cfg, _ = _config(args)
+    from otbrl.run.presets import task_preset
+
+    cfg, _ = _config(args, task_preset(args.overrides, args.config))
     if cfg.model.path != "builtin":
         raise ConfigError(
             "'model.path' must be 'builtin' for 'otbrl sft' (it warm-starts the built-in model)",
@@ -151,16 +156,20 @@ def _sft(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    cfg, _ = _config(args)
-    from otbrl.run.evaluate import evaluate_config
+    from otbrl.run.presets import task_preset
 
-    accuracy, count = evaluate_config(cfg)
+    cfg, plan = _config(args, task_preset(args.overrides, args.config))
+    from otbrl.run.build import model_path, scoring
+    from otbrl.run.evaluate import evaluate_model
+
+    # the plan already read and checked the rows: evaluate those, never read the files again
+    accuracy, count = evaluate_model(cfg, plan.val_rows, model_path(cfg), scoring(cfg, plan))
     print(f"val accuracy: {accuracy:.4f} on {count} prompts ({cfg.model.path})")
     return 0
 
 
 def _export(args: argparse.Namespace) -> int:
-    from otbrl.run.checkpoint import export_checkpoint
+    from otbrl.store.checkpoint import export_checkpoint
 
     try:
         print(f"exported: {export_checkpoint(args.checkpoint, args.out_dir)}")
@@ -175,7 +184,7 @@ def _usage_error(err: Exception) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from otbrl.run.plotting import plot_run, plot_runs
+    from otbrl.report.plots import plot_run, plot_runs
 
     try:
         if len(args.run_dirs) == 1 and args.out is None:

@@ -3,7 +3,7 @@
 This module imports nothing from otbrl (it sits beside the floors). It checks what the schema
 alone can decide: unknown keys (with a did-you-mean), types, allowed values, ranges, and batch
 divisibility. Checks that need the estimator registry (estimator name, Σπ² contradictions) live
-in ``otbrl.run.build.validate_config``, which the CLI calls before any model is loaded.
+in ``otbrl.run.plan.validate_config``, which the CLI calls before any model is loaded.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
 """otbrl.algos: pure functions over ``[B, L]`` tensors (advantages, losses, metrics)."""
 
-from otbrl.algos._common import masked_mean, masked_sum, masked_var, whiten
 from otbrl.algos.advantages import (
     ESTIMATOR_ALIASES,
     ESTIMATORS,
@@ -9,17 +8,9 @@ from otbrl.algos.advantages import (
     get_estimator,
     register_estimator,
 )
-from otbrl.algos.losses import (
-    KL_KINDS,
-    LOSS_AGG_MODES,
-    LOSSES,
-    Loss,
-    Normalizers,
-    build_loss,
-    build_value_loss,
-    loss_normalizers,
-    register_loss,
-)
+from otbrl.algos.loss_math import KL_KINDS, LOSS_AGG_MODES, Normalizers, loss_normalizers
+from otbrl.algos.loss_terms import LOSSES, Loss, build_loss, build_value_loss, register_loss
+from otbrl.algos.reductions import masked_mean, masked_sum, masked_var, whiten
 
 __all__ = [
     "ESTIMATORS",

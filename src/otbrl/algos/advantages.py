@@ -23,18 +23,18 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from otbrl.algos._common import (
+from otbrl.algos.otb import (
+    optimal_token_baseline,
+    reward_to_go_and_energy,
+    tir_optimal_token_baseline,
+)
+from otbrl.algos.reductions import (
     check_batch,
     check_tensor,
     group_ids,
     group_sum,
     masked_sum,
     whiten,
-)
-from otbrl.algos.otb import (
-    optimal_token_baseline,
-    reward_to_go_and_energy,
-    tir_optimal_token_baseline,
 )
 
 GRPO_EPS = 1e-6

@@ -1,6 +1,8 @@
-"""Batch metrics: masked summaries, OTB's W-score and zero-tail share, Σπ² variance proxies.
+"""Batch metrics: masked summaries, OTB's W-score and zero-tail share, Σπ² variance proxies,
+and the per-step sets the trainer logs (``sample_metrics``, ``step_metrics``).
 
-All return 0-dim tensors (no host sync here; the logger converts) keyed by metric name. Inputs
+The building blocks return 0-dim tensors (no host sync; the logger converts) keyed by metric
+name; the per-step sets return Python floats, what the trainer logs. Inputs
 are read only where the mask selects them: a NaN or inf at a masked position never shows.
 """
 
@@ -9,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from otbrl.algos._common import check_tensor, masked_mean, masked_var
 from otbrl.algos.otb import token_energy, zero_tail_mask
+from otbrl.algos.reductions import check_tensor, masked_mean, masked_var
 
 
 def masked_summary(x: Tensor, response_mask: Tensor, prefix: str) -> dict[str, Tensor]:
@@ -138,3 +140,47 @@ def explained_variance(values: Tensor, returns: Tensor, response_mask: Tensor) -
     # The unbiased factors cancel in the ratio: this is the population form as well.
     total = masked_var(r, m)
     return torch.where(total > 0, 1.0 - masked_var(r - v, m) / total.clamp(min=1e-12), 0.0)
+
+
+def sample_metrics(scores: Tensor, response_mask: Tensor, truncated: Tensor) -> dict[str, float]:
+    """What a sampled batch holds: ``train/reward_mean`` / ``reward_max`` of the scalar scores
+    ``[B]``, ``train/response_length_mean`` (trained tokens per row, ``response_mask`` [B, Lr]) and
+    ``train/response_clip_ratio`` (share of rows that hit the length cap without a stop token,
+    ``truncated`` [B] bool). Python floats: the sampling step reports them as they are."""
+    return {
+        "train/reward_mean": float(scores.mean()),
+        "train/reward_max": float(scores.max()),
+        "train/response_length_mean": float(response_mask.sum(dim=1).mean()),
+        "train/response_clip_ratio": float(truncated.float().mean()),
+    }
+
+
+def step_metrics(batch: dict[str, Tensor], *, grad_norm: Tensor | float | None) -> dict[str, float]:
+    """The statistics of a trained batch, after its update: ``policy/entropy_mean``; with Σπ²
+    in the batch ``policy/sum_pi_squared_mean`` and :func:`otb_metrics` (``grad_norm``, the
+    update's mean pre-clip norm, stands in for the batch-gradient norm); with ``values`` the
+    critic's ``critic/values_mean``, ``critic/returns_mean`` and ``critic/explained_variance``.
+
+    ``batch``: the step's batch (``response_mask``, ``entropy``, ``advantages``, ``uid`` and the
+    optional ``sum_pi_squared`` / ``old_log_probs`` / ``values`` / ``returns``, all [B, Lr]).
+    """
+    mask = batch["response_mask"]
+    out = {"policy/entropy_mean": float(masked_mean(batch["entropy"], mask))}
+    if "sum_pi_squared" in batch:
+        out["policy/sum_pi_squared_mean"] = float(masked_mean(batch["sum_pi_squared"], mask))
+        extra = otb_metrics(
+            batch["advantages"],
+            mask,
+            batch["uid"],
+            batch["old_log_probs"],
+            batch["sum_pi_squared"],
+            grad_norm=grad_norm,
+        )
+        out.update({k: float(v) for k, v in extra.items()})
+    if "values" in batch:
+        out["critic/values_mean"] = float(masked_mean(batch["values"], mask))
+        out["critic/returns_mean"] = float(masked_mean(batch["returns"], mask))
+        out["critic/explained_variance"] = float(
+            explained_variance(batch["values"], batch["returns"], mask)
+        )
+    return out

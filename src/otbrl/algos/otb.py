@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from otbrl.algos._common import check_batch, check_tensor, group_ids, group_sum
+from otbrl.algos.reductions import check_batch, check_tensor, group_ids, group_sum
 
 OTB_EPS = 1e-8
 ENERGIES = ("logit_gradient", "uniform")

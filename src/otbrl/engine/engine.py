@@ -3,7 +3,7 @@
 The policy, the critic and the frozen reference policy are three instances of ``Engine``. The
 engine never decides which statistics exist nor which loss is trained: ``compute(batch,
 outputs)`` runs the forwards the trainer asks for, and ``update(batch, loss_fn)`` takes PPO
-epochs × mini-batches × micro-batches of the loss it is handed (``otbrl.algos.losses``).
+epochs × mini-batches × micro-batches of the loss it is handed (``otbrl.algos.loss_terms``).
 
 On more than one process the model is sharded in place when the engine is built (tensor
 parallel, then Ulysses, then FSDP2: ``otbrl.engine.parallel.parallelize``); every method is then
@@ -22,7 +22,8 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from otbrl.algos.losses import Loss, Normalizers, loss_normalizers
+from otbrl.algos.loss_math import Normalizers, loss_normalizers
+from otbrl.algos.loss_terms import Loss
 from otbrl.engine import parallel
 from otbrl.engine.layout import Layout, forward_outputs
 from otbrl.engine.world import World

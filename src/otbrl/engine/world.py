@@ -24,6 +24,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from otbrl.engine.dims import ParallelDims
+from otbrl.engine.parallel import build_mesh
+
 T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -240,15 +243,16 @@ class World:
             dist.barrier()
 
 
-def start_world(
-    *, distributed: bool, sp: int = 1, tp: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S
-) -> World:
-    """The ``World`` of this process: a process group and mesh when ``distributed`` (torchrun,
-    or a sharded engine asked for explicitly), else the identity world without one."""
-    if not distributed:
+def start_world(dims: ParallelDims, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> World:
+    """The ``World`` of this process: a process group and a ``dims``-shaped mesh when
+    ``dims.distributed`` (torchrun, or a sharded engine asked for explicitly), else the identity
+    world without one. torchrun's world size must be the one ``dims`` was planned for."""
+    if not dims.distributed:
         return World()
-    from otbrl.engine.parallel import build_mesh
-
     info = init_distributed(timeout_s=timeout_s)
-    mesh = build_mesh(info.world_size, sp=sp, tp=tp, device_type=info.device.type)
+    if info.world_size != dims.world_size:
+        raise RuntimeError(
+            f"dims: planned for {dims.world_size} processes, torchrun started {info.world_size}"
+        )
+    mesh = build_mesh(info.world_size, sp=dims.sp, tp=dims.tp, device_type=info.device.type)
     return World(rank=info.rank, size=info.world_size, device=info.device, mesh=mesh)

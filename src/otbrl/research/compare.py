@@ -65,7 +65,7 @@ def parse_arms(text: str) -> list[tuple[str, int]]:
 def arm_estimator_overrides(name: str) -> list[str]:
     """Config overrides that select arm estimator ``name`` (an alias also sets its options)."""
     from otbrl.algos import ESTIMATOR_ALIASES
-    from otbrl.run.build import ESTIMATOR_OPTION_KEYS
+    from otbrl.run.plan import ESTIMATOR_OPTION_KEYS
 
     estimator, options = ESTIMATOR_ALIASES.get(name, (name, {}))
     return [f"algorithm.adv_estimator={estimator}"] + [
@@ -92,7 +92,7 @@ def run_curves(run_dir: Path, responses_per_step: int) -> dict:
     length × responses; ``late_accuracy`` = mean of the validations in the last quarter of the
     run's tokens (one validation is a noisy end point: a few prompts flipping moves it).
     """
-    from otbrl.run.outputs import read_metrics
+    from otbrl.report.metrics_log import read_metrics
 
     tokens, acc_tokens, accuracy, grad_norm = 0.0, [], [], []
     for record in read_metrics(run_dir):
@@ -312,11 +312,12 @@ def run_compare(
     run after the others have finished.
     """
     from otbrl.config import load_config
-    from otbrl.run.build import model_path, validate_config
-    from otbrl.run.files import atomic_write_text
-    from otbrl.run.outputs import json_safe
+    from otbrl.run.build import model_path
+    from otbrl.run.plan import validate_config
     from otbrl.run.presets import task_preset
     from otbrl.run.trainer import Trainer
+    from otbrl.store.files import atomic_write_text
+    from otbrl.store.plain import json_safe
 
     arm_list = parse_arms(arms)
     check_settings(seeds, budget_responses, prompts, updates_per_step, jobs)

@@ -19,24 +19,15 @@ import torch
 from torch import Tensor, nn
 
 from otbrl.algos.advantages import ESTIMATOR_ALIASES, compute_advantage, get_estimator
-from otbrl.algos.losses import Loss, loss_normalizers
+from otbrl.algos.loss_math import loss_normalizers
+from otbrl.algos.loss_terms import Loss
 from otbrl.algos.metrics import trajectory_w, variance_proxy
 from otbrl.algos.otb import zero_tail_mask
 from otbrl.engine.layout import Layout, forward_outputs, row_features, scatter_rows
 from otbrl.models import eos_token_ids
 from otbrl.ops import token_stats
-from otbrl.rewards import score_responses
-from otbrl.rewards.placement import place_scores
-from otbrl.rollout import (
-    SamplingParams,
-    completions_to_batch,
-    decode_responses,
-    decode_transcripts,
-    generate,
-    transcript_rows,
-    unpad_prompts,
-)
-from otbrl.tools import tools_for_row
+from otbrl.rollout import HFRollout, SamplingParams
+from otbrl.run.sampling import Scoring, sample_batch
 
 
 @dataclass(frozen=True)
@@ -105,8 +96,8 @@ class GradientProbe:
     (``otbrl.run.build.policy_loss(cfg, regularizers=False)``, the trainer's own construction
     without the entropy and KL terms). ``method``: ``"loop"`` (one backward per estimator, graph
     retained) or ``"batched"`` (one batched vector-Jacobian product, ``is_grads_batched``).
-    ``agent``: an ``otbrl.rollout.AgentLoop`` over an engine of ``model`` (multi-turn tool
-    runs): batches are sampled through it, with holes, as the trainer samples them.
+    ``sampler``: what batches are sampled with (default: ``HFRollout(model, tokenizer)``); the
+    agent loop over a backend of ``model`` for multi-turn tool runs, as the trainer samples.
     """
 
     def __init__(
@@ -121,7 +112,7 @@ class GradientProbe:
         reward_fn: Callable | None = None,
         on_error: str = "raise",
         method: str = "loop",
-        agent=None,
+        sampler=None,
     ):
         if method not in ("loop", "batched"):
             raise ValueError(f"method: expected 'loop' or 'batched', got {method!r}")
@@ -131,57 +122,22 @@ class GradientProbe:
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self.options, self.loss_fn = options, loss_fn
         self.reward_fn, self.on_error, self.method = reward_fn, on_error, method
-        self.agent = agent
+        self.sampler = sampler if sampler is not None else HFRollout(model, tokenizer)
 
-    def sample(self, enc: dict[str, Tensor], rows: list[dict], n: int, seed: int) -> dict:
-        """One rollout of ``n`` responses per prompt, scored; reward on the last model token
-        (``enc``: the prompts rendered with the agent's tools when there is one)."""
-        if self.agent is not None:
-            return self._sample_agent(enc, rows, n, seed)
-        batch = generate(
-            self.model,
-            self.tokenizer,
-            enc["input_ids"],
-            enc["attention_mask"],
-            n=n,
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            seed=seed,
-        )
-        mask = batch["response_mask"]
-        texts = decode_responses(self.tokenizer, batch["responses"], mask)
-        repeated = [row for row in rows for _ in range(n)]
-        scores, _ = score_responses(
-            texts, repeated, function=self.reward_fn, on_error=self.on_error
-        )
-        batch["token_level_rewards"] = place_scores(torch.tensor(scores), mask)
-        return batch
-
-    def _sample_agent(self, enc: dict[str, Tensor], rows: list[dict], n: int, seed: int) -> dict:
-        tok = self.tokenizer
+    def sample(self, rows: list[dict], n: int, seed: int) -> dict:
+        """One rollout of ``n`` responses per row through the trainer's sampling step
+        (``otbrl.run.sampling.sample_batch``), scored: the batch the trainer would train on,
+        ``rollout_log_probs`` included, with ``token_level_rewards`` = the placed scores."""
         params = SamplingParams(
             n=n,
             temperature=self.temperature,
             max_tokens=self.max_new_tokens,
-            stop_token_ids=tuple(eos_token_ids(self.model, tok)),
+            stop_token_ids=tuple(eos_token_ids(self.model, self.tokenizer)),
             seed=seed,
         )
-        allowed = [tools_for_row(row, self.agent.tools) for row in rows]
-        prompts = unpad_prompts(enc["input_ids"], enc["attention_mask"])
-        out = self.agent.generate(prompts, params, allowed=allowed)
-        pad = tok.pad_token_id
-        batch = completions_to_batch(enc["input_ids"], enc["attention_mask"], out, pad_id=pad)
-        mask = batch["response_mask"]
-        attention = batch["attention_mask"][:, batch["prompts"].shape[1] :]
-        repeated = [row for row in rows for _ in range(n)]
-        transcripts = decode_transcripts(tok, batch["responses"], attention)
-        scores, _ = score_responses(
-            decode_responses(tok, batch["responses"], mask),
-            transcript_rows(repeated, transcripts, batch),
-            function=self.reward_fn,
-            on_error=self.on_error,
-        )
-        batch["token_level_rewards"] = place_scores(torch.tensor(scores), mask)
+        scoring = Scoring(self.reward_fn, self.on_error)
+        batch = sample_batch(self.sampler, self.tokenizer, rows, params, scoring=scoring).batch
+        batch["token_level_rewards"] = batch["token_level_scores"]
         return batch
 
     def gradients(self, batch: dict, specs: list[EstimatorSpec]) -> tuple[Tensor, dict]:
@@ -270,15 +226,13 @@ class GradientProbe:
             "sum_pi_squared": scatter_rows(extra.sum_pi_squared, rows.valid),
         }
 
-    def reference(
-        self, enc: dict[str, Tensor], rows: list[dict], samples: int, chunk: int, seed: int
-    ) -> Tensor:
+    def reference(self, rows: list[dict], samples: int, chunk: int, seed: int) -> Tensor:
         """[P] RLOO gradient averaged over ``samples`` responses per prompt (in chunks of
         ``chunk`` per prompt): an unbiased, low-noise direction for the signal scale."""
         spec = [EstimatorSpec("rloo", "rloo")]
         total = torch.zeros(self.num_params, dtype=torch.float64)
         num_chunks = max(1, math.ceil(samples / chunk))
         for i in range(num_chunks):
-            batch = self.sample(enc, rows, chunk, seed + i)
+            batch = self.sample(rows, chunk, seed + i)
             total += self.gradients(batch, spec)[0][0].double()
         return total / num_chunks

@@ -18,9 +18,17 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from otbrl.models import eos_token_ids, load_model_and_tokenizer
 from otbrl.research.gradient_probe import EstimatorSpec, GradientProbe, parse_estimators
 from otbrl.research.gradient_variance import GradientVarianceAccumulator, variance_summary
-from otbrl.run.build import step_seed
+from otbrl.rewards import resolve_reward_function
+from otbrl.rollout import HFRollout
+from otbrl.run.build import build_sampler, model_path, policy_loss
+from otbrl.run.plan import estimator_options, load_rows
+from otbrl.run.seeds import seed_everything, step_seed
+from otbrl.store.files import atomic_write_text
+from otbrl.store.plain import json_safe
+from otbrl.tools import resolve_tools
 
 DEFAULT_ESTIMATORS = "grpo,drgrpo,rloo,otb,otb_notail"
 # exact Gram matrices keep E·K·P float32 gradients; above this the CountSketch takes over
@@ -47,7 +55,6 @@ def spearman(x: list[float], y: list[float]) -> float:
 
 def measure(
     probe: GradientProbe,
-    enc: dict[str, Tensor],
     rows: list[dict],
     specs: list[EstimatorSpec],
     *,
@@ -71,7 +78,7 @@ def measure(
     tail = tokens = 0.0
     start = time.perf_counter()
     for k in range(repeats):
-        batch = probe.sample(enc, rows, n, seed=step_seed(seed, n * 10_007 + k))
+        batch = probe.sample(rows, n, seed=step_seed(seed, n * 10_007 + k))
         grads, extras = probe.gradients(batch, specs)
         acc.add(grads)
         for label, value in extras["power"].items():
@@ -86,7 +93,7 @@ def measure(
     out["n"] = n
     out["zero_tail_token_share"] = tail / max(tokens, 1.0)
     out["variance_proxy"] = {label: sum(v) / len(v) for label, v in power.items()}
-    batch_size = enc["input_ids"].shape[0] * n
+    batch_size = len(rows) * n
     per_sample = {label: v / batch_size for label, v in out["variance_proxy"].items()}
     out["variance_proxy_per_sample"] = per_sample
     out["proxy_calibration"] = {
@@ -292,20 +299,6 @@ def run_variance(
     """
     from pathlib import Path
 
-    from otbrl.data import encode_prompts
-    from otbrl.models import load_model_and_tokenizer
-    from otbrl.rewards import resolve_reward_function
-    from otbrl.run.build import (
-        estimator_options,
-        load_rows,
-        model_path,
-        policy_loss,
-        seed_everything,
-    )
-    from otbrl.run.files import atomic_write_text
-    from otbrl.run.outputs import json_safe
-    from otbrl.tools import resolve_tools
-
     specs = check_variance_args(estimators, ns, repeats, prompts, reference_samples, base)
     labels = [s.label for s in specs]
     start = time.perf_counter()
@@ -318,19 +311,11 @@ def run_variance(
     order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(seed))
     rows = [train_rows[i] for i in order[:prompts].tolist()]
     tools = resolve_tools(cfg.rollout.multi_turn.tools) if cfg.rollout.multi_turn.tools else None
-    enc = encode_prompts(rows, tokenizer, cfg.data.max_prompt_length, tools)
-    agent = None
-    if tools:  # multi-turn: the trainer's agent loop over the HF sampler
-        from otbrl.models import eos_token_ids
-        from otbrl.rollout import HFRollout, make_agent
-
-        multi = cfg.rollout.multi_turn
-        agent = make_agent(
-            HFRollout(model, tokenizer), tokenizer, tools,
-            eos_token_ids=eos_token_ids(model, tokenizer), fmt=multi.format,
-            max_turns=multi.max_turns, max_tool_response_tokens=multi.max_tool_response_tokens,
-            timeout_s=multi.tool_timeout_s, model=str(path),
-        )  # fmt: skip
+    # the trainer's sampler: the agent loop over the HF backend when tools are configured
+    backend = HFRollout(model, tokenizer)
+    sampler = build_sampler(
+        cfg, tools, backend, tokenizer, eos_token_ids(model, tokenizer), str(path)
+    )
     probe = GradientProbe(
         model,
         tokenizer,
@@ -341,7 +326,7 @@ def run_variance(
         reward_fn=resolve_reward_function(cfg.reward.function),
         on_error=cfg.reward.on_error,
         method=method,
-        agent=agent,
+        sampler=sampler,
     )
     sketch = choose_sketch_dim(len(specs), repeats, probe.num_params, sketch_dim)
     echo(
@@ -351,7 +336,7 @@ def run_variance(
     )
     ref_start = time.perf_counter()
     chunk = min(reference_samples, 64)
-    reference = probe.reference(enc, rows, reference_samples, chunk, seed=seed + 99_991)
+    reference = probe.reference(rows, reference_samples, chunk, seed=seed + 99_991)
     if not torch.isfinite(reference).all() or reference.norm() == 0:
         raise ValueError(
             "reference: the RLOO reference gradient is zero or not finite (every sampled group "
@@ -364,7 +349,6 @@ def run_variance(
     for n in ns:
         results[str(n)] = measure(
             probe,
-            enc,
             rows,
             specs,
             n=n,

@@ -1,30 +1,31 @@
-"""otbrl.rollout: one protocol, two backends (HF in-process sampler, vLLM), weight sync, and
-the agent loop (multi-turn tool use) over either.
+"""otbrl.rollout (floor 3): the protocol (``protocol``: ``SamplingParams``, ``Completion``,
+``Sampler`` / ``RolloutBackend``), batch building and decoding (``batch``), two backends (``hf``:
+in-process HF sampler; ``vllm``: in-process vLLM) with weight sync, and the agent loop
+(``agent``: multi-turn tool use) over either.
 
 ``VLLMRollout`` imports vLLM only when an engine is built; ``check_vllm_installed`` imports
 nothing, so config validation can call it cheaply.
 """
 
 from otbrl.rollout.agent import AgentLoop, Trajectory, make_agent, tool_metrics, transcript_rows
-from otbrl.rollout.base import (
-    FINISH_REASONS,
-    Completion,
-    RolloutEngine,
-    SamplingParams,
+from otbrl.rollout.batch import (
     completions_to_batch,
-    left_pad,
-    unpad_prompts,
-)
-from otbrl.rollout.hf import (
     decode_responses,
     decode_transcripts,
     eos_response_mask,
     final_turn_span,
-    generate,
-    sample_next_token,
+    left_pad,
+    unpad_prompts,
 )
-from otbrl.rollout.hf_engine import HFRollout
-from otbrl.rollout.vllm_engine import INSTALL_HINT, VLLMRollout, check_vllm_installed
+from otbrl.rollout.hf import HFRollout, sample_next_token
+from otbrl.rollout.protocol import (
+    FINISH_REASONS,
+    Completion,
+    RolloutBackend,
+    Sampler,
+    SamplingParams,
+)
+from otbrl.rollout.vllm import INSTALL_HINT, VLLMRollout, check_vllm_installed
 
 __all__ = [
     "FINISH_REASONS",
@@ -32,7 +33,8 @@ __all__ = [
     "AgentLoop",
     "Completion",
     "HFRollout",
-    "RolloutEngine",
+    "RolloutBackend",
+    "Sampler",
     "SamplingParams",
     "Trajectory",
     "VLLMRollout",
@@ -42,7 +44,6 @@ __all__ = [
     "decode_transcripts",
     "eos_response_mask",
     "final_turn_span",
-    "generate",
     "left_pad",
     "make_agent",
     "sample_next_token",

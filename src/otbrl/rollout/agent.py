@@ -20,13 +20,14 @@ prompt i). A model that never calls a tool gets exactly the single-turn completi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from torch import Tensor
 
 from otbrl.algos.otb import rows_with_holes
-from otbrl.rollout.base import Completion, SamplingParams
+from otbrl.rollout.protocol import Completion, SamplingParams
+from otbrl.tools import tools_for_row
 from otbrl.tools.executor import ToolExecutor
 from otbrl.tools.formats import ChatTurns, get_format
 
@@ -48,10 +49,10 @@ class Trajectory(Completion):
 
 
 class AgentLoop:
-    """Runs multi-turn rollouts on ``engine`` with the tools of ``executor``.
+    """Runs multi-turn rollouts on ``backend`` with the tools of ``executor`` (a ``Sampler``).
 
     Args:
-        engine: any ``RolloutEngine`` (its ``generate`` with per-prompt ``max_tokens``).
+        backend: any ``RolloutBackend`` (its ``generate`` with per-prompt ``max_tokens``).
         turns: the chat-template observation builder (and the tool-call format, ``turns.fmt``).
         executor: runs the parsed calls (timeouts, errors).
         max_turns: model turns per row (≥ 1; 1 never runs a tool).
@@ -62,7 +63,7 @@ class AgentLoop:
 
     def __init__(
         self,
-        engine,
+        backend,
         turns: ChatTurns,
         executor: ToolExecutor,
         *,
@@ -75,7 +76,7 @@ class AgentLoop:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key}: expected an int ≥ 1, got {value!r}")
-        self.engine, self.turns, self.executor = engine, turns, executor
+        self.backend, self.turns, self.executor = backend, turns, executor
         self.fmt = turns.fmt
         self.tools = executor.tools
         self.max_turns = max_turns
@@ -87,22 +88,25 @@ class AgentLoop:
         params: SamplingParams,
         *,
         max_tokens: Sequence[int] | None = None,
-        allowed: Sequence[Sequence[str] | None] | None = None,
+        rows: Sequence[Mapping] | None = None,
     ) -> list[list[Trajectory]]:
         """``result[i][j]`` = the trajectory of sample j of prompt i.
 
         ``params.stop_token_ids`` (the EOS ids) are extended with the format's call-end token;
         ``max_tokens``: per-prompt response budgets (model + observation tokens; default
-        ``params.max_tokens``); ``allowed[i]``: the tool names prompt i may call (None: all).
+        ``params.max_tokens``); ``rows[i]``: the data row of prompt i, whose tools
+        (``otbrl.tools.tools_for_row``: ``extra_info.tools``...) are the ones it may call
+        (None: every prompt may call every tool).
         """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params: expected a SamplingParams, got {type(params).__name__}")
-        if allowed is not None and len(allowed) != len(prompts):
-            raise ValueError(f"allowed: expected {len(prompts)} entries, got {len(allowed)}")
+        if rows is not None and len(rows) != len(prompts):
+            raise ValueError(f"rows: expected {len(prompts)} entries, got {len(rows)}")
+        allowed = None if rows is None else [tools_for_row(row, self.tools) for row in rows]
         budgets = [params.max_tokens] * len(prompts) if max_tokens is None else list(max_tokens)
         stops = tuple(dict.fromkeys([*params.stop_token_ids, *self.turns.stop_ids]))
         first = replace(params, stop_token_ids=stops)
-        groups = self.engine.generate(prompts, first, max_tokens=max_tokens)
+        groups = self.backend.generate(prompts, first, max_tokens=max_tokens)
         rows: list[_Row] = []
         for i, group in enumerate(groups):
             for completion in group:
@@ -116,7 +120,7 @@ class AgentLoop:
                 break
             seed = None if params.seed is None else params.seed + turn * TURN_SEED_STRIDE
             later = replace(params, n=1, seed=seed, stop_token_ids=stops)
-            outs = self.engine.generate(
+            outs = self.backend.generate(
                 [row.context() for row in live], later, max_tokens=[row.room() for row in live]
             )
             for row, group in zip(live, outs):
@@ -229,7 +233,7 @@ def transcript_rows(rows: Sequence[dict], transcripts: Sequence[str], batch: dic
 
 
 def make_agent(
-    engine,
+    backend,
     tokenizer,
     tools,
     *,
@@ -240,12 +244,12 @@ def make_agent(
     timeout_s: float = 5.0,
     model: str = "",
 ) -> AgentLoop:
-    """An ``AgentLoop`` over ``engine`` with ``tools`` (``{name: Tool}``, see
+    """An ``AgentLoop`` over ``backend`` with ``tools`` (``{name: Tool}``, see
     ``otbrl.tools.resolve_tools``) in format ``fmt`` (``auto``/``hermes``/``compact``).
     Raises ``ValueError`` naming ``model`` when its chat template cannot carry tool turns."""
     turns = ChatTurns(tokenizer, get_format(fmt, tools, tokenizer), eos_token_ids, model=model)
     return AgentLoop(
-        engine,
+        backend,
         turns,
         ToolExecutor(tools, timeout_s=timeout_s),
         max_turns=max_turns,

@@ -1,101 +1,159 @@
-"""Response generation with a Hugging Face causal LM (the CPU / single-device rollout).
+"""The HF backend of the rollout protocol: a Hugging Face causal LM sampling in this process.
 
 All prompts × ``n`` samples are decoded in one batch with the KV cache on; each prompt is
-prefilled once and its cache shared by its ``n`` samples (``model.generate`` is an option).
-Rows of the same prompt are adjacent, as the group-wise estimators expect.
+prefilled once and its cache shared by its ``n`` samples (``shared_prefix_sample``). Rows of the
+same prompt are adjacent, as the group-wise estimators expect. The sampled tokens' log-probs are
+read from the logits the sampler already has.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from otbrl.models import eos_token_ids
+from otbrl.rollout.batch import left_pad
+from otbrl.rollout.protocol import Completion, SamplingParams, check_generate_args
 
 
-@torch.no_grad()
-def generate(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    *,
-    n: int = 1,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    do_sample: bool = True,
-    seed: int | None = None,
-    use_hf_generate: bool = False,
-) -> dict[str, Tensor]:
-    """Sample ``n`` responses per prompt.
+class HFRollout:
+    """Generate with a Hugging Face causal LM in this process.
 
     Args:
-        model: a causal LM (its train/eval mode is restored afterwards).
-        tokenizer: gives the pad and EOS ids.
-        prompt_ids: [P, Lp] long, left-padded.
-        prompt_mask: [P, Lp] 0/1, 1 on real prompt tokens.
-        n: samples per prompt (rows ``i*n .. i*n+n-1`` come from prompt ``i``).
-        max_new_tokens: response length cap.
-        temperature, top_p, top_k: sampling parameters (``top_k=0`` and ``top_p=1`` disable
-            those filters); ignored when ``do_sample=False`` (greedy decoding).
-        seed: makes sampling reproducible without touching the caller's global RNG state.
-        use_hf_generate: decode with ``model.generate`` instead of the built-in loop. The
-            built-in loop runs the prompt forward once per prompt (not once per sample),
-            copies its KV cache to the ``n`` samples and skips prompt logits: 2x faster on
-            the demo's 32 prompts x 8 samples. Both stop at EOS; greedy results are identical.
-
-    Returns:
-        ``prompts`` [B, Lp] long (B = P*n), ``responses`` [B, Lr] long right-padded with the
-        pad id (Lr ≤ ``max_new_tokens`` is the longest response), ``response_mask`` [B, Lr]
-        float32 (1 up to and including the first EOS, 0 after), the full sequence
-        ``input_ids`` / ``attention_mask`` / ``position_ids`` [B, Lp+Lr] long, and ``uid``
-        [B] int64 (the prompt index, shared by the ``n`` rows of a group).
+        model: the causal LM to sample from (its train/eval mode is restored after each call).
+        tokenizer: gives the pad id used to left-pad prompts (its pad, else its EOS token).
+        owns_copy: ``False`` (default) when ``model`` is the training model itself:
+            ``sync_weights`` is then a no-op and does not consume its argument. ``True`` when
+            ``model`` is a separate inference copy (e.g. the unsharded copy of a distributed
+            run): ``sync_weights`` copies the named tensors into it.
     """
-    _check_args(prompt_ids, prompt_mask, n, max_new_tokens, temperature, top_p, top_k)
-    prompt_mask = prompt_mask.to(dtype=torch.long, device=prompt_ids.device)
-    prompts = prompt_ids.repeat_interleave(n, dim=0)
-    masks = prompt_mask.repeat_interleave(n, dim=0)
-    eos_ids = eos_token_ids(model, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    sampling = {"temperature": float(temperature), "top_p": float(top_p), "top_k": int(top_k)}
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.random.fork_rng(devices=_devices(prompt_ids)):
-            if seed is not None:
-                torch.manual_seed(seed)
-            if use_hf_generate:
-                responses = _hf_generate(
-                    model, prompts, masks, max_new_tokens, eos_ids, pad_id, do_sample, sampling
-                )
-            else:
-                responses, _ = shared_prefix_sample(
-                    model, prompt_ids, prompt_mask, n, max_new_tokens, eos_ids, pad_id, do_sample,
-                    sampling,
+
+    name = "hf"
+    tools = None  # a backend renders no tools (the agent loop over it does)
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        owns_copy: bool = False,
+    ) -> None:
+        if not isinstance(owns_copy, bool):
+            raise TypeError(f"owns_copy: expected a bool, got {type(owns_copy).__name__}")
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else None
+        pad = pad if pad is not None else tokenizer.eos_token_id
+        if pad is None:
+            raise ValueError("tokenizer: needs a pad or EOS token to left-pad prompts")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.owns_copy = owns_copy
+        self.pad_id = int(pad)
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        max_tokens: Sequence[int] | None = None,
+        rows: Sequence[Mapping] | None = None,
+    ) -> list[list[Completion]]:
+        """``result[i][j]`` = sample j of prompt i; see ``Sampler.generate`` (``rows`` unused: a
+        backend samples from the token ids alone).
+
+        With ``params.seed`` the draw is reproducible and the caller's global RNG is left as it
+        was; without a seed the global torch RNG is used (and advanced).
+        """
+        budgets = check_generate_args(prompts, params, max_tokens, vocab_size=self.vocab_size)
+        device = next(self.model.parameters()).device
+        ids, mask = left_pad(prompts, self.pad_id)
+        ids, mask = ids.to(device), mask.to(device)
+        n = params.n
+        rows = torch.tensor(budgets, device=device).repeat_interleave(n)
+        sampling = {
+            "temperature": float(params.temperature),
+            "top_p": float(params.top_p),
+            "top_k": int(params.top_k),
+        }
+        stops = list(params.stop_token_ids)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.random.fork_rng(
+                devices=[device] if device.type == "cuda" else [], enabled=params.seed is not None
+            ):
+                if params.seed is not None:
+                    torch.manual_seed(params.seed)
+                tokens, logprobs = shared_prefix_sample(
+                    self.model, ids, mask, n, max(budgets), stops, self.pad_id,
+                    not params.greedy, sampling, budgets=rows if max_tokens is not None else None,
+                    with_logprobs=True,
                 )  # fmt: skip
-    finally:
-        model.train(was_training)
-    response_mask = eos_response_mask(responses, eos_ids)
-    # generate() already pads finished rows, but with pad == EOS (common for real models) only
-    # the mask tells a trained-on EOS from padding; make the ids after the first EOS uniform.
-    responses = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad_id))
-    attention_mask = torch.cat([masks, response_mask.long()], dim=1)
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    uid = torch.arange(prompt_ids.shape[0], device=prompts.device).repeat_interleave(n)
-    return {
-        "prompts": prompts,
-        "responses": responses,
-        "response_mask": response_mask,
-        "input_ids": torch.cat([prompts, responses], dim=1),
-        "attention_mask": attention_mask,
-        "position_ids": position_ids,
-        "uid": uid,
-    }
+        finally:
+            self.model.train(was_training)
+        return _completions(tokens.cpu(), logprobs.cpu(), rows.cpu(), stops, n)
+
+    @torch.no_grad()
+    def sync_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Copy HF-named tensors into the inference copy, one at a time (no-op when shared).
+
+        Every parameter of the copy must come exactly once, with its shape; an unknown name,
+        a wrong shape or a missing parameter is a ``ValueError`` (the copy is then partly
+        updated: sync again before generating).
+        """
+        if not self.owns_copy:
+            return
+        params = dict(self.model.named_parameters())
+        seen = set()
+        for name, tensor in named_tensors:
+            if name not in params:
+                raise ValueError(f"named_tensors: {name!r} is not a parameter of the rollout model")
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise ValueError(
+                    f"named_tensors: {name!r} has shape {tuple(tensor.shape)}, the rollout "
+                    f"model's parameter has {tuple(params[name].shape)}"
+                )
+            params[name].copy_(tensor.detach())
+            seen.add(name)
+        missing = sorted(set(params) - seen)
+        if missing:
+            raise ValueError(
+                f"named_tensors: {len(missing)} parameters of the rollout model were not "
+                f"given, e.g. {missing[:3]}"
+            )
+
+    def sleep(self) -> None:
+        """No-op: the HF backend keeps its model in place."""
+
+    def wake_up(self) -> None:
+        """No-op: the HF backend keeps its model in place."""
+
+
+def _completions(
+    tokens: Tensor, logprobs: Tensor, budgets: Tensor, stops: list[int], n: int
+) -> list[list[Completion]]:
+    """Cut each sampled row at its first stop token (kept) or at its budget."""
+    steps = tokens.shape[1]
+    if stops:
+        is_stop = torch.isin(tokens, torch.tensor(stops, dtype=torch.long))
+        # The first stop position, or `steps` when the row has none.
+        first = torch.where(
+            is_stop.any(1), is_stop.long().argmax(1), torch.full_like(budgets, steps)
+        )
+    else:
+        first = torch.full_like(budgets, steps)
+    stopped = first < budgets
+    lengths = torch.where(stopped, first + 1, budgets.clamp(max=steps)).tolist()
+    token_rows, lp_rows = tokens.tolist(), logprobs.tolist()
+    flat = [
+        Completion(token_rows[r][:k], lp_rows[r][:k], "stop" if s else "length")
+        for r, (k, s) in enumerate(zip(lengths, stopped.tolist()))
+    ]
+    return [flat[i : i + n] for i in range(0, len(flat), n)]
 
 
 def shared_prefix_sample(
@@ -203,108 +261,3 @@ def sample_next_token(
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return torch.multinomial(logits.softmax(dim=-1), 1).squeeze(1)
-
-
-def _hf_generate(model, prompts, masks, max_new_tokens, eos_ids, pad_id, do_sample, sampling):
-    if do_sample:
-        top_k = sampling["top_k"] if sampling["top_k"] > 0 else None
-        kwargs = {"do_sample": True, **sampling, "top_k": top_k}
-    else:
-        kwargs = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-    out = model.generate(
-        input_ids=prompts,
-        attention_mask=masks,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=eos_ids,
-        pad_token_id=pad_id,
-        use_cache=True,
-        **kwargs,
-    )
-    return out[:, prompts.shape[1] :]
-
-
-def eos_response_mask(responses: Tensor, eos_ids: list[int] | int) -> Tensor:
-    """[B, Lr] float32 mask: 1 up to and including the first EOS of each row, 0 after.
-
-    A row without EOS (truncated at the length cap) is 1 everywhere.
-    """
-    eos = torch.as_tensor(eos_ids if isinstance(eos_ids, list) else [eos_ids])
-    is_eos = torch.isin(responses, eos.to(responses.device)).long()
-    # Number of EOS strictly before each position: 0 means "not past the first EOS yet".
-    before = is_eos.cumsum(dim=1) - is_eos
-    return (before == 0).to(torch.float32)
-
-
-def decode_responses(
-    tokenizer: PreTrainedTokenizerBase, responses: Tensor, response_mask: Tensor
-) -> list[str]:
-    """The answer text of each response: its model tokens after the last observation, special
-    tokens (EOS) dropped.
-
-    Args:
-        responses: [B, Lr] long. response_mask: [B, Lr] 0/1 — 1 on model tokens; 0 on padding
-            and on tool observations (holes). A row without holes decodes all its masked tokens;
-            a multi-turn row decodes its last run of 1s (the final turn), so a reward sees the
-            final answer, not the tool calls before it (``decode_transcripts`` has the rest).
-    """
-    if responses.shape != response_mask.shape:
-        raise ValueError(
-            f"response_mask: expected shape {tuple(responses.shape)} like responses, "
-            f"got {tuple(response_mask.shape)}"
-        )
-    start, end = final_turn_span(response_mask)
-    rows = [ids[s:e] for ids, s, e in zip(responses.tolist(), start.tolist(), end.tolist())]
-    return tokenizer.batch_decode(rows, skip_special_tokens=True)
-
-
-def final_turn_span(response_mask: Tensor) -> tuple[Tensor, Tensor]:
-    """``(start, end)`` [B] int64: the last run of 1s of each row is ``[start, end)``; a row
-    with no 1 gets ``(0, 0)``. For a mask without holes that is ``(0, Σ mask)``."""
-    trained = response_mask > 0
-    width = response_mask.shape[1]
-    positions = torch.arange(1, width + 1, device=response_mask.device)
-    end = torch.where(trained, positions, 0).amax(dim=1)  # one past the last 1
-    # the last 0 before the end (a hole), + 1; 0 when the row has none
-    hole = (~trained) & (positions[None, :] <= end[:, None])
-    start = torch.where(hole, positions, 0).amax(dim=1)
-    return start.long(), end.long()
-
-
-def decode_transcripts(
-    tokenizer: PreTrainedTokenizerBase, responses: Tensor, attention: Tensor
-) -> list[str]:
-    """The whole response of each row — model turns and observations — with special tokens
-    kept (``<tool_call>``, ``<tool_response>``...). ``attention``: [B, Lr], 1 on real tokens."""
-    lengths = (attention > 0).sum(dim=1).tolist()
-    rows = [ids[:k] for ids, k in zip(responses.tolist(), lengths)]
-    return tokenizer.batch_decode(rows, skip_special_tokens=False)
-
-
-def _devices(t: Tensor) -> list:
-    return [t.device] if t.device.type == "cuda" else []
-
-
-def _check_args(prompt_ids, prompt_mask, n, max_new_tokens, temperature, top_p, top_k) -> None:
-    if not isinstance(prompt_ids, Tensor) or prompt_ids.dim() != 2:
-        raise ValueError(f"prompt_ids: expected a [P, Lp] tensor, got {_describe(prompt_ids)}")
-    if prompt_ids.dtype not in (torch.long, torch.int32):
-        raise TypeError(f"prompt_ids: expected an integer tensor, got dtype {prompt_ids.dtype}")
-    if not isinstance(prompt_mask, Tensor) or prompt_mask.shape != prompt_ids.shape:
-        raise ValueError(
-            f"prompt_mask: expected shape {tuple(prompt_ids.shape)} like prompt_ids, "
-            f"got {_describe(prompt_mask)}"
-        )
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"n: expected an int ≥ 1, got {n!r}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens: expected an int ≥ 1, got {max_new_tokens!r}")
-    if not temperature > 0:
-        raise ValueError(f"temperature: expected > 0, got {temperature!r}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p: expected a float in (0, 1], got {top_p!r}")
-    if not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"top_k: expected an int ≥ 0 (0 = off), got {top_k!r}")
-
-
-def _describe(x) -> str:
-    return f"shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__

@@ -31,7 +31,7 @@ from otbrl.data import get_task, render_prompts
 from otbrl.models import build_tiny_model, eos_token_ids, load_model_and_tokenizer
 from otbrl.rollout import HFRollout, make_agent
 from otbrl.run.evaluate import evaluate_accuracy
-from otbrl.run.files import apply_umask, atomic_write_text
+from otbrl.store.files import apply_umask, atomic_write_text
 from otbrl.tools import resolve_tools
 
 logger = logging.getLogger(__name__)

@@ -1,10 +1,18 @@
-"""The RL loop for 1..N processes, orchestration only: every equation lives in ``ops``/``algos``.
+"""The RL loop for 1..N processes. One step, as ``train_step`` states it::
 
-One step: this rank's prompts → rollout → reward → old statistics (policy: log-probs and
-exactly the stats the estimator and the enabled metrics need, in one forward; reference:
-``ref_log_probs``; critic: ``values``) → advantages via the registry → critic and policy
-updates with the losses built from the config → rollout weights synced → metrics (reduced over
-ranks) → validation → checkpoint.
+    rows     = this rank's share of the next prompts
+    sample   = sample_batch(sampler, rows)          # n responses each, scored, reward placed
+    batch   += each engine's statistics the plan needs, in one forward each
+               (policy: old_log_probs, entropy [, sum_pi_squared]; reference: ref_log_probs;
+                critic: values)
+    weights  = rollout correction (token_tis / seq_mis) of the rollout engine's log-probs
+    rewards  = token_level_scores [− β·KL]; advantages, returns = estimator(batch)
+    critic.update(value loss); policy.update(policy loss); sync the rollout's weights
+    metrics  = step_metrics(batch), averaged over ranks; validate; checkpoint
+
+Orchestration only: every equation lives in ``ops`` / ``algos``, the parts are built by
+``otbrl.run.build`` from the ``Plan`` (``otbrl.run.plan``), persistence is ``otbrl.store`` and
+the metrics log ``otbrl.report``.
 
 Under ``torchrun`` every rank runs this same loop. The ``World`` deals each data-parallel rank
 a contiguous share of the step's prompts; all ``rollout.n`` responses of a prompt are
@@ -19,48 +27,29 @@ import contextlib
 import time
 from pathlib import Path
 
-import torch
 from torch import Tensor
 
-from otbrl.algos import losses
-from otbrl.algos._common import masked_mean
 from otbrl.algos.advantages import compute_advantage
-from otbrl.algos.metrics import explained_variance, otb_metrics
+from otbrl.algos.loss_math import kl_in_reward
+from otbrl.algos.metrics import step_metrics
+from otbrl.algos.reductions import masked_mean
 from otbrl.algos.rollout_correction import rollout_is_weights, rollout_mismatch_metrics
 from otbrl.config import Config, to_dict
-from otbrl.data import PromptDataset, encode_prompts
-from otbrl.engine.engine import Engine, NumericsError
+from otbrl.engine.engine import NumericsError
 from otbrl.engine.world import collective_guard, start_world, teardown_distributed
-from otbrl.models import eos_token_ids, load_model_and_tokenizer, load_value_model
-from otbrl.rewards import score_responses
-from otbrl.rewards.placement import place_scores
-from otbrl.rollout import (
-    SamplingParams,
-    completions_to_batch,
-    decode_responses,
-    decode_transcripts,
-    tool_metrics,
-    transcript_rows,
-    unpad_prompts,
-)
-from otbrl.run import checkpoint
-from otbrl.run.build import (
-    POLICY_STATS,
-    Plan,
-    critic_loss,
-    estimator_options,
-    model_path,
-    policy_loss,
-    seed_everything,
-    step_seed,
-    validate_config,
-)
-from otbrl.run.evaluate import evaluate
-from otbrl.run.outputs import MetricsLogger
-from otbrl.run.plotting import plot_run
-from otbrl.run.rollout_setup import build_agent, build_rollout
-from otbrl.run.rundir import RunDir, claim_run_dir
-from otbrl.tools import tools_for_row
+from otbrl.report.metrics_log import MetricsLogger
+from otbrl.report.plots import plot_run
+from otbrl.rollout import SamplingParams
+from otbrl.run.build import build_run, model_path, scoring
+from otbrl.run.evaluate import validate
+from otbrl.run.plan import Plan, estimator_options, validate_config
+from otbrl.run.sampling import sample_batch
+from otbrl.run.seeds import seed_everything, step_seed
+from otbrl.store import checkpoint
+from otbrl.store.rundir import RunDir, claim_run_dir
+
+# the timing key of each engine's statistics forward
+TIMING = {"policy": "old_stats", "reference": "ref", "critic": "values"}
 
 
 @contextlib.contextmanager
@@ -89,105 +78,168 @@ class Trainer:
             raise
 
     def _build(self, cfg: Config, plan: Plan) -> None:
-        self.cfg = cfg
-        self.plan = plan
-        a = cfg.actor
+        self.cfg, self.plan = cfg, plan
         # Before the process group exists: every rank takes the warm-start cache's lock, the
         # first builds it and the others wait there, not in a collective that would time out.
         path = model_path(cfg)
-        self.world = world = start_world(
-            distributed=plan.distributed,
-            sp=a.ulysses_sequence_parallel_size,
-            tp=a.tensor_parallel_size,
-            timeout_s=cfg.trainer.dist_timeout_s,
-        )
+        self.world = start_world(plan.dims, timeout_s=cfg.trainer.dist_timeout_s)
         seed_everything(cfg.trainer.seed)
         self.output_dir = Path(cfg.trainer.output_dir)
         self.ckpt_root = self.output_dir / "checkpoints"
-        model, self.tokenizer = load_model_and_tokenizer(path, dtype=cfg.model.dtype)
-        self.eos_ids = torch.tensor(eos_token_ids(model, self.tokenizer))
-        train_rows, self.val_rows = plan.train_rows, plan.val_rows
-        self.dataset = PromptDataset(
-            train_rows,
-            self.tokenizer,
-            max_prompt_length=cfg.data.max_prompt_length,
-            batch_size=cfg.data.train_batch_size,
-            seed=cfg.data.seed,
-            tools=plan.tools,
-        )
-        longest = self.dataset.longest_prompt
-        if self.val_rows:
-            val = encode_prompts(self.val_rows, self.tokenizer, 10**9, plan.tools)
-            longest = max(longest, int(val["attention_mask"].sum(dim=1).max()))
-        # before the engine shards the model: an HF rollout on several processes copies it
-        self.rollout = build_rollout(
-            cfg, model, self.tokenizer, world, path, longest + cfg.rollout.max_new_tokens
-        )
-        # multi-turn tool use: the agent loop over that engine (None: single-turn rollouts)
-        self.agent = build_agent(
-            cfg, plan, self.rollout, self.tokenizer, self.eos_ids.tolist(), path
-        )
-        common = {
-            "world": world,
-            "parallelism": plan.engine,
-            "packed": cfg.model.use_remove_padding,
-            "temperature": cfg.rollout.temperature,
-            "seed": cfg.trainer.seed,
-        }
-        sequences = plan.mini_batch_size * cfg.rollout.n
-        self.engines: dict[str, Engine] = {
-            "policy": Engine(
-                model,
-                a,
-                name="policy",
-                fused=a.use_fused_kernels,
-                mini_batch_size=sequences,
-                **common,
-            )
-        }
-        if plan.use_critic:
-            value_model = load_value_model(cfg.critic.model_path or path, dtype=cfg.model.dtype)
-            self.engines["critic"] = Engine(
-                value_model,
-                cfg.critic,
-                name="critic",
-                value=True,
-                mini_batch_size=sequences,
-                **common,
-            )
-        if plan.use_reference:
-            ref_model, _ = load_model_and_tokenizer(path, dtype=cfg.model.dtype)
-            self.reference = Engine(
-                ref_model, None, name="reference", micro_batch_size=a.micro_batch_size, **common
-            )
-        self.policy_loss = policy_loss(cfg)
-        self.critic_loss = critic_loss(cfg) if plan.use_critic else None
+        parts = build_run(cfg, plan, self.world, path)
+        self.tokenizer, self.eos_ids, self.dataset = parts.tokenizer, parts.eos_ids, parts.dataset
+        self.rollout, self.sampler = parts.backend, parts.sampler
+        self.engines, self.reference = parts.engines, parts.reference
+        self.policy_loss, self.critic_loss = parts.policy_loss, parts.critic_loss
+        self.scoring = scoring(cfg, plan)
         self.step = 0
+        self.initial_val: dict[str, float] = {}  # val/* at step 0 (not resumed)
+        self.last_val: dict[str, float] = {}
         self.initial_val_accuracy: float | None = None
         self.last_val_accuracy: float | None = None
-        self.last_val_metrics: dict[str, float] = {}  # val/* beyond the accuracy (tool use)
-        self.initial_val_metrics: dict[str, float] = {}  # the same at step 0 (not resumed)
         # wall time of the steps so far: earlier (resumed) segments + this fit() call's
         self._earlier_wall_seconds = 0.0
         self._fit_start = time.perf_counter()
 
     @property
-    def policy(self) -> Engine:
+    def policy(self):
         return self.engines["policy"]
 
-    # -- checkpoints -----------------------------------------------------------------------------
-    def _resume_path(self) -> Path | None:
-        """The checkpoint ``claim_run_dir`` chose and verified before any model loaded (rank 0
-        decides; the other ranks get its choice)."""
+    # -- one step ---------------------------------------------------------------------------------
+    def sample(self):
+        """This rank's share of the next prompts, ``rollout.n`` responses each, scored."""
+        r = self.cfg.rollout
+        rows = self.world.shard(self.dataset.next_batch())
+        params = SamplingParams(
+            n=r.n,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_tokens=r.max_new_tokens,
+            stop_token_ids=tuple(self.eos_ids),
+            seed=step_seed(self.cfg.trainer.seed, self.step, self.world.dp_rank),
+        )
+        sample = sample_batch(
+            self.sampler,
+            self.tokenizer,
+            rows,
+            params,
+            scoring=self.scoring,
+            max_prompt_length=self.cfg.data.max_prompt_length,
+            uid_offset=self.world.dp_rank * len(rows),  # the global prompt index
+        )
+        self.rollout.sleep()  # frees the backend's memory for training, where supported
+        return sample
+
+    def statistics(self, batch: dict[str, Tensor], timing: dict) -> None:
+        """Each engine's share of the plan's needs, from one forward of the sampled batch."""
+        engines = {**self.engines, "reference": self.reference}
+        for name, key in TIMING.items():
+            outputs = self.plan.outputs(name)
+            if outputs:
+                with _timed(timing, key):
+                    stats = engines[name].compute(batch, outputs)
+                batch.update(self.plan.batch_stats(name, stats))
+
+    def rollout_correction(self, batch: dict[str, Tensor]) -> dict[str, float]:
+        """How far the rollout engine's log-probs are from the trainer's, and (with
+        ``algorithm.rollout_correction``) the importance weights that correct for it: they reach
+        the policy loss and OTB's energy W as ``rollout_is_weights``; ``seq_mis`` drops the
+        sequences outside the band from ``response_mask``."""
+        cfg = self.cfg.algorithm
+        old, rollout, mask = (
+            batch["old_log_probs"],
+            batch["rollout_log_probs"],
+            batch["response_mask"],
+        )
+        metrics = rollout_mismatch_metrics(old, rollout, mask)
+        if cfg.rollout_correction != "none":
+            weights, keep, extra = rollout_is_weights(
+                old, rollout, mask, mode=cfg.rollout_correction, cap=cfg.rollout_is_cap
+            )
+            batch["rollout_is_weights"] = weights
+            batch["response_mask"] = mask * keep
+            metrics.update(extra)
+        return metrics
+
+    def advantage(self, batch: dict[str, Tensor]) -> dict[str, float]:
+        """Token rewards (minus the in-reward KL when on), then the registry's estimator."""
+        cfg = self.cfg.algorithm
+        metrics = {}
+        rewards = batch["token_level_scores"]
+        if cfg.use_kl_in_reward:
+            rewards, kl = kl_in_reward(
+                rewards,
+                batch["old_log_probs"],
+                batch["ref_log_probs"],
+                batch["response_mask"],
+                coef=cfg.kl_coef,
+            )
+            metrics["train/kl_in_reward"] = float(kl)
+        batch["token_level_rewards"] = rewards
+        batch["advantages"], batch["returns"] = compute_advantage(
+            cfg.adv_estimator, **batch, index=batch["uid"], **estimator_options(self.cfg)
+        )
+        metrics["train/advantage_mean"] = float(
+            masked_mean(batch["advantages"], batch["response_mask"])
+        )
+        return metrics
+
+    def train_step(self) -> dict[str, float]:
+        """One full RL step on every rank; returns its metrics (reduced over ranks)."""
+        with collective_guard(f"training step {self.step}"):
+            timing: dict[str, float] = {}
+            start = time.perf_counter()
+            with _timed(timing, "rollout"):
+                sample = self.sample()
+            batch, metrics = sample.batch, dict(sample.metrics)
+            self.statistics(batch, timing)
+            metrics.update(self.rollout_correction(batch))
+            with _timed(timing, "adv"):
+                metrics.update(self.advantage(batch))
+            with _timed(timing, "update"):
+                if self.critic_loss is not None:
+                    metrics.update(self.engines["critic"].update(batch, self.critic_loss))
+                metrics.update(self.policy.update(batch, self.policy_loss))
+                self._sync_rollout_weights()
+            metrics.update(step_metrics(batch, grad_norm=metrics["policy/grad_norm"]))
+            timing["timing/step"] = time.perf_counter() - start
+            metrics["throughput/tokens_per_s"] = (
+                float(batch["attention_mask"].sum()) / timing["timing/step"]
+            )
+            metrics.update(timing)
+            return self.world.mean_metrics(metrics)
+
+    def _sync_rollout_weights(self) -> None:
+        """Stream the trained weights into the rollout backend (collective on several
+        processes; nothing to do when it samples with the training model itself)."""
+        self.rollout.wake_up()
+        self.rollout.sync_weights(self.policy.full_tensors())
+
+    def validate(self, with_tools: bool = True) -> dict[str, float]:
+        """``val/*`` on the validation rows (greedy unless ``trainer.val_greedy=false``), sampled
+        as training samples (through the agent loop when tools are configured, unless
+        ``with_tools`` is false: the same policy answering alone)."""
+        return validate(
+            self.sampler if with_tools else self.rollout,
+            self.tokenizer,
+            self.plan.val_rows,
+            self.cfg,
+            world=self.world,
+            stop_token_ids=self.eos_ids,
+            seed=step_seed(self.cfg.trainer.seed, self.step),
+            scoring=self.scoring,
+        )
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def _resume(self) -> None:
+        """From the checkpoint ``claim_run_dir`` chose and verified before any model loaded
+        (rank 0 decides; the other ranks get its choice)."""
         path = self.run.resume_from if self.world.is_main else None
         path = self.world.broadcast_object(None if path is None else str(path))
-        return None if path is None else Path(path)
-
-    def _resume(self) -> None:
-        path = self._resume_path()
         if path is None:
             return
-        state = checkpoint.load_checkpoint(path, engines=self.engines, verify=False)
+        state = checkpoint.load_checkpoint(Path(path), engines=self.engines, verify=False)
         self._sync_rollout_weights()
         self.step = int(state["step"])
         self.dataset.load_state_dict(state["dataset"])
@@ -220,215 +272,17 @@ class Trainer:
         spent after its last checkpoint is not counted: those steps were redone)."""
         return self._earlier_wall_seconds + time.perf_counter() - self._fit_start
 
-    def _sync_rollout_weights(self) -> None:
-        """Stream the trained weights into the rollout engine (collective on several
-        processes; nothing to do when it samples with the training model itself)."""
-        self.rollout.wake_up()
-        self.rollout.sync_weights(self.policy.full_tensors())
-
-    # -- one step ---------------------------------------------------------------------------------
-    def generate(self) -> tuple[dict[str, Tensor], list[dict]]:
-        """This rank's share of the next prompts, n responses each; (batch, repeated rows)."""
-        cfg = self.cfg
-        rows = self.world.shard(self.dataset.next_batch())
-        enc = encode_prompts(rows, self.tokenizer, cfg.data.max_prompt_length, self.plan.tools)
-        params = SamplingParams(
-            n=cfg.rollout.n,
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-            top_k=cfg.rollout.top_k,
-            max_tokens=cfg.rollout.max_new_tokens,
-            stop_token_ids=tuple(self.eos_ids.tolist()),
-            seed=step_seed(cfg.trainer.seed, self.step, self.world.dp_rank),
-        )
-        prompts = unpad_prompts(enc["input_ids"], enc["attention_mask"])
-        if self.agent is None:
-            completions = self.rollout.generate(prompts, params)
-        else:
-            allowed = [tools_for_row(row, self.plan.tools) for row in rows]
-            completions = self.agent.generate(prompts, params, allowed=allowed)
-        self.rollout.sleep()  # frees the engine's memory for training, where supported
-        batch = completions_to_batch(
-            enc["input_ids"], enc["attention_mask"], completions, pad_id=self.tokenizer.pad_token_id
-        )
-        batch["uid"] = batch["uid"] + self.world.dp_rank * len(rows)  # global prompt index
-        return batch, [row for row in rows for _ in range(cfg.rollout.n)]
-
-    def reward(self, batch: dict[str, Tensor], rows: list[dict]) -> dict[str, float]:
-        """Score decoded responses (a multi-turn one on its final turn, its whole transcript in
-        ``extra_info``); the scalar reward sits on the last trained token."""
-        mask = batch["response_mask"]
-        texts = decode_responses(self.tokenizer, batch["responses"], mask)
-        multi_turn = "num_turns" in batch
-        if multi_turn:
-            attention = batch["attention_mask"][:, batch["prompts"].shape[1] :]
-            transcripts = decode_transcripts(self.tokenizer, batch["responses"], attention)
-            rows = transcript_rows(rows, transcripts, batch)
-        scores, info = score_responses(
-            texts,
-            rows,
-            function=self.plan.reward_fn,
-            on_error=self.cfg.reward.on_error,
-            timeout_s=self.cfg.reward.timeout_s,
-        )
-        score = torch.tensor(scores, dtype=torch.float32)
-        batch["token_level_scores"] = place_scores(score, mask)
-        metrics = {
-            "train/reward_mean": float(score.mean()),
-            "train/reward_max": float(score.max()),
-            "train/response_length_mean": float(mask.sum(dim=1).mean()),
-            # truncated = ended at the length cap without a stop token
-            "train/response_clip_ratio": float(batch["truncated"].float().mean()),
-        }
-        metrics.update({k: float(v) for k, v in info.items()})
-        if multi_turn:
-            metrics.update(tool_metrics(batch))
-        return metrics
-
-    def old_stats(self, batch: dict[str, Tensor], timing: dict) -> None:
-        """The statistics of the sampling-time models, each from the engine that provides it."""
-        with _timed(timing, "old_stats"):
-            stats = self.policy.compute(batch, self.plan.policy_outputs)
-            batch.update({key: stats[out] for key, out in POLICY_STATS.items() if out in stats})
-        if self.plan.use_reference:
-            with _timed(timing, "ref"):
-                batch["ref_log_probs"] = self.reference.compute(batch, frozenset({"log_probs"}))[
-                    "log_probs"
-                ]
-        if self.plan.use_critic:
-            with _timed(timing, "values"):
-                batch["values"] = self.engines["critic"].compute(batch, frozenset({"values"}))[
-                    "values"
-                ]
-
-    def rollout_correction(self, batch: dict[str, Tensor]) -> dict[str, float]:
-        """How far the rollout engine's log-probs are from the trainer's, and (when
-        ``algorithm.rollout_correction`` is on) the importance weights that correct for it: they
-        reach the policy loss and OTB's energy W as ``rollout_is_weights``; ``seq_mis`` drops the
-        sequences outside the band from ``response_mask``."""
-        cfg = self.cfg.algorithm
-        old, rollout, mask = (
-            batch["old_log_probs"],
-            batch["rollout_log_probs"],
-            batch["response_mask"],
-        )
-        metrics = rollout_mismatch_metrics(old, rollout, mask)
-        if cfg.rollout_correction != "none":
-            weights, keep, extra = rollout_is_weights(
-                old, rollout, mask, mode=cfg.rollout_correction, cap=cfg.rollout_is_cap
-            )
-            batch["rollout_is_weights"] = weights
-            batch["response_mask"] = mask * keep
-            metrics.update(extra)
-        return metrics
-
-    def advantage(self, batch: dict[str, Tensor]) -> dict[str, float]:
-        """Token rewards (minus the in-reward KL when on), then the registry's estimator."""
-        cfg = self.cfg.algorithm
-        metrics = {}
-        rewards = batch["token_level_scores"]
-        if cfg.use_kl_in_reward:
-            rewards, kl = losses.kl_in_reward(
-                rewards,
-                batch["old_log_probs"],
-                batch["ref_log_probs"],
-                batch["response_mask"],
-                coef=cfg.kl_coef,
-            )
-            metrics["train/kl_in_reward"] = float(kl)
-        batch["token_level_rewards"] = rewards
-        batch["advantages"], batch["returns"] = compute_advantage(
-            cfg.adv_estimator, **batch, index=batch["uid"], **estimator_options(self.cfg)
-        )
-        metrics["train/advantage_mean"] = float(
-            masked_mean(batch["advantages"], batch["response_mask"])
-        )
-        return metrics
-
-    def train_step(self) -> dict[str, float]:
-        """One full RL step on every rank; returns its metrics (reduced over ranks)."""
-        with collective_guard(f"training step {self.step}"):
-            timing: dict[str, float] = {}
-            start = time.perf_counter()
-            with _timed(timing, "rollout"):
-                batch, rows = self.generate()
-            with _timed(timing, "reward"):
-                metrics = self.reward(batch, rows)
-            self.old_stats(batch, timing)
-            metrics.update(self.rollout_correction(batch))
-            with _timed(timing, "adv"):
-                metrics.update(self.advantage(batch))
-            with _timed(timing, "update"):
-                if self.critic_loss is not None:
-                    metrics.update(self.engines["critic"].update(batch, self.critic_loss))
-                metrics.update(self.policy.update(batch, self.policy_loss))
-                self._sync_rollout_weights()
-            metrics.update(self._batch_metrics(batch, metrics))
-            timing["timing/step"] = time.perf_counter() - start
-            tokens = float(batch["attention_mask"].sum())
-            metrics["throughput/tokens_per_s"] = tokens / timing["timing/step"]
-            metrics.update(timing)
-            return self.world.mean_metrics(metrics)
-
-    def _batch_metrics(self, batch: dict[str, Tensor], metrics: dict) -> dict[str, float]:
-        mask = batch["response_mask"]
-        out = {"policy/entropy_mean": float(masked_mean(batch["entropy"], mask))}
-        if "sum_pi_squared" in batch:
-            out["policy/sum_pi_squared_mean"] = float(masked_mean(batch["sum_pi_squared"], mask))
-            # the update's mean pre-clip grad norm stands in for the batch-gradient norm
-            extra = otb_metrics(
-                batch["advantages"],
-                mask,
-                batch["uid"],
-                batch["old_log_probs"],
-                batch["sum_pi_squared"],
-                grad_norm=metrics["policy/grad_norm"],
-            )
-            out.update({k: float(v) for k, v in extra.items()})
-        if "values" in batch:
-            out["critic/values_mean"] = float(masked_mean(batch["values"], mask))
-            out["critic/returns_mean"] = float(masked_mean(batch["returns"], mask))
-            ev = explained_variance(batch["values"], batch["returns"], mask)
-            out["critic/explained_variance"] = float(ev)
-        return out
-
-    def validate(self, with_tools: bool = True) -> float:
-        """Accuracy on the validation rows (greedy unless ``trainer.val_greedy=false``); each
-        rank scores its share with the rollout engine (through the agent loop when tools are
-        configured, unless ``with_tools`` is false: the same policy answering alone)."""
-        cfg = self.cfg
-        rows = self.val_rows[self.world.rank :: self.world.size]
-        accuracy = rate = 0.0
-        agent = self.agent if with_tools else None
-        if rows:
-            result = evaluate(
-                agent or self.rollout,
-                self.tokenizer,
-                rows,
-                stop_token_ids=self.eos_ids.tolist(),
-                max_new_tokens=cfg.rollout.max_new_tokens,
-                greedy=cfg.trainer.val_greedy,
-                temperature=cfg.trainer.val_temperature,
-                batch_size=cfg.trainer.val_batch_size,
-                seed=step_seed(cfg.trainer.seed, self.step),
-                function=self.plan.reward_fn,
-                timeout_s=cfg.reward.timeout_s,
-            )
-            accuracy, rate = result["accuracy"], result.get("tool_call_rate", 0.0)
-        total, called, count = self.world.sum([accuracy * len(rows), rate * len(rows), len(rows)])
-        if agent is not None:
-            self.last_val_metrics = {"val/tool_call_rate": called / max(count, 1.0)}
-        return total / max(count, 1.0)
-
-    def _tool_summary(self) -> dict:
-        """The tool-call rates at the start and end, and the final policy's accuracy with the
-        tools taken away (what the tools are worth to it)."""
-        out = {
-            "initial_val_tool_call_rate": self.initial_val_metrics.get("val/tool_call_rate"),
-            "final_val_tool_call_rate": self.last_val_metrics.get("val/tool_call_rate"),
-        }
-        out["final_val_accuracy_without_tools"] = self.validate(with_tools=False)
-        return out
+    def _check_skipped_steps(self) -> None:
+        """A run whose every update is skipped (non-finite gradients) learns nothing: stop."""
+        limit = self.cfg.trainer.max_skipped_steps
+        for name, engine in self.engines.items():
+            if engine.skipped_in_a_row > limit:
+                raise NumericsError(
+                    f"{name}: the last {engine.skipped_in_a_row} optimizer steps were all "
+                    f"skipped (non-finite gradients; see {name}/grad_norm in metrics.jsonl), "
+                    f"more than trainer.max_skipped_steps={limit}: stopping at step "
+                    f"{self.step} without saving it"
+                )
 
     # -- the loop ---------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -446,18 +300,6 @@ class Trainer:
                 teardown_distributed()
             self.run.release()
 
-    def _check_skipped_steps(self) -> None:
-        """A run whose every update is skipped (non-finite gradients) learns nothing: stop."""
-        limit = self.cfg.trainer.max_skipped_steps
-        for name, engine in self.engines.items():
-            if engine.skipped_in_a_row > limit:
-                raise NumericsError(
-                    f"{name}: the last {engine.skipped_in_a_row} optimizer steps were all "
-                    f"skipped (non-finite gradients; see {name}/grad_norm in metrics.jsonl), "
-                    f"more than trainer.max_skipped_steps={limit}: stopping at step "
-                    f"{self.step} without saving it"
-                )
-
     def _fit(self) -> dict:
         cfg = self.cfg.trainer
         self._fit_start = time.perf_counter()
@@ -472,13 +314,13 @@ class Trainer:
                 initial_step=self.step,
             )
         log = logger.log if logger is not None else (lambda step, metrics: None)
-        validating = cfg.val_every > 0 and bool(self.val_rows)
+        validating = cfg.val_every > 0 and bool(self.plan.val_rows)
         summary: dict = {}
         try:
             if validating and self.step == 0:
-                self.initial_val_accuracy = self.last_val_accuracy = self.validate()
-                self.initial_val_metrics = dict(self.last_val_metrics)
-                log(0, {"val/accuracy": self.initial_val_accuracy, **self.last_val_metrics})
+                self.initial_val = self.last_val = self.validate()
+                self.initial_val_accuracy = self.last_val_accuracy = self.last_val["val/accuracy"]
+                log(0, dict(self.last_val))
             while self.step < cfg.total_steps:
                 self.step += 1
                 metrics = self.train_step()
@@ -488,9 +330,9 @@ class Trainer:
                 last = self.step == cfg.total_steps or out_of_time
                 if validating and (self.step % cfg.val_every == 0 or last):
                     start = time.perf_counter()
-                    self.last_val_accuracy = self.validate()
-                    metrics["val/accuracy"] = self.last_val_accuracy
-                    metrics.update(self.last_val_metrics)
+                    self.last_val = self.validate()
+                    self.last_val_accuracy = self.last_val["val/accuracy"]
+                    metrics.update(self.last_val)
                     metrics["timing/val"] = time.perf_counter() - start
                 log(self.step, metrics)
                 self._check_skipped_steps()
@@ -508,7 +350,7 @@ class Trainer:
                 "segment_wall_seconds": segment,
                 "adv_estimator": self.cfg.algorithm.adv_estimator,
             }
-            if validating and self.agent is not None:
+            if validating and self.plan.tools:
                 final.update(self._tool_summary())
             if logger is not None:
                 summary = logger.summary(final)
@@ -518,3 +360,12 @@ class Trainer:
         if self.world.is_main:
             plot_run(self.output_dir)
         return summary
+
+    def _tool_summary(self) -> dict:
+        """The tool-call rates at the start and end, and the final policy's accuracy with the
+        tools taken away (what the tools are worth to it)."""
+        return {
+            "initial_val_tool_call_rate": self.initial_val.get("val/tool_call_rate"),
+            "final_val_tool_call_rate": self.last_val.get("val/tool_call_rate"),
+            "final_val_accuracy_without_tools": self.validate(with_tools=False)["val/accuracy"],
+        }

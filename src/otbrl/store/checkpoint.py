@@ -48,10 +48,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from otbrl.run.files import apply_umask, fsync_dir, fsync_tree, make_temp_dir
-from otbrl.run.integrity import IntegrityError, file_manifest, verify_manifest
-from otbrl.run.outputs import to_plain_dict
-from otbrl.run.state_codec import _decode, _encode, capture_rng_state, restore_rng_state
+from otbrl.store.files import apply_umask, fsync_dir, fsync_tree, make_temp_dir
+from otbrl.store.integrity import IntegrityError, file_manifest, verify_manifest
+from otbrl.store.plain import to_plain_dict
+from otbrl.store.state_codec import capture_rng_state, decode_state, encode_state, restore_rng_state
 
 __all__ = [
     "IntegrityError",
@@ -156,7 +156,7 @@ def save_checkpoint(
             optimizers[name], state["engines"][name]["param_groups"] = _optimizer_tensors(engine)
     tensors: dict[str, torch.Tensor] = {}
     # Encode first: a bad trainer_state fails before anything touches the disk.
-    state_json = json.dumps(_encode(state, tensors, "trainer_state"))
+    state_json = json.dumps(encode_state(state, tensors, "trainer_state"))
     if world.is_main:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(f"{_TMP_PREFIX}*"):
@@ -361,7 +361,7 @@ def load_checkpoint(
         _read_marker(ckpt)
     state_dir = ckpt / STATE_DIR
     tensors = load_file(state_dir / "trainer_state.safetensors")
-    state = _decode(json.loads((state_dir / "trainer_state.json").read_text()), tensors)
+    state = decode_state(json.loads((state_dir / "trainer_state.json").read_text()), tensors)
     for name, engine in engines.items():
         if name not in state["engines"]:
             raise ValueError(f"checkpoint: {ckpt} holds no {name!r} engine")

@@ -6,13 +6,12 @@ k drops the lines with ``step > k`` (they belong to steps the resumed run will r
 the file of a resumed run equal to the file of an uninterrupted one.
 
 This module holds the metrics log and the summary; the atomic-write helpers every writer
-uses (temp file in the same folder, fsync, rename) live in :mod:`otbrl.run.files`. It imports
+uses (temp file in the same folder, fsync, rename) live in :mod:`otbrl.store.files`. It imports
 no torch, so tools that only read runs start fast.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import importlib.util
 import json
@@ -26,13 +25,12 @@ from typing import Any, TextIO
 
 from tqdm.auto import tqdm
 
-from otbrl.run.files import atomic_write_text
+from otbrl.store.files import METRICS_FILE, SUMMARY_FILE, atomic_write_text
+from otbrl.store.plain import json_safe, to_number, to_plain_dict
 
 BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
 # backend -> (module that must be importable, pip extra that provides it)
 _OPTIONAL = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
-METRICS_FILE = "metrics.jsonl"
-SUMMARY_FILE = "summary.json"
 
 # (metrics key, short label): shown on the progress bar when present; one line, so only a few.
 _BAR_KEYS = (
@@ -48,45 +46,6 @@ _SUMMARY_KEYS = (
     ("policy/sum_pi_squared_mean", "last Σπ²"),
     ("policy/grad_norm", "last grad norm"),
 )
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    return str(value)  # paths, enums: a config file must hold plain values only
-
-
-def to_plain_dict(config: Any) -> dict[str, Any]:
-    """A resolved config (dict, dataclass instance or OmegaConf node) as plain nested dicts."""
-    if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        return _plain(dataclasses.asdict(config))
-    if type(config).__module__.startswith("omegaconf"):
-        from omegaconf import OmegaConf
-
-        return _plain(OmegaConf.to_container(config, resolve=True))
-    if isinstance(config, Mapping):
-        return _plain(config)
-    raise TypeError(
-        f"config: expected a dict, dataclass or OmegaConf config, got {type(config).__name__}"
-    )
-
-
-def json_safe(value: Any) -> Any:
-    """A JSON-ready copy: NaN/inf -> None (JSON has neither), tensors and NumPy scalars ->
-    numbers, tuples -> lists, keys -> str."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, Mapping):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [json_safe(v) for v in value]
-    if hasattr(value, "item") and callable(value.item):  # tensors, NumPy scalars
-        return json_safe(_to_number("final", value))
-    return value
 
 
 def check_backends(backends: Iterable[str]) -> tuple[str, ...]:
@@ -144,24 +103,6 @@ def _parse_lines(data: bytes) -> tuple[list[dict[str, Any]], int]:
         else:
             bad += 1
     return records, bad
-
-
-def _to_number(key: str, value: Any) -> int | float:
-    # Duck-typed so this module stays importable without torch (a cheap import for tools).
-    if hasattr(value, "numel") and callable(value.numel):  # torch.Tensor
-        if value.numel() != 1:
-            raise TypeError(
-                f"metrics[{key!r}]: expected a number or a one-element tensor, "
-                f"got a tensor of shape {tuple(value.shape)}"
-            )
-        value = value.item()
-    elif hasattr(value, "item") and callable(value.item):  # numpy scalars
-        value = value.item()
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, int | float):
-        return value
-    raise TypeError(f"metrics[{key!r}]: expected a number, got {type(value).__name__}")
 
 
 def _format_duration(seconds: float) -> str:
@@ -321,7 +262,7 @@ class MetricsLogger:
                 raise ValueError(
                     f"metrics: keys must be non-empty str other than 'step', got {key!r}"
                 )
-            number = _to_number(key, value)
+            number = to_number(key, value)
             if isinstance(number, float) and not math.isfinite(number):
                 if key not in self.nonfinite_counts:
                     warnings.warn(

@@ -39,9 +39,8 @@ from typing import Any, TextIO
 
 import otbrl
 from otbrl.config import Config, ConfigError, to_dict
-from otbrl.run import checkpoint
-from otbrl.run.files import atomic_write_text
-from otbrl.run.outputs import METRICS_FILE, SUMMARY_FILE
+from otbrl.store import checkpoint
+from otbrl.store.files import METRICS_FILE, SUMMARY_FILE, atomic_write_text
 
 MANIFEST = "run.json"
 LOCK = "run.lock"

@@ -13,6 +13,10 @@ import os
 import secrets
 from pathlib import Path
 
+# the run directory's log files (written by otbrl.report, named by otbrl.store.rundir)
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+
 
 def make_temp_dir(parent: str | Path, prefix: str) -> Path:
     """A new, uniquely named directory ``<parent>/<prefix><random>``, with the permissions the

@@ -13,7 +13,7 @@ additive the same way (token fractions are divided by ``norms.num_tokens``, loss
 shares): summing the values of all micro-batches on all ranks gives the mini-batch's, for
 every ``loss_agg_mode``. Metrics are detached 0-dim tensors.
 
-The math lives in :mod:`otbrl.algos.token_losses`; its functions are re-exported here.
+The per-token math the terms call lives in :mod:`otbrl.algos.loss_math` (pure functions).
 """
 
 from __future__ import annotations
@@ -27,31 +27,21 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from otbrl.algos._common import masked_sum
-from otbrl.algos.token_losses import (
-    K3_CLAMP,
+from otbrl.algos.loss_math import (
     KL_KINDS,
-    LOG_RATIO_CLAMP,
     LOSS_AGG_MODES,
     Normalizers,
-    _at_least_one,
-    _check_clip,
-    _ppo_token_loss,
-    _value_token_loss,
     agg_loss,
-    entropy_bonus,
-    kl_in_reward,
+    at_least_one,
+    check_clip,
     kl_penalty,
-    loss_normalizers,
-    ppo_policy_loss,
-    value_loss,
+    ppo_token_loss,
+    value_token_loss,
 )
+from otbrl.algos.reductions import masked_sum
 
 __all__ = [
-    "K3_CLAMP", "KL_KINDS", "LOG_RATIO_CLAMP", "LOSSES", "LOSS_AGG_MODES", "Loss", "LossTerm",
-    "Normalizers", "SumOfTerms", "agg_loss", "build_loss", "build_value_loss", "entropy_bonus",
-    "kl_in_reward", "kl_penalty", "loss_normalizers", "ppo_policy_loss", "register_loss",
-    "value_loss",
+    "LOSSES", "Loss", "LossTerm", "SumOfTerms", "build_loss", "build_value_loss", "register_loss",
 ]  # fmt: skip
 
 FORWARD_OUTPUTS = frozenset({"log_probs", "entropy", "values"})
@@ -121,7 +111,7 @@ def _norm_kwargs(norms: Normalizers, loss_agg_mode: str, horizon: int | None) ->
 
 def _token_share(x: Tensor, mask: Tensor, norms: Normalizers) -> Tensor:
     """Σ x·m / num_tokens of the mini-batch: additive over micro-batches and ranks."""
-    return (masked_sum(x.float(), mask) / _at_least_one(norms.num_tokens)).detach()
+    return (masked_sum(x.float(), mask) / at_least_one(norms.num_tokens)).detach()
 
 
 @register_loss(
@@ -137,7 +127,7 @@ def ppo_clip_term(
     when the batch holds them. Metrics: ``policy/pg_loss``, ``policy/clip_frac``,
     ``policy/clip_frac_lower`` (with dual clip), ``policy/approx_kl``."""
     m = batch["response_mask"]
-    loss, clipped, dual, log_ratio = _ppo_token_loss(
+    loss, clipped, dual, log_ratio = ppo_token_loss(
         out["log_probs"], batch["old_log_probs"], batch["advantages"], m != 0, clip_ratio_low,
         clip_ratio_high, clip_ratio_c, batch.get("rollout_is_weights", None),
     )  # fmt: skip
@@ -174,7 +164,7 @@ def value_term(out, batch, norms, *, cliprange_value, loss_agg_mode, horizon):
     """The clipped critic loss (:func:`value_loss`; ``batch["values"]`` are the old values).
     Metrics: ``critic/value_loss``, ``critic/vf_clip_frac``, ``critic/values_mean``."""
     m = batch["response_mask"]
-    loss, clipped = _value_token_loss(
+    loss, clipped = value_token_loss(
         out["values"], batch["values"], batch["returns"], m != 0, cliprange_value
     )
     total = agg_loss(loss, m, **_norm_kwargs(norms, loss_agg_mode, horizon))
@@ -278,7 +268,7 @@ def build_loss(
         if clip_ratio_c is None
         else _number("clip_ratio_c", clip_ratio_c, minimum=1.0, strict=True)
     )
-    _check_clip(low, high, c)
+    check_clip(low, high, c)
     entropy_coeff = _number("entropy_coeff", entropy_coeff)
     kl_loss_coef = _number("kl_loss_coef", kl_loss_coef)
     if kl_loss_type not in KL_KINDS:

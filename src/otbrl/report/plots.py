@@ -15,8 +15,8 @@ from typing import Any, NamedTuple
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from otbrl.run.files import atomic_write_bytes
-from otbrl.run.outputs import SUMMARY_FILE, read_metrics
+from otbrl.report.metrics_log import read_metrics
+from otbrl.store.files import SUMMARY_FILE, atomic_write_bytes
 
 # (metrics key, panel title, smooth?) in panel order; a key no run logged gets no panel.
 PANELS = (

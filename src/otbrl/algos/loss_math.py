@@ -1,6 +1,6 @@
 """The loss math: policy (PPO), entropy, KL and value losses over ``[B, L]`` token tensors.
 
-Pure functions; :mod:`otbrl.algos.losses` registers them as loss terms and re-exports them.
+Pure functions; :mod:`otbrl.algos.loss_terms` registers them as loss terms and re-exports them.
 
 Gradient accumulation: a mini-batch is often split into micro-batches (and data-parallel
 ranks) whose losses are backpropagated one by one. For the sum of those losses to equal the
@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from otbrl.algos._common import check_tensor, masked_mean, masked_sum
+from otbrl.algos.reductions import check_tensor, masked_mean, masked_sum
 
 LOSS_AGG_MODES = (
     "token-mean",
@@ -68,7 +68,7 @@ def loss_normalizers(response_mask: Tensor) -> Normalizers:
     return Normalizers(m.sum(), (m.sum(-1) > 0).sum().to(torch.float32))
 
 
-def _at_least_one(n: Tensor | float) -> Tensor | float:
+def at_least_one(n: Tensor | float) -> Tensor | float:
     # An all-padding batch has loss 0 (not NaN); the numerator is 0 then too.
     return n.clamp(min=1.0) if isinstance(n, Tensor) else max(float(n), 1.0)
 
@@ -103,16 +103,16 @@ def agg_loss(
         num_tokens = local.num_tokens if num_tokens is None else num_tokens
         num_seqs = local.num_seqs if num_seqs is None else num_seqs
     if loss_agg_mode == "token-mean":
-        return masked_sum(values, m) / _at_least_one(num_tokens)
+        return masked_sum(values, m) / at_least_one(num_tokens)
     if loss_agg_mode == "seq-mean-token-sum":
-        return masked_sum(values, m) / _at_least_one(num_seqs)
+        return masked_sum(values, m) / at_least_one(num_seqs)
     if loss_agg_mode == "seq-mean-token-mean":
         per_seq = masked_sum(values, m, dim=-1) / m.sum(-1).clamp(min=1.0)
-        return per_seq.sum() / _at_least_one(num_seqs)
+        return per_seq.sum() / at_least_one(num_seqs)
     horizon = values.shape[-1] if horizon is None else horizon
     if horizon <= 0:
         raise ValueError(f"horizon must be a positive int, got {horizon}")
-    return masked_sum(values, m) / (horizon * _at_least_one(num_seqs))
+    return masked_sum(values, m) / (horizon * at_least_one(num_seqs))
 
 
 def _kl_estimate(log_ratio: Tensor, kind: str) -> Tensor:
@@ -177,7 +177,7 @@ def kl_in_reward(
         return token_level_scores - coef * kl, masked_mean(kl, m)
 
 
-def _ppo_token_loss(
+def ppo_token_loss(
     log_probs, old_log_probs, advantages, keep, low, high, c, rollout_is_weights
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per-token PPO loss ``[B, L]`` and the tokens where the clip / the dual clip is active
@@ -203,7 +203,7 @@ def _ppo_token_loss(
     return loss, is_clipped, dual, log_ratio
 
 
-def _check_clip(clip_ratio_low, clip_ratio_high, clip_ratio_c) -> None:
+def check_clip(clip_ratio_low, clip_ratio_high, clip_ratio_c) -> None:
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1.0 (or None), got {clip_ratio_c}")
     if clip_ratio_low < 0 or clip_ratio_high < 0:
@@ -243,8 +243,8 @@ def ppo_policy_loss(
     old_log_probs = check_tensor("old_log_probs", old_log_probs, shape)
     advantages = check_tensor("advantages", advantages, shape)
     m = check_tensor("response_mask", response_mask, shape)
-    _check_clip(clip_ratio_low, clip_ratio_high, clip_ratio_c)
-    loss, clipped, dual, log_ratio = _ppo_token_loss(
+    check_clip(clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    loss, clipped, dual, log_ratio = ppo_token_loss(
         log_probs, old_log_probs, advantages, m != 0, clip_ratio_low, clip_ratio_high,
         clip_ratio_c, rollout_is_weights,
     )  # fmt: skip
@@ -272,7 +272,7 @@ def entropy_bonus(
     return -coef * agg_loss(entropy, response_mask, loss_agg_mode, **normalizers)
 
 
-def _value_token_loss(values, old_values, returns, keep, clip_range) -> tuple[Tensor, Tensor]:
+def value_token_loss(values, old_values, returns, keep, clip_range) -> tuple[Tensor, Tensor]:
     """Per-token clipped value loss ``[B, L]`` and the tokens whose clipped error is the one
     used (bool ``[B, L]``). V_clip is V itself wherever |V − V_old| ≤ c, so the clipped error
     can only be the larger one where the value really was clipped."""
@@ -310,6 +310,6 @@ def value_loss(
     old_values = check_tensor("old_values", old_values, shape)
     returns = check_tensor("returns", returns, shape)
     m = check_tensor("response_mask", response_mask, shape)
-    loss, clipped = _value_token_loss(values, old_values, returns, m != 0, clip_range)
+    loss, clipped = value_token_loss(values, old_values, returns, m != 0, clip_range)
     total = agg_loss(loss, m, loss_agg_mode, **normalizers)
     return total, {"vf_clip_frac": masked_mean(clipped.float(), m).detach()}

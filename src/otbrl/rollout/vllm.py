@@ -39,7 +39,7 @@ import logging
 import os
 import random
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from otbrl.rollout.base import Completion, SamplingParams, check_generate_args
+from otbrl.rollout.protocol import Completion, SamplingParams, check_generate_args
 
 INSTALL_HINT = (
     "pip install -e '.[vllm]' && pip uninstall -y torchvision torchaudio torchcodec  "
@@ -88,6 +88,7 @@ class VLLMRollout:
     """
 
     name = "vllm"
+    tools = None  # a backend renders no tools (the agent loop over it does)
 
     def __init__(
         self,
@@ -197,8 +198,10 @@ class VLLMRollout:
         params: SamplingParams,
         *,
         max_tokens: Sequence[int] | None = None,
+        rows: Sequence[Mapping] | None = None,
     ) -> list[list[Completion]]:
-        """``result[i][j]`` = sample j of prompt i; see ``RolloutEngine.generate``.
+        """``result[i][j]`` = sample j of prompt i; see ``Sampler.generate`` (``rows`` unused: a
+        backend samples from the token ids alone).
 
         A prompt plus its budget longer than ``max_model_len``, or a token id outside the
         model's vocabulary, is a ``ValueError`` before anything reaches the engine.

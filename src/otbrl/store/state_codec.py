@@ -41,7 +41,7 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
 # trainer_state <-> JSON + safetensors
 
 
-def _encode(value: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
+def encode_state(value: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
     """JSON-ready copy of ``value``; tensors and arrays move to ``tensors`` by reference."""
     if value is None or isinstance(value, bool | int | float | str):
         return value
@@ -58,15 +58,17 @@ def _encode(value: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, tuple):
-        return {"__tuple__": [_encode(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]}
+        return {
+            "__tuple__": [encode_state(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]
+        }
     if isinstance(value, list):
-        return [_encode(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [encode_state(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, Mapping):
         if all(isinstance(k, str) for k in value) and not any(k.startswith("__") for k in value):
-            return {k: _encode(v, tensors, f"{where}[{k!r}]") for k, v in value.items()}
+            return {k: encode_state(v, tensors, f"{where}[{k!r}]") for k, v in value.items()}
         return {
             "__items__": [
-                [_encode(k, tensors, where), _encode(v, tensors, f"{where}[{k!r}]")]
+                [encode_state(k, tensors, where), encode_state(v, tensors, f"{where}[{k!r}]")]
                 for k, v in value.items()
             ]
         }
@@ -76,9 +78,9 @@ def _encode(value: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
     )
 
 
-def _decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+def decode_state(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     if isinstance(value, list):
-        return [_decode(v, tensors) for v in value]
+        return [decode_state(v, tensors) for v in value]
     if not isinstance(value, dict):
         return value
     if "__tensor__" in value:
@@ -86,7 +88,7 @@ def _decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     if "__ndarray__" in value:
         return tensors[value["__ndarray__"]].numpy().astype(np.dtype(value["dtype"]))
     if "__tuple__" in value:
-        return tuple(_decode(v, tensors) for v in value["__tuple__"])
+        return tuple(decode_state(v, tensors) for v in value["__tuple__"])
     if "__items__" in value:
-        return {_decode(k, tensors): _decode(v, tensors) for k, v in value["__items__"]}
-    return {k: _decode(v, tensors) for k, v in value.items()}
+        return {decode_state(k, tensors): decode_state(v, tensors) for k, v in value["__items__"]}
+    return {k: decode_state(v, tensors) for k, v in value.items()}

@@ -1,0 +1,122 @@
+"""The one sampling step: data rows in, a scored batch out.
+
+    rows ──encode (chat template, the sampler's tools)──▶ prompt ids ──sampler.generate──▶
+    completions ──completions_to_batch──▶ batch ──decode──▶ texts ──score──▶ rewards placed on
+    the last trained token
+
+The trainer, validation (``otbrl.run.evaluate``) and the research tools (``otbrl variance``)
+all sample through ``sample_batch``, so what they measure is the batch the trainer trains on.
+The sampler is a rollout backend or the agent loop over one (``otbrl.rollout.Sampler``): the
+agent loop reads each row's tools itself, so nothing here branches on which it is. The step
+holds no state: everything it uses comes in as arguments, so a background worker can run it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from otbrl.algos.metrics import sample_metrics
+from otbrl.data import encode_prompts
+from otbrl.rewards import score_responses
+from otbrl.rewards.placement import place_scores
+from otbrl.rollout import (
+    Sampler,
+    SamplingParams,
+    completions_to_batch,
+    decode_responses,
+    decode_transcripts,
+    tool_metrics,
+    transcript_rows,
+    unpad_prompts,
+)
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """How responses are scored (``otbrl.rewards.score_responses``): ``function`` (None: the
+    built-in reward of each row's ``data_source``), ``on_error`` (``"raise"`` | ``"zero"``) and
+    ``timeout_s`` per call (None: no limit)."""
+
+    function: Callable | None = None
+    on_error: str = "raise"
+    timeout_s: float | None = None
+
+
+class Sample(NamedTuple):
+    """One sampled, scored batch.
+
+    ``batch``: the batch contract (``prompts``, ``responses``, ``response_mask``,
+    ``rollout_log_probs``, ``input_ids``, ``attention_mask``, ``position_ids``, ``uid``,
+    ``truncated``, multi-turn ``num_turns`` / ``tool_calls`` / ``tool_errors``) plus
+    ``token_level_scores`` [B, Lr] (the scalar reward on the last trained token). ``rows``: [B]
+    the data row of each sample as the reward saw it (multi-turn: with its transcript in
+    ``extra_info``). ``scores``: [B] the rewards as the reward function returned them (Python
+    floats: an accuracy sums them unrounded). ``metrics``: ``train/reward_*``, response length
+    and clip ratio, ``reward/errors`` / ``reward/timeouts`` and, multi-turn, the ``tool/*`` set.
+    """
+
+    batch: dict[str, Tensor]
+    rows: list[dict]
+    scores: list[float]
+    metrics: dict[str, float]
+
+
+def pad_id(tokenizer) -> int:
+    """The id that pads prompts and responses: the tokenizer's pad token, else its EOS."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def sample_batch(
+    sampler: Sampler,
+    tokenizer,
+    rows: Sequence[dict],
+    params: SamplingParams,
+    *,
+    scoring: Scoring | None = None,
+    max_prompt_length: int = 10**9,
+    uid_offset: int = 0,
+) -> Sample:
+    """Sample ``params.n`` responses for each of ``rows`` [P] and score them; B = P · n rows,
+    those of a prompt adjacent with one ``uid`` (the prompt's index + ``uid_offset``: the
+    global index when ``rows`` is one data-parallel rank's share).
+
+    A prompt longer than ``max_prompt_length`` tokens is a ``ValueError`` naming its row. A
+    multi-turn response is scored on its final turn (the model tokens after the last
+    observation), its whole transcript in ``extra_info``. ``scoring`` None: ``Scoring()``.
+    """
+    rows = list(rows)
+    scoring = scoring or Scoring()
+    enc = encode_prompts(rows, tokenizer, max_prompt_length, sampler.tools)
+    prompts = unpad_prompts(enc["input_ids"], enc["attention_mask"])
+    completions = sampler.generate(prompts, params, rows=rows)
+    batch = completions_to_batch(
+        enc["input_ids"], enc["attention_mask"], completions, pad_id=pad_id(tokenizer)
+    )
+    batch["uid"] = batch["uid"] + uid_offset
+    mask = batch["response_mask"]
+    repeated = [row for row in rows for _ in range(params.n)]
+    texts = decode_responses(tokenizer, batch["responses"], mask)
+    multi_turn = "num_turns" in batch
+    if multi_turn:
+        attention = batch["attention_mask"][:, enc["input_ids"].shape[1] :]
+        transcripts = decode_transcripts(tokenizer, batch["responses"], attention)
+        repeated = transcript_rows(repeated, transcripts, batch)
+    scores, info = score_responses(
+        texts,
+        repeated,
+        function=scoring.function,
+        on_error=scoring.on_error,
+        timeout_s=scoring.timeout_s,
+    )
+    score = torch.tensor(scores, dtype=torch.float32)
+    batch["token_level_scores"] = place_scores(score, mask)
+    metrics = sample_metrics(score, mask, batch["truncated"])
+    metrics.update({k: float(v) for k, v in info.items()})
+    if multi_turn:
+        metrics.update(tool_metrics(batch))
+    return Sample(batch, repeated, list(scores), metrics)

@@ -1,0 +1,90 @@
+"""The demo's first steps give the same metrics, bit for bit, across refactors of the house.
+
+The expected values were recorded by this file (``OTBRL_RECORD_DEMO=1``) on the code before the
+issue-18 move (one sampling step, plan/build, store/report packages): any change to the
+sampling, scoring, statistics, advantages or updates of a step shows up here as a changed
+number. Timing and throughput are left out (they are wall-clock).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from otbrl.cli import DEMO_PRESET, main
+
+RECORD = Path(__file__).parent / "data" / "demo_first_steps.json"
+# the demo's preset and its defaults (32 prompts x 8 samples, 2 optimizer steps per RL step)
+# with a warm start cut short (60 steps, one evaluation) and a short validation, so both phases
+# stay seconds long; the tool task with a dense reward (tests/data/partial_reward.py), which
+# gives its updates a gradient where the cut-short warm start rarely gets a product right
+RUNS = {
+    "arithmetic": [
+        "trainer.total_steps=10",
+        "trainer.val_every=5",
+        "data.val_size=64",
+        "sft.max_steps=60",
+        "sft.eval_every=60",
+    ],
+    # the tool task through its preset: the agent loop, holes in the mask, TIR-OTB
+    "tool_arithmetic": [
+        "data.task=tool_arithmetic",
+        "trainer.total_steps=4",
+        "trainer.val_every=2",
+        "data.val_size=32",
+        "data.train_batch_size=16",
+        "actor.ppo_mini_batch_size=8",
+        "sft.max_steps=60",
+        "sft.eval_every=60",
+        f"reward.function={Path(__file__).parent / 'data' / 'partial_reward.py'}:digits_in_place",
+    ],
+}
+WALL_CLOCK = ("timing/", "throughput/")
+
+
+def _run(task: str, root: Path) -> dict[str, dict[str, float]]:
+    from otbrl.run.presets import task_preset
+
+    preset = [
+        o for o in DEMO_PRESET if not o.startswith(("trainer.output_dir", "trainer.max_wall"))
+    ]
+    out = root / task
+    args = [
+        *preset,
+        *task_preset(RUNS[task]),
+        *RUNS[task],
+        f"trainer.output_dir={out}",
+        f"sft.cache_dir={root / 'cache'}",
+        "trainer.logger=[jsonl]",
+    ]
+    assert main(["train", *args]) == 0
+    steps: dict[str, dict[str, float]] = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        step = str(row.pop("step"))
+        kept = {k: v for k, v in row.items() if not k.startswith(WALL_CLOCK) and k != "time"}
+        steps.setdefault(step, {}).update(kept)
+    return steps
+
+
+@pytest.mark.parametrize("task", sorted(RUNS))
+def test_demo_first_steps_match_the_recorded_metrics(task, tmp_path, one_thread):
+    got = _run(task, tmp_path)
+    if os.environ.get("OTBRL_RECORD_DEMO") == "1":
+        recorded = json.loads(RECORD.read_text()) if RECORD.exists() else {}
+        recorded[task] = got
+        RECORD.write_text(json.dumps(recorded, indent=1, sort_keys=True) + "\n")
+        pytest.skip("recorded")
+    want = json.loads(RECORD.read_text())[task]
+    assert sorted(got) == sorted(want)
+    for step in want:
+        assert sorted(got[step]) == sorted(want[step]), f"step {step}: metric names differ"
+        for key, value in want[step].items():
+            same = got[step][key] == value or (
+                isinstance(value, float) and math.isnan(value) and math.isnan(got[step][key])
+            )
+            assert same, f"step {step} {key}: {got[step][key]!r} != recorded {value!r}"
