@@ -53,7 +53,7 @@ def ids(text: str) -> list[int]:
 
 
 class ScriptedEngine:
-    """A RolloutEngine whose turns come from ``script(context, sample, turn)`` (text; turn =
+    """A RolloutBackend whose turns come from ``script(context, sample, turn)`` (text; turn =
     the observations in the context so far); the turn is cut at the first stop id (kept) or at
     its budget, like the real backends.
     Log-probs are -(1 + position in the turn) / 100, so their placement can be checked."""
@@ -244,7 +244,8 @@ def test_allowed_tools_per_prompt_and_single_turn_equivalence():
         return "<tool_call>2*3</tool_call>" if turn == 0 and sample == 1 else "6<eos>"
 
     _, agent = agent_for(call_or_answer)
-    out = agent.generate(prompts("2*3=", "2*3="), params(), allowed=[[], None])
+    no_tools = {"extra_info": {"tools": []}}  # this row names no tool: its calls are refused
+    out = agent.generate(prompts("2*3=", "2*3="), params(), rows=[no_tools, {}])
     assert out[0][1].tool_errors == 1 and out[1][1].tool_errors == 0
     # a model that never calls: exactly the engine's single-turn completions
     engine = ScriptedEngine(lambda p, s, t: "12<eos>")

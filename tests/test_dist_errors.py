@@ -193,10 +193,10 @@ def test_parallel_defaults_fit_any_world_size():
     from otbrl.run.plan import validate_config
 
     small = ["data.train_batch_size=4", "rollout.n=2", "actor.micro_batch_size=8"]
-    assert validate_config(load_config(None, small), 2).engine == "fsdp"
-    assert validate_config(load_config(None, small), 1).engine == "single"
+    assert validate_config(load_config(None, small), 2).dims.engine == "fsdp"
+    assert validate_config(load_config(None, small), 1).dims.engine == "single"
     tp = validate_config(load_config(None, ["actor.tensor_parallel_size=2"]), 4)
-    assert tp.engine == "tp" and tp.mini_batch_size == 32
+    assert tp.dims.engine == "tp" and tp.dims.dp == 2 and tp.mini_batch_size == 32
 
 
 def test_warm_start_comes_before_the_process_group_and_its_timeout_is_configured(

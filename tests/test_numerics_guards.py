@@ -10,7 +10,8 @@ import torch
 
 from dist_utils import OUTPUTS, actor_config, policy_loss, ppo_batch, tiny_llama
 from otbrl import cli
-from otbrl.config import Config, ConfigError, _floats, load_config
+from otbrl.config import Config, ConfigError, load_config
+from otbrl.config.checks import float_values
 from otbrl.engine.engine import Engine, NumericsError
 from otbrl.store.checkpoint import list_checkpoints
 from run_utils import tiny_run_factory
@@ -41,7 +42,7 @@ def no_model_loading(monkeypatch):
     monkeypatch.setattr(sft_mod, "ensure_warm_start", forbidden)
 
 
-FLOAT_KEYS = [key for key, _ in _floats(Config())]
+FLOAT_KEYS = [key for key, _ in float_values(Config())]
 
 
 def test_the_schema_has_the_float_keys_the_issue_names():

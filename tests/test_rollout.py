@@ -1,9 +1,16 @@
 import pytest
 import torch
 
+from hf_sample import generate
 from otbrl.data import encode_prompts, get_task
 from otbrl.models import build_tiny_model, load_model_and_tokenizer
-from otbrl.rollout import decode_responses, eos_response_mask, generate, sample_next_token
+from otbrl.rollout import (
+    HFRollout,
+    SamplingParams,
+    decode_responses,
+    sample_next_token,
+    unpad_prompts,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -36,22 +43,9 @@ def _mask_reference(responses, eos):
     return out
 
 
-def test_eos_mask_matches_a_plain_loop():
-    g = torch.Generator().manual_seed(0)
-    responses = torch.randint(0, 6, (50, 7), generator=g)
-    for eos in ([2], [2, 5]):
-        assert torch.equal(eos_response_mask(responses, eos), _mask_reference(responses, eos))
-    edge = torch.tensor([[2, 2, 2], [1, 1, 1], [1, 1, 2]])
-    assert eos_response_mask(edge, 2).tolist() == [[1, 0, 0], [1, 1, 1], [1, 1, 1]]
-
-
-@pytest.mark.parametrize("use_hf_generate", [False, True])
-def test_greedy_matches_an_uncached_plain_loop(policy, use_hf_generate):
+def test_greedy_matches_an_uncached_plain_loop(policy):
     model, tok, ids, mask = policy
-    out = generate(
-        model, tok, ids, mask, n=2, max_new_tokens=6, do_sample=False,
-        use_hf_generate=use_hf_generate,
-    )  # fmt: skip
+    out = generate(model, tok, ids, mask, n=2, max_new_tokens=6, do_sample=False)
     ids, mask = ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0)
     seq, att = ids.clone(), mask.clone()
     steps = []
@@ -73,12 +67,9 @@ def test_greedy_matches_an_uncached_plain_loop(policy, use_hf_generate):
     assert 0 < ref_mask.sum() < ref_mask.numel()  # some rows end early, the test covers both
 
 
-@pytest.mark.parametrize("use_hf_generate", [False, True])
-def test_layout_of_the_returned_batch(policy, use_hf_generate):
+def test_layout_of_the_returned_batch(policy):
     model, tok, ids, mask = policy
-    out = generate(
-        model, tok, ids, mask, n=3, max_new_tokens=5, seed=1, use_hf_generate=use_hf_generate
-    )
+    out = generate(model, tok, ids, mask, n=3, max_new_tokens=5, seed=1)
     b, lp = ids.shape[0] * 3, ids.shape[1]
     lr = out["responses"].shape[1]
     assert out["prompts"].shape == (b, lp) and lr <= 5
@@ -162,19 +153,19 @@ def test_bad_arguments(policy):
     model, tok, ids, mask = policy
     cases = [
         ({"n": 0}, "n"),
-        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
         ({"temperature": 0.0}, "temperature"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -1}, "top_k"),
     ]
     for kwargs, name in cases:
         with pytest.raises(ValueError, match=name):
-            generate(model, tok, ids, mask, **{"max_new_tokens": 2, **kwargs})
+            SamplingParams(**kwargs)
     with pytest.raises(ValueError, match="prompt_mask"):
-        generate(model, tok, ids, mask[:, 1:], max_new_tokens=2)
+        unpad_prompts(ids, mask[:, 1:])
     with pytest.raises(ValueError, match="prompt_ids"):
-        generate(model, tok, ids[0], mask[0], max_new_tokens=2)
-    with pytest.raises(TypeError, match="prompt_ids"):
-        generate(model, tok, ids.float(), mask, max_new_tokens=2)
+        unpad_prompts(ids[0], mask[0])
+    with pytest.raises(TypeError, match="prompts"):
+        HFRollout(model, tok).generate(unpad_prompts(ids.float(), mask), SamplingParams())
     with pytest.raises(ValueError, match="response_mask"):
         decode_responses(tok, ids, mask[:, 1:])

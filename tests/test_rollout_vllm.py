@@ -15,7 +15,7 @@ from otbrl.data import encode_prompts, get_task
 from otbrl.engine.layout import Layout, forward_outputs
 from otbrl.models import build_tiny_model, load_model_and_tokenizer
 from otbrl.rollout import (
-    RolloutEngine,
+    RolloutBackend,
     SamplingParams,
     VLLMRollout,
     completions_to_batch,
@@ -240,7 +240,7 @@ def test_engine_leaves_the_callers_threads_and_rng_alone(setup):
 
 def test_protocol_surface_on_cpu(setup):
     engine = setup["engine"]
-    assert engine.name == "vllm" and isinstance(engine, RolloutEngine)
+    assert engine.name == "vllm" and isinstance(engine, RolloutBackend)
     engine.sleep()  # no sleep mode on CPU: both are no-ops
     engine.wake_up()
     assert _mismatch(setup, _params(setup))[0] <= TOL

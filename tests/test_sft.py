@@ -7,9 +7,10 @@ import pytest
 import torch
 
 import otbrl.run.sft as sft
+from hf_sample import generate
 from otbrl.data import encode_prompts, get_task
 from otbrl.models import build_tiny_model, eos_token_ids, load_model_and_tokenizer
-from otbrl.rollout import HFRollout, decode_responses, generate
+from otbrl.rollout import HFRollout, decode_responses
 from otbrl.run.evaluate import evaluate_accuracy
 
 pytestmark = pytest.mark.usefixtures("one_thread")

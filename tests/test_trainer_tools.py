@@ -18,6 +18,7 @@ from otbrl.rewards import score_responses
 from otbrl.rewards.placement import place_scores
 from otbrl.rollout import HFRollout, SamplingParams, completions_to_batch, unpad_prompts
 from otbrl.run.evaluate import evaluate_accuracy
+from otbrl.run.sampling import Sample, Scoring
 from otbrl.run.seeds import step_seed
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
@@ -124,8 +125,8 @@ def test_multi_turn_training_steps(tool_dir, tool_files, tmp_path, monkeypatch):
     assert summary["final_val_tool_call_rate"] == steps[-1]["val/tool_call_rate"]
     # the final policy without its tools: the plain engine, prompts rendered without tools
     alone = evaluate_accuracy(
-        HFRollout(model, trainer.tokenizer), trainer.tokenizer, trainer.val_rows,
-        stop_token_ids=trainer.eos_ids.tolist(), max_new_tokens=24,
+        HFRollout(model, trainer.tokenizer), trainer.tokenizer, trainer.plan.val_rows,
+        stop_token_ids=trainer.eos_ids, max_new_tokens=24,
     )  # fmt: skip
     assert summary["final_val_accuracy_without_tools"] == alone
     batch, old, full, blind = seen[-1]
@@ -170,15 +171,16 @@ def test_config_errors_name_the_key(tool_dir, tool_files, tmp_path, capsys):
     assert "data row 3" in err and "['search']" in err
 
 
-def _single_turn_generate(self):
-    """``Trainer.generate`` as it was before multi-turn rollouts (commit 6411f9e)."""
+def _single_turn_sample(self):
+    """The trainer's sampling before multi-turn rollouts (commit 6411f9e): generate, decode the
+    prefix of ones, score, place."""
     cfg = self.cfg
     rows = self.world.shard(self.dataset.next_batch())
     enc = encode_prompts(rows, self.tokenizer, cfg.data.max_prompt_length)
     params = SamplingParams(
         n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
         top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_new_tokens,
-        stop_token_ids=tuple(self.eos_ids.tolist()),
+        stop_token_ids=tuple(self.eos_ids),
         seed=step_seed(cfg.trainer.seed, self.step, self.world.dp_rank),
     )  # fmt: skip
     completions = self.rollout.generate(
@@ -188,11 +190,7 @@ def _single_turn_generate(self):
         enc["input_ids"], enc["attention_mask"], completions, pad_id=self.tokenizer.pad_token_id
     )
     batch["uid"] = batch["uid"] + self.world.dp_rank * len(rows)
-    return batch, [row for row in rows for _ in range(cfg.rollout.n)]
-
-
-def _single_turn_reward(self, batch, rows):
-    """``Trainer.reward`` before multi-turn rollouts (the mask was a prefix of ones)."""
+    rows = [row for row in rows for _ in range(cfg.rollout.n)]
     mask = batch["response_mask"]
     lengths = mask.sum(dim=1).long().tolist()
     texts = self.tokenizer.batch_decode(
@@ -204,25 +202,26 @@ def _single_turn_reward(self, batch, rows):
     )  # fmt: skip
     score = torch.tensor(scores, dtype=torch.float32)
     batch["token_level_scores"] = place_scores(score, mask)
-    return {
+    metrics = {
         "train/reward_mean": float(score.mean()),
         "train/reward_max": float(score.max()),
         "train/response_length_mean": float(mask.sum(dim=1).mean()),
         "train/response_clip_ratio": float(batch["truncated"].float().mean()),
         **{k: float(v) for k, v in info.items()},
     }
+    return Sample(batch, rows, scores, metrics)
 
 
 def _single_turn_validate(self):
     cfg = self.cfg
     accuracy = evaluate_accuracy(
-        self.rollout, self.tokenizer, self.val_rows, stop_token_ids=self.eos_ids.tolist(),
+        self.rollout, self.tokenizer, self.plan.val_rows, stop_token_ids=self.eos_ids,
         max_new_tokens=cfg.rollout.max_new_tokens, greedy=cfg.trainer.val_greedy,
         temperature=cfg.trainer.val_temperature, batch_size=cfg.trainer.val_batch_size,
-        seed=step_seed(cfg.trainer.seed, self.step), function=self.plan.reward_fn,
-        timeout_s=cfg.reward.timeout_s,
+        seed=step_seed(cfg.trainer.seed, self.step),
+        scoring=Scoring(self.plan.reward_fn, "raise", cfg.reward.timeout_s),
     )  # fmt: skip
-    return accuracy
+    return {"val/accuracy": accuracy}
 
 
 def test_without_tools_the_metrics_equal_the_single_turn_trainer(tmp_path, monkeypatch):
@@ -245,8 +244,7 @@ def test_without_tools_the_metrics_equal_the_single_turn_trainer(tmp_path, monke
         ]
 
     today = run("today")
-    monkeypatch.setattr(trainer_mod.Trainer, "generate", _single_turn_generate)
-    monkeypatch.setattr(trainer_mod.Trainer, "reward", _single_turn_reward)
+    monkeypatch.setattr(trainer_mod.Trainer, "sample", _single_turn_sample)
     monkeypatch.setattr(trainer_mod.Trainer, "validate", _single_turn_validate)
     before = run("before")
     assert today == before

@@ -9,7 +9,7 @@ import torch
 from otbrl import cli
 from otbrl.algos import loss_math, loss_terms
 from otbrl.algos.advantages import compute_advantage
-from otbrl.data import encode_prompts, get_task
+from otbrl.data import get_task
 from otbrl.engine.layout import Layout, forward_outputs
 from otbrl.models import build_tiny_model, load_model_and_tokenizer
 from otbrl.research.gradient_probe import EstimatorSpec, GradientProbe, parse_estimators
@@ -43,13 +43,14 @@ def _probe(path, method, agg):
         method=method,
     )
     rows = get_task("arithmetic").rows("train", 3, seed=0)
-    enc = encode_prompts(rows, tokenizer, 16)
-    return probe, enc, rows, loss_kwargs
+    return probe, rows, loss_kwargs
 
 
 def test_probe_gradients_match_autograd_of_each_loss(tiny_model):
-    probe, enc, rows, loss_kwargs = _probe(tiny_model, "loop", "seq-mean-token-sum-norm")
-    batch = probe.sample(enc, rows, n=4, seed=3)
+    probe, rows, loss_kwargs = _probe(tiny_model, "loop", "seq-mean-token-sum-norm")
+    batch = probe.sample(rows, n=4, seed=3)
+    # the trainer's batch, through the trainer's sampling step: the sampler's log-probs too
+    assert batch["rollout_log_probs"].shape == batch["response_mask"].shape
     # a random reward makes every group informative whatever the tiny model answers
     gen = torch.Generator().manual_seed(0)
     batch["token_level_rewards"] = batch["token_level_rewards"] + torch.rand(
@@ -102,11 +103,10 @@ def test_probe_samples_through_the_agent_loop(tmp_path):
     probe = GradientProbe(
         model, tokenizer, temperature=1.0, max_new_tokens=32,
         options={"handle_zero_tail": True, "norm_adv_by_std_in_grpo": True},
-        loss_fn=loss_terms.build_loss(loss_agg_mode="token-mean"), agent=agent,
+        loss_fn=loss_terms.build_loss(loss_agg_mode="token-mean"), sampler=agent,
     )  # fmt: skip
     rows = get_task("tool_arithmetic").rows("train", 2, seed=0)
-    enc = encode_prompts(rows, tokenizer, 64, tools)
-    batch = probe.sample(enc, rows, n=2, seed=0)
+    batch = probe.sample(rows, n=2, seed=0)
     # sample 0 answers "123" at once (wrong); sample 1 calls and copies the product (right)
     assert batch["num_turns"].tolist() == [1, 2, 1, 2]
     mask = batch["response_mask"]

@@ -19,6 +19,8 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
+from otbrl.tools import tool_schemas, tools_for_row
+
 REQUIRED_COLUMNS = ("prompt", "data_source", "reward_model")
 
 
@@ -154,8 +156,6 @@ def render_prompts(
             tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
             for row in rows
         ]
-    from otbrl.tools import tool_schemas, tools_for_row
-
     return [
         tokenizer.apply_chat_template(
             row["prompt"],

@@ -31,6 +31,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from otbrl.engine import ulysses
+
 MESH_DIMS = ("dp", "sp", "tp")
 
 
@@ -249,8 +251,6 @@ def parallelize(
     engine "tp" needs mesh["tp"] > 1 and wraps FSDP2 around it only when dp > 1; engine
     "fsdp" always shards parameters over dp × sp.
     """
-    from otbrl.engine import ulysses
-
     if engine not in ENGINES:
         raise ValueError(f"engine: expected one of {ENGINES}, got {engine!r}")
     if mesh["tp"].size() > 1:

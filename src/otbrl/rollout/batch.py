@@ -149,18 +149,6 @@ def _check_completion(c: Completion, where: str) -> None:
         )
 
 
-def eos_response_mask(responses: Tensor, eos_ids: list[int] | int) -> Tensor:
-    """[B, Lr] float32 mask: 1 up to and including the first EOS of each row, 0 after.
-
-    A row without EOS (truncated at the length cap) is 1 everywhere.
-    """
-    eos = torch.as_tensor(eos_ids if isinstance(eos_ids, list) else [eos_ids])
-    is_eos = torch.isin(responses, eos.to(responses.device)).long()
-    # Number of EOS strictly before each position: 0 means "not past the first EOS yet".
-    before = is_eos.cumsum(dim=1) - is_eos
-    return (before == 0).to(torch.float32)
-
-
 def decode_responses(
     tokenizer: PreTrainedTokenizerBase, responses: Tensor, response_mask: Tensor
 ) -> list[str]:

@@ -8,6 +8,10 @@ and stops the warm start early enough that the policy uses the tool only sometim
 
 from __future__ import annotations
 
+from omegaconf import OmegaConf
+
+from otbrl.config import DataConfig
+
 TASK_PRESETS: dict[str, list[str]] = {
     "tool_arithmetic": [
         "rollout.multi_turn.tools=[calculator]",
@@ -27,16 +31,12 @@ def task_preset(overrides: list[str], config_file: str | None = None) -> list[st
     """The preset of the task the configuration selects (``[]`` for most tasks): the last
     ``data.task=`` override, else the config file's ``data.task``, else the default task. Reads
     nothing else, so it never fails on keys the preset itself is needed for."""
-    from otbrl.config import DataConfig
-
     task = None
     for item in overrides:
         key, sep, value = item.partition("=")
         if sep and key.strip() == "data.task":
             task = value.strip()
     if task is None and config_file is not None:
-        from omegaconf import OmegaConf
-
         try:
             task = OmegaConf.select(OmegaConf.load(config_file), "data.task")
         except Exception:  # load_config reports a broken file with the key; not our job here

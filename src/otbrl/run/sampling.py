@@ -13,6 +13,7 @@ holds no state: everything it uses comes in as arguments, so a background worker
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -57,7 +58,8 @@ class Sample(NamedTuple):
     the data row of each sample as the reward saw it (multi-turn: with its transcript in
     ``extra_info``). ``scores``: [B] the rewards as the reward function returned them (Python
     floats: an accuracy sums them unrounded). ``metrics``: ``train/reward_*``, response length
-    and clip ratio, ``reward/errors`` / ``reward/timeouts`` and, multi-turn, the ``tool/*`` set.
+    and clip ratio, ``reward/errors`` / ``reward/timeouts``, ``timing/rollout`` (encoding and
+    generation) and ``timing/reward`` (decoding and scoring) and, multi-turn, the ``tool/*`` set.
     """
 
     batch: dict[str, Tensor]
@@ -91,6 +93,7 @@ def sample_batch(
     """
     rows = list(rows)
     scoring = scoring or Scoring()
+    start = time.perf_counter()
     enc = encode_prompts(rows, tokenizer, max_prompt_length, sampler.tools)
     prompts = unpad_prompts(enc["input_ids"], enc["attention_mask"])
     completions = sampler.generate(prompts, params, rows=rows)
@@ -98,6 +101,7 @@ def sample_batch(
         enc["input_ids"], enc["attention_mask"], completions, pad_id=pad_id(tokenizer)
     )
     batch["uid"] = batch["uid"] + uid_offset
+    sampled = time.perf_counter()
     mask = batch["response_mask"]
     repeated = [row for row in rows for _ in range(params.n)]
     texts = decode_responses(tokenizer, batch["responses"], mask)
@@ -117,6 +121,8 @@ def sample_batch(
     batch["token_level_scores"] = place_scores(score, mask)
     metrics = sample_metrics(score, mask, batch["truncated"])
     metrics.update({k: float(v) for k, v in info.items()})
+    metrics["timing/rollout"] = sampled - start
+    metrics["timing/reward"] = time.perf_counter() - sampled
     if multi_turn:
         metrics.update(tool_metrics(batch))
     return Sample(batch, repeated, list(scores), metrics)

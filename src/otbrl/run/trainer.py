@@ -190,8 +190,7 @@ class Trainer:
         with collective_guard(f"training step {self.step}"):
             timing: dict[str, float] = {}
             start = time.perf_counter()
-            with _timed(timing, "rollout"):
-                sample = self.sample()
+            sample = self.sample()  # its metrics hold timing/rollout and timing/reward
             batch, metrics = sample.batch, dict(sample.metrics)
             self.statistics(batch, timing)
             metrics.update(self.rollout_correction(batch))

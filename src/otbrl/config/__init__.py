@@ -1,0 +1,45 @@
+"""otbrl.config (beside the floors; imports nothing else from otbrl): the schema
+(``schema``), loading from YAML and dotted overrides (``load``) and the schema-level checks
+(``checks``). ``otbrl.run.plan.validate_config`` makes the checks that need more."""
+
+from otbrl.config.checks import check_config
+from otbrl.config.load import load_config
+from otbrl.config.schema import (
+    ActorConfig,
+    AlgorithmConfig,
+    Config,
+    ConfigError,
+    CriticConfig,
+    DataConfig,
+    ModelConfig,
+    MultiTurnConfig,
+    OTBConfig,
+    RewardConfig,
+    RolloutConfig,
+    SFTConfig,
+    TrainerConfig,
+    VLLMConfig,
+    all_keys,
+    to_dict,
+)
+
+__all__ = [
+    "ActorConfig",
+    "AlgorithmConfig",
+    "Config",
+    "ConfigError",
+    "CriticConfig",
+    "DataConfig",
+    "ModelConfig",
+    "MultiTurnConfig",
+    "OTBConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "SFTConfig",
+    "TrainerConfig",
+    "VLLMConfig",
+    "all_keys",
+    "check_config",
+    "load_config",
+    "to_dict",
+]

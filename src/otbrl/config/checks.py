@@ -1,0 +1,224 @@
+"""Schema-level checks: what the configuration alone decides — allowed values, ranges, finite
+numbers, files named by the config. Checks that need the registries, the file system's data or
+the world size are ``otbrl.run.plan.validate_config``'s, which the CLI calls before any model
+loads."""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from otbrl.config.schema import Config, ConfigError, MultiTurnConfig, VLLMConfig
+
+_CHOICES = {
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "rollout.name": ("hf", "vllm"),
+    "rollout.vllm.dtype": ("float32", "bfloat16", "float16"),
+    "rollout.multi_turn.format": ("auto", "hermes", "compact"),
+    "algorithm.rollout_correction": ("none", "token_tis", "seq_mis"),
+    "actor.loss_agg_mode": (
+        "token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum-norm",
+    ),
+    "actor.calculate_sum_pi_squared": ("auto", "true", "false"),
+    "actor.engine": ("auto", "single", "fsdp", "tp"),
+    "critic.enable": ("auto", "true", "false"),
+    "algorithm.otb.energy": ("logit_gradient", "uniform"),
+    "reward.on_error": ("raise", "zero"),
+}
+
+_LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+
+_POSITIVE = (
+    "data.train_batch_size",
+    "data.max_prompt_length",
+    "data.max_response_length",
+    "rollout.n",
+    "rollout.max_new_tokens",
+    "rollout.multi_turn.max_turns",
+    "rollout.multi_turn.max_tool_response_tokens",
+    "rollout.multi_turn.tool_timeout_s",
+    "actor.ppo_epochs",
+    "actor.micro_batch_size",
+    "critic.lr",
+    "critic.ppo_epochs",
+    "critic.micro_batch_size",
+    "actor.tensor_parallel_size",
+    "actor.ulysses_sequence_parallel_size",
+    "trainer.total_steps",
+    "trainer.val_batch_size",
+    "sft.batch_size",
+    "sft.lr",
+    "actor.lr",
+    "rollout.temperature",
+    "trainer.val_temperature",
+    "trainer.dist_timeout_s",
+)
+
+_NON_NEGATIVE = (
+    "data.val_size",
+    "rollout.top_k",
+    "actor.warmup_steps",
+    "actor.weight_decay",
+    "actor.clip_ratio_low",
+    "actor.clip_ratio_high",
+    "actor.kl_loss_coef",
+    "actor.grad_clip",
+    "critic.warmup_steps",
+    "critic.weight_decay",
+    "critic.grad_clip",
+    "algorithm.kl_coef",
+    "trainer.val_every",
+    "trainer.save_every",
+    "trainer.keep_last_checkpoints",
+    "trainer.max_wall_seconds",
+    "trainer.max_skipped_steps",
+    "actor.entropy_coeff",
+    "reward.timeout_s",
+    "sft.max_steps",
+    "sft.eval_every",
+)
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    node: Any = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def float_values(node: Any, prefix: str = "") -> list[tuple[str, float]]:
+    """(dotted key, value) of every float in the config tree."""
+    out = []
+    for f in fields(node):
+        value = getattr(node, f.name)
+        if is_dataclass(value):
+            out.extend(float_values(value, f"{prefix}{f.name}."))
+        elif isinstance(value, float):
+            out.append((f"{prefix}{f.name}", value))
+    return out
+
+
+def check_config(cfg: Config) -> None:
+    """Schema-level checks (values, ranges, divisibility); raises ``ConfigError``."""
+    for key, value in float_values(cfg):
+        # NaN passes every comparison check below and inf overflows at step 1
+        if not math.isfinite(value):
+            raise ConfigError(f"'{key}' must be a finite number, got {value}", key)
+    if cfg.model.dtype == "float16":
+        raise ConfigError(
+            "'model.dtype' float16 is refused for training: otbrl keeps the weights and AdamW "
+            "state in the model dtype, with no fp32 master weights nor loss scaling, and pure "
+            "fp16 overflows on the first optimizer step; use model.dtype=bfloat16 (same memory) "
+            "or float32",
+            "model.dtype",
+        )
+    for key, choices in _CHOICES.items():
+        value = _get(cfg, key)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), choices, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"'{key}' must be one of {list(choices)}, got '{value}'{hint}", key)
+    for key in _POSITIVE:
+        if not _get(cfg, key) > 0:
+            raise ConfigError(f"'{key}' must be > 0, got {_get(cfg, key)}", key)
+    for key in _NON_NEGATIVE:
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"'{key}' must be >= 0, got {_get(cfg, key)}", key)
+    if not 0.0 < cfg.rollout.top_p <= 1.0:
+        raise ConfigError(
+            f"'rollout.top_p' must be in (0, 1], got {cfg.rollout.top_p}", "rollout.top_p"
+        )
+    if not cfg.algorithm.rollout_is_cap >= 1.0:
+        raise ConfigError(
+            f"'algorithm.rollout_is_cap' must be >= 1, got {cfg.algorithm.rollout_is_cap}",
+            "algorithm.rollout_is_cap",
+        )
+    vllm, defaults = cfg.rollout.vllm, VLLMConfig()
+    if cfg.rollout.name != "vllm":
+        for key in vars(defaults):
+            if getattr(vllm, key) != getattr(defaults, key):
+                raise ConfigError(
+                    f"'rollout.vllm.{key}' is set but 'rollout.name' is "
+                    f"'{cfg.rollout.name}'; set rollout.name=vllm or drop the key",
+                    f"rollout.vllm.{key}",
+                )
+    multi, multi_defaults = cfg.rollout.multi_turn, MultiTurnConfig()
+    if not multi.tools:
+        for key in ("format", "max_turns", "max_tool_response_tokens", "tool_timeout_s"):
+            if getattr(multi, key) != getattr(multi_defaults, key):
+                raise ConfigError(
+                    f"'rollout.multi_turn.{key}' is set but 'rollout.multi_turn.tools' is empty; "
+                    "list the tools (e.g. rollout.multi_turn.tools=[calculator]) or drop the key",
+                    f"rollout.multi_turn.{key}",
+                )
+    if not 0.0 < vllm.gpu_memory_utilization <= 1.0:
+        raise ConfigError(
+            f"'rollout.vllm.gpu_memory_utilization' must be in (0, 1], got "
+            f"{vllm.gpu_memory_utilization}",
+            "rollout.vllm.gpu_memory_utilization",
+        )
+    if not vllm.kv_cache_gib > 0:
+        raise ConfigError(
+            f"'rollout.vllm.kv_cache_gib' must be > 0, got {vllm.kv_cache_gib}",
+            "rollout.vllm.kv_cache_gib",
+        )
+    if cfg.actor.clip_ratio_c <= 1.0:
+        raise ConfigError(
+            f"'actor.clip_ratio_c' must be > 1.0, got {cfg.actor.clip_ratio_c}",
+            "actor.clip_ratio_c",
+        )
+    for key in ("algorithm.gamma", "algorithm.lam"):
+        if not 0.0 <= _get(cfg, key) <= 1.0:
+            raise ConfigError(f"'{key}' must be in [0, 1], got {_get(cfg, key)}", key)
+    if not cfg.actor.clip_ratio_low < 1.0:
+        raise ConfigError(
+            f"'actor.clip_ratio_low' must be < 1 (the ratio's lower bound is 1 - it), got "
+            f"{cfg.actor.clip_ratio_low}",
+            "actor.clip_ratio_low",
+        )
+    if cfg.trainer.overwrite and cfg.trainer.resume != "never":
+        raise ConfigError(
+            "'trainer.overwrite' starts a new run (moving the old one aside): it needs "
+            f"trainer.resume=never, got trainer.resume={cfg.trainer.resume}",
+            "trainer.overwrite",
+        )
+    if not 0.0 <= cfg.sft.target_accuracy <= 1.0:
+        raise ConfigError(
+            f"'sft.target_accuracy' must be in [0, 1], got {cfg.sft.target_accuracy}",
+            "sft.target_accuracy",
+        )
+    for name in cfg.trainer.logger:
+        if name not in _LOGGERS:
+            raise ConfigError(
+                f"'trainer.logger' entries must be in {list(_LOGGERS)}, got '{name}'",
+                "trainer.logger",
+            )
+    if cfg.trainer.resume not in ("auto", "never") and not Path(cfg.trainer.resume).exists():
+        raise ConfigError(
+            f"'trainer.resume' must be 'auto', 'never' or an existing checkpoint path, "
+            f"got '{cfg.trainer.resume}'",
+            "trainer.resume",
+        )
+    batch, mini = cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size
+    if mini is not None and (mini <= 0 or batch % mini != 0):
+        raise ConfigError(
+            f"'actor.ppo_mini_batch_size' ({mini}) must be a positive divisor of "
+            f"'data.train_batch_size' ({batch}), or null for the whole step batch",
+            "actor.ppo_mini_batch_size",
+        )
+    clip = cfg.critic.cliprange_value
+    if clip is not None and not clip > 0:
+        raise ConfigError(
+            f"'critic.cliprange_value' must be > 0 or null (no clipping), got {clip}",
+            "critic.cliprange_value",
+        )
+    if cfg.reward.function is not None and ":" in cfg.reward.function:
+        file = cfg.reward.function.rsplit(":", 1)[0]
+        if not Path(file).is_file():
+            raise ConfigError(f"'reward.function' file not found: '{file}'", "reward.function")

@@ -1,0 +1,94 @@
+"""Loading a ``Config``: defaults, an optional YAML file, then ``key=value`` overrides, each
+problem a one-line ``ConfigError`` naming the key (unknown keys get a did-you-mean)."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from otbrl.config.checks import check_config
+from otbrl.config.schema import Config, ConfigError, all_keys
+
+_LIST_KEYS = ("data.train_files", "data.val_files", "trainer.logger", "rollout.multi_turn.tools")
+
+
+def _did_you_mean(key: str) -> str:
+    candidates = all_keys()
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
+    if not close:  # a typo in the leaf with the right group, e.g. "actor.lrr"
+        leaf = key.rsplit(".", 1)[-1]
+        by_leaf = {c.rsplit(".", 1)[-1]: c for c in candidates}
+        leaves = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)
+        close = [by_leaf[leaves[0]]] if leaves else []
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _merge(
+    base: DictConfig, other: DictConfig | ListConfig, source: str, key_hint: str = ""
+) -> DictConfig:
+    try:
+        return OmegaConf.merge(base, other)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or key_hint
+        if type(err).__name__ in ("ConfigKeyError", "ConfigAttributeError"):
+            raise ConfigError(
+                f"unknown config key '{key}' in {source}{_did_you_mean(key)}", key
+            ) from None
+        msg = str(err).splitlines()[0]
+        raise ConfigError(f"invalid value for '{key}' in {source}: {msg}", key) from None
+
+
+def load_config(
+    config_file: str | Path | None = None, overrides: list[str] | None = None
+) -> Config:
+    """Build a ``Config`` from defaults, an optional YAML file, then ``key=value`` overrides.
+
+    Raises ``ConfigError`` (one line, naming the key) for unknown keys, bad types or values.
+    """
+    cfg = OmegaConf.structured(Config)
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: '{path}'", "--config")
+        try:
+            loaded = OmegaConf.load(path)
+        except Exception as err:  # YAML syntax errors come in several exception types
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ConfigError(f"cannot parse config file '{path}': {first}", "--config") from None
+        if not isinstance(loaded, DictConfig):
+            raise ConfigError(f"config file '{path}' must hold a mapping of groups", "--config")
+        cfg = _merge(cfg, loaded, f"'{path}'")
+    for item in overrides or []:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override '{item}' is not of the form key=value", item)
+        key, value = (part.strip() for part in item.split("=", 1))
+        if key in _LIST_KEYS and not value.startswith("["):
+            item = f"{key}=[{value}]"  # CLI shorthand: data.train_files=a.parquet
+        try:
+            dot = OmegaConf.from_dotlist([item])
+        except OmegaConfBaseException as err:
+            msg = str(err).splitlines()[0]
+            raise ConfigError(f"cannot parse override '{item}': {msg}", key) from None
+        cfg = _merge(cfg, dot, f"override '{item}'", key)
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or ""
+        msg = str(err).splitlines()[0]
+        raise ConfigError(f"invalid value for '{key}': {msg}", key) from None
+    assert isinstance(obj, Config)
+    _normalize(obj)
+    check_config(obj)
+    return obj
+
+
+def _normalize(cfg: Config) -> None:
+    # tri-state keys take YAML booleans too
+    for group, key in ((cfg.actor, "calculate_sum_pi_squared"), (cfg.critic, "enable")):
+        value = getattr(group, key)
+        if isinstance(value, bool):
+            value = "true" if value else "false"
+        setattr(group, key, str(value).lower())

@@ -1,0 +1,220 @@
+"""The configuration schema: OmegaConf structured dataclasses, one per group, with their defaults.
+
+Imports nothing from otbrl (it sits beside the floors). Loading (YAML + dotted overrides) is
+``otbrl.config.load``; the checks the schema alone can decide are ``otbrl.config.checks``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A user configuration problem; ``str(err)`` is one line naming the key."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)  # parquet; empty -> built-in task
+    val_files: list[str] = field(default_factory=list)
+    task: str = "arithmetic"  # built-in task used when no files are given
+    train_batch_size: int = 32  # prompts per RL step
+    val_size: int = 500  # built-in task: number of validation prompts
+    max_prompt_length: int = 64
+    max_response_length: int = 4  # the demo: 3 answer digits + EOS; raise it for real data
+    seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    path: str = "builtin"  # local HF directory, or "builtin" (tiny model, SFT warm start)
+    dtype: str = "float32"
+    use_remove_padding: bool = False  # packed [1, nnz] forward instead of padded [B, L]
+
+
+@dataclass
+class VLLMConfig:
+    """The in-process vLLM engine (``rollout.name=vllm``); one per data-parallel rank."""
+
+    dtype: str = "float32"  # engine dtype; float32 matches an fp32 trainer's log-probs to 1e-5
+    enforce_eager: bool = True  # no CUDA graphs / compilation: faster start
+    gpu_memory_utilization: float = 0.5  # GPU only: the share of GPU memory vLLM may take
+    kv_cache_gib: float = 1.0  # CPU only: KV-cache size
+    enable_sleep_mode: bool = False  # GPU only: free weights and KV cache while training
+
+
+@dataclass
+class MultiTurnConfig:
+    """Multi-turn tool use (``otbrl.rollout.agent``): on when ``tools`` is not empty."""
+
+    tools: list[str] = field(default_factory=list)  # built-in names or "path/to/file.py:fn"
+    format: str = "auto"  # "auto" | "hermes" | "compact" (auto: compact for the built-in model)
+    max_turns: int = 4  # model turns per sample
+    max_tool_response_tokens: int = 64  # each tool result is cut to this many tokens
+    tool_timeout_s: float = 5.0  # a call running longer returns an error observation
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "hf"  # "hf" (the training model's own sampler) | "vllm"
+    n: int = 8  # responses per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    # the response budget: model and (multi-turn) observation tokens together
+    max_new_tokens: int = "${data.max_response_length}"  # type: ignore[assignment]
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+
+
+@dataclass
+class ActorConfig:
+    lr: float = 3e-4
+    warmup_steps: int = 20  # linear warmup of optimizer steps; a cold AdamW can wreck the policy
+    weight_decay: float = 0.0
+    ppo_epochs: int = 1
+    # prompts per optimizer step (x rollout.n sequences); None = the whole step batch
+    ppo_mini_batch_size: int | None = None
+    # at most this many sequences per forward/backward (the last micro-batch may be smaller;
+    # gradients are accumulated exactly, as if the mini-batch ran at once)
+    micro_batch_size: int = 64
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    grad_clip: float = 1.0
+    use_fused_kernels: bool = False
+    calculate_sum_pi_squared: Any = "auto"  # "auto" | "true" | "false" (YAML booleans accepted)
+    # "auto": one process, or FSDP2 when torchrun starts several; "single" | "fsdp" | "tp"
+    engine: str = "auto"
+    tensor_parallel_size: int = 1  # engine=tp: ranks sharing one model's heads and vocabulary
+    ulysses_sequence_parallel_size: int = 1  # ranks splitting each packed sequence
+
+
+@dataclass
+class CriticConfig:
+    """The value model of PPO with GAE: ``AutoModelForTokenClassification(num_labels=1)``
+    initialised from ``model_path`` (the policy's weights by default), trained with the clipped
+    value loss on the actor's mini-batches, under the actor's engine."""
+
+    enable: Any = "auto"  # "auto" (on when the estimator needs values) | "true" | "false"
+    model_path: str | None = None  # None: the policy's model
+    lr: float = 1e-3
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    ppo_epochs: int = 1
+    cliprange_value: float | None = 0.5  # None: no value clipping
+    micro_batch_size: int = 64
+    grad_clip: float = 1.0
+
+
+@dataclass
+class OTBConfig:
+    leave_one_out: bool = False
+    energy: str = "logit_gradient"  # "logit_gradient" | "uniform"
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "optimal_token_baseline"
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    handle_zero_tail: bool = True
+    use_kl_in_reward: bool = False
+    kl_coef: float = 0.001
+    # correction for sampling with a rollout engine whose log-probs differ from the trainer's:
+    # "none" | "token_tis" (w = min(exp(old − rollout), C)) | "seq_mis" (drop sequences whose
+    # ratio exp(Σ(old − rollout)) leaves [1/C, C]); C = rollout_is_cap
+    rollout_correction: str = "none"
+    rollout_is_cap: float = 2.0
+    otb: OTBConfig = field(default_factory=OTBConfig)
+
+
+@dataclass
+class RewardConfig:
+    function: str | None = None  # built-in name or "path/to/file.py:fn"; None -> by data_source
+    on_error: str = "raise"  # "raise" | "zero"
+    # a call that runs longer is an error, handled by on_error (a hung verifier would otherwise
+    # stall the run forever); 0 = no limit
+    timeout_s: float = 60.0
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 800
+    val_every: int = 50  # 0 = no validation
+    save_every: int = 0  # 0 = no checkpoints
+    keep_last_checkpoints: int = 0  # delete older checkpoints beyond the newest N; 0 = keep all
+    output_dir: str = "runs/default"
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    seed: int = 0
+    resume: str = "auto"  # "auto" | "never" | path to a checkpoint
+    # with resume=never: move an existing run in output_dir aside (to <output_dir>.old-<time>)
+    # instead of refusing to start; nothing is deleted
+    overwrite: bool = False
+    val_greedy: bool = True
+    val_temperature: float = 1.0  # used when val_greedy is false
+    val_batch_size: int = 256
+    # stop early (after a final validation and checkpoint) once fit() has run this long;
+    # 0 = no limit. The demo uses it to keep its 10-minute promise on a slower machine.
+    max_wall_seconds: float = 0.0
+    # abort when more optimizer steps than this were skipped in a row (non-finite gradients):
+    # a run that only skips learns nothing
+    max_skipped_steps: int = 5
+    # how long a rank waits for the others in a collective, e.g. while rank 0 alone writes a
+    # checkpoint's full model (a dead peer usually fails sooner: its sockets close)
+    dist_timeout_s: float = 1800.0
+
+
+@dataclass
+class SFTConfig:
+    lr: float = 3e-3
+    batch_size: int = 64
+    max_steps: int = 2000
+    target_accuracy: float = 0.3
+    eval_every: int = 25
+    cache_dir: str = ".cache/otbrl"
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+
+def to_dict(cfg: Config) -> dict:
+    """The resolved configuration as plain containers (for checkpoints and logs)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
+
+
+def all_keys(node: Any = None, prefix: str = "") -> list[str]:
+    """Every dotted leaf key of the schema (``["data.train_files", ...]``)."""
+    node = OmegaConf.structured(Config) if node is None else node
+    keys = []
+    for name in node:
+        value = node._get_node(name)
+        dotted = f"{prefix}{name}"
+        if isinstance(value, DictConfig):
+            keys.extend(all_keys(value, dotted + "."))
+        else:
+            keys.append(dotted)
+    return keys

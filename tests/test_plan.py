@@ -1,0 +1,126 @@
+"""Plan, then build: the layout owner, the one table of sources, and the CLI using the plan it
+made (the data read once, a built-in task's preset applied by every command)."""
+
+from __future__ import annotations
+
+import pytest
+
+from otbrl import cli
+from otbrl.config import ConfigError, load_config
+from otbrl.data import get_task, write_parquet_rows
+from otbrl.engine.dims import ParallelDims
+from otbrl.models import build_tiny_model
+from otbrl.run.plan import SOURCES, validate_config
+
+TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "engine", "dp"),
+    [
+        ({}, "single", 1),
+        ({"world_size": 4}, "fsdp", 4),
+        ({"world_size": 4, "sp": 2}, "fsdp", 2),
+        ({"world_size": 4, "tp": 2}, "tp", 2),
+        ({"world_size": 1, "engine": "fsdp"}, "fsdp", 1),
+    ],
+)
+def test_parallel_dims_resolve_the_engine_and_the_data_parallel_size(kwargs, engine, dp):
+    dims = ParallelDims(**kwargs)
+    assert (dims.engine, dims.dp) == (engine, dp)
+    assert dims.mesh_shape() == (dp, dims.sp, dims.tp)
+    assert dims.distributed == (dims.world_size > 1 or engine != "single")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"world_size": 2, "engine": "single"}, "actor.engine"),
+        ({"engine": "tp"}, "actor.tensor_parallel_size"),
+        ({"world_size": 2, "tp": 2, "engine": "fsdp"}, "actor.tensor_parallel_size"),
+        ({"world_size": 4, "tp": 2, "sp": 2}, "actor.ulysses_sequence_parallel_size"),
+        ({"world_size": 3, "sp": 2}, "actor.tensor_parallel_size"),
+        ({"world_size": 2, "fused": True}, "actor.use_fused_kernels"),
+        ({"engine": "ddp"}, "actor.engine"),
+        ({"tp": 0}, "actor.tensor_parallel_size"),
+    ],
+)
+def test_parallel_dims_refuse_bad_layouts_naming_the_key(kwargs, key):
+    with pytest.raises(ConfigError) as info:
+        ParallelDims(**kwargs)
+    assert info.value.key == key and key in str(info.value)
+
+
+def test_parallel_dims_split_batches_over_data_parallel_ranks():
+    dims = ParallelDims(world_size=4, tp=2)
+    dims.check_divisible("data.train_batch_size", 6)
+    with pytest.raises(ConfigError, match="data-parallel size 2") as info:
+        dims.check_divisible("data.train_batch_size", 5)
+    assert info.value.key == "data.train_batch_size"
+
+
+def test_the_plan_asks_each_engine_for_what_its_sources_list():
+    cfg = load_config(None, ["algorithm.adv_estimator=optimal_token_baseline",
+                             "actor.use_kl_loss=true"])  # fmt: skip
+    plan = validate_config(cfg)
+    assert plan.outputs("policy") == {"log_probs", "entropy", "sum_pi_squared"}
+    assert plan.outputs("reference") == {"log_probs"} and plan.outputs("critic") == frozenset()
+    assert plan.batch_stats("reference", {"log_probs": 1}) == {"ref_log_probs": 1}
+    stats = plan.batch_stats("policy", {"log_probs": 1, "entropy": 2, "sum_pi_squared": 3})
+    assert stats == {"old_log_probs": 1, "entropy": 2, "sum_pi_squared": 3}
+    grpo = validate_config(load_config(None, ["algorithm.adv_estimator=grpo"]))
+    assert grpo.outputs("policy") == {"log_probs", "entropy"} and not grpo.use_reference
+    # critic.enable=true with GRPO: the critic is trained, so its values are a need
+    critic = validate_config(load_config(None, ["critic.enable=true"]))
+    assert critic.use_critic and critic.outputs("critic") == {"values"}
+    assert {s.engine for s in SOURCES.values()} == {"policy", "reference", "critic"}
+
+
+def test_eval_reads_each_data_file_once(tmp_path, monkeypatch, capsys):
+    """``otbrl eval`` evaluates the rows of the plan the CLI made: no second validation, no
+    second read of the parquet files."""
+    import otbrl.run.plan as plan_mod
+
+    model = build_tiny_model(tmp_path / "model", **TINY)
+    task = get_task("arithmetic")
+    train = write_parquet_rows(task.rows("train", 8, seed=0), tmp_path / "train.parquet")
+    val = write_parquet_rows(task.rows("val", 4, seed=0), tmp_path / "val.parquet")
+    reads = []
+    real = plan_mod.read_parquet_rows
+
+    def counting(files):
+        reads.append(tuple(str(f) for f in files))
+        return real(files)
+
+    monkeypatch.setattr(plan_mod, "read_parquet_rows", counting)
+    argv = ["eval", f"model.path={model}", f"data.train_files=[{train}]",
+            f"data.val_files=[{val}]", "data.train_batch_size=4"]  # fmt: skip
+    assert cli.main(argv) == 0
+    assert sorted(reads) == sorted([(str(train),), (str(val),)])
+    assert "on 4 prompts" in capsys.readouterr().out
+
+
+def test_train_applies_a_built_in_tasks_preset(tmp_path, monkeypatch):
+    """``otbrl train data.task=tool_arithmetic`` trains with no extra key (it used to ask for
+    data.max_response_length): the task's preset comes first, as in ``otbrl demo``, and the
+    user's overrides still win."""
+    import otbrl.run.trainer as trainer_mod
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def stop(self, cfg, plan=None, run_dir=None):
+        seen["cfg"], seen["plan"] = cfg, plan
+        run_dir.release()
+        raise Stop
+
+    monkeypatch.setattr(trainer_mod.Trainer, "__init__", stop)
+    out = f"trainer.output_dir={tmp_path / 'run'}"
+    with pytest.raises(Stop):
+        cli.main(["train", "data.task=tool_arithmetic", out, "trainer.total_steps=7"])
+    cfg = seen["cfg"]
+    assert cfg.rollout.multi_turn.tools == ["calculator"]
+    assert cfg.data.max_response_length == 32 and cfg.trainer.total_steps == 7
+    assert set(seen["plan"].tools) == {"calculator"}
