@@ -141,9 +141,12 @@ def test_vllm_sampled_log_probs_equal_the_trainer_forward_with_observations(setu
     old = trainer["log_probs"]
     diff = (old - batch["rollout_log_probs"])[mask].abs()
     # fp32 itself is this far from the float64 truth on this (peaked, trained) model: ~1e-5 on
-    # a few answer tokens (measured 9e-6) — the bound is 1e-5 or twice the trainer's own error
+    # a few answer tokens (measured 9e-6). vLLM's CPU kernels add their own rounding, which
+    # differs by machine (2.3e-5 and 3.6e-5 at T = 1 / 0.7 on a second Xeon, its fp32 error
+    # 8e-6 / 1.1e-5): the bound is 5e-5 or four times the trainer's error — still 20x below
+    # what a context bug gives (the `blind` check below, > 1e-3), and the median stays at 1e-6
     floor = float((old.double() - exact["log_probs"])[mask].abs().max())
-    assert float(diff.max()) <= max(TOL, 2 * floor), (float(diff.max()), floor)
+    assert float(diff.max()) <= max(5 * TOL, 4 * floor), (float(diff.max()), floor)
     assert float(diff.median()) <= 1e-6
     assert float((blind["log_probs"] - old)[after].abs().max()) > 1e-3
     assert (batch["rollout_log_probs"][holes] == 0).all()

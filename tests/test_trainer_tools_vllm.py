@@ -16,7 +16,7 @@ from test_agent_loop_vllm import taught_tool_model
 
 LENGTH_REWARD = """
 def score(data_source, solution_str, ground_truth, extra_info):
-    return float(len(solution_str) % 2)
+    return float(len(extra_info.get("transcript", solution_str)) % 2)
 """
 
 
@@ -29,7 +29,8 @@ def test_three_tir_otb_steps_on_vllm_with_tools(tmp_path):
         train = write_parquet_rows(task.rows("train", 16, seed=0), tmp_path / "train.parquet")
         val = write_parquet_rows(task.rows("val", 8, seed=0), tmp_path / "val.parquet")
         # the taught model seldom multiplies right: a reward that varies inside each group
-        # gives the lr 1e-2 updates a real gradient (so a missed sync would be visible)
+        # gives the lr 1e-2 updates a real gradient (so a missed sync would be visible); the
+        # final answers alone were all of one parity on one machine, the transcripts vary more
         (tmp_path / "reward.py").write_text(LENGTH_REWARD)
         out = tmp_path / "run"
         argv = [
@@ -49,14 +50,19 @@ def test_three_tir_otb_steps_on_vllm_with_tools(tmp_path):
     assert [r["step"] for r in steps] == [1, 2, 3]
     # the taught start calls on most rows; the lr 1e-2 updates on a length reward may move off
     assert steps[0]["tool/calls_per_sample"] > 0.5
+    assert steps[0]["tool/rows_with_holes_frac"] > 0
+    assert 0 < steps[0]["rollout/observation_tokens_frac"] < 1
     for r in steps:
-        assert r["tool/calls_per_sample"] > 0 and r["tool/rows_with_holes_frac"] > 0
-        assert 0 < r["rollout/observation_tokens_frac"] < 1
+        # later steps may have moved off the tool (lr 1e-2): holes exactly when calls
+        calls = r["tool/calls_per_sample"] > 0
+        assert (r["tool/rows_with_holes_frac"] > 0) == calls
+        assert (r["rollout/observation_tokens_frac"] > 0) == calls
+        assert r["rollout/observation_tokens_frac"] < 1
         # synced after each lr 1e-2 update: the engine samples from the trainer's weights
         # (fp32 rounding of a peaked model, see test_agent_loop_vllm; a missed sync is >1e-2)
         assert r["rollout/logprob_abs_diff_max"] <= 1e-4, r
         assert r["rollout/logprob_abs_diff_mean"] <= 1e-6, r
-        assert r["policy/grad_norm"] > 0
+        assert r["policy/grad_norm"] > 0, r
     assert "val/tool_call_rate" in lines[0] and "val/tool_call_rate" in steps[-1]
     summary = json.loads((out / "summary.json").read_text())
     assert 0 <= summary["final_val_accuracy_without_tools"] <= 1
