@@ -57,6 +57,7 @@ def test_critic_follows_the_model_path_and_config(tiny_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # the warm start alone is 140 s on a 2-core EPYC
 def test_ppo_with_gae_learns_the_builtin_task(tmp_path):
     """`otbrl train algorithm.adv_estimator=gae` from the built-in warm start: greedy
     validation accuracy rises at every check and by 300 steps the value loss has fallen: the
