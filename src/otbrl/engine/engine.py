@@ -282,7 +282,8 @@ class Engine:
             yield name, full.detach()
 
     def state_dict(self) -> dict:
-        """Scheduler and shuffling-generator state (weights and optimizer: ``run.checkpoint``)."""
+        """Scheduler and shuffling-generator state (weights and optimizer:
+        ``otbrl.store.checkpoint``)."""
         state: dict[str, Any] = {"generator": self.generator.get_state()}
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()

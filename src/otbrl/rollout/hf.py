@@ -198,7 +198,7 @@ def shared_prefix_sample(
     cache_kw = "cache" if "cache" in accepted else "past_key_values"
     cache = out.get(cache_kw)
     if cache is None or not hasattr(cache, "batch_repeat_interleave"):
-        raise ValueError("model: no KV cache to share; pass use_hf_generate=True for this model")
+        raise ValueError("model: no KV cache with batch_repeat_interleave to share over samples")
     if n > 1:
         cache.batch_repeat_interleave(n)
     logits = out.logits[:, -1].float().repeat_interleave(n, dim=0)
