@@ -3,6 +3,7 @@ PPO with GAE trains end to end."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -84,7 +85,8 @@ def test_ppo_with_gae_learns_the_builtin_task(tmp_path):
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     accuracy = {r["step"]: r["val/accuracy"] for r in records if "val/accuracy" in r}
     checks = [accuracy[k] for k in sorted(accuracy)]
-    assert all(b > a for a, b in zip(checks, checks[1:-1])), accuracy  # rising at each check
+    # rising at each check (the last one, the final step, may sit on the one before)
+    assert all(b > a for a, b in itertools.pairwise(checks[:-1])), accuracy
     assert summary["final_val_accuracy"] - summary["initial_val_accuracy"] >= 0.05, summary
     losses = [r["critic/value_loss"] for r in records if "critic/value_loss" in r]
     assert len(losses) == 300
