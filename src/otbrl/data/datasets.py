@@ -167,6 +167,11 @@ def render_prompts(
     ]
 
 
+def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id that pads prompts and responses: the tokenizer's pad token, else its EOS."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def encode_prompts(
     rows: Sequence[dict],
     tokenizer: PreTrainedTokenizerBase,
@@ -192,9 +197,7 @@ def encode_prompts(
             f"max_prompt_length: row {worst} (data_source {rows[worst].get('data_source')!r}) "
             f"has a {lengths[worst]}-token prompt, longer than {max_prompt_length}"
         )
-    pad_id = (
-        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    )
+    pad_id = pad_token_id(tokenizer)
     width = max(lengths)
     input_ids = torch.full((len(ids), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(ids), width), dtype=torch.long)

@@ -16,8 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from otbrl.rollout.protocol import FINISH_REASONS, Completion, check_int, describe
 
 
-def unpad_prompts(prompt_ids: Tensor, prompt_mask: Tensor) -> list[list[int]]:
-    """Left-padded ``[P, Lp]`` ids + mask -> one token-id list per prompt (padding dropped)."""
+def _check_prompts(prompt_ids, prompt_mask) -> None:
     if not isinstance(prompt_ids, Tensor) or prompt_ids.dim() != 2:
         raise ValueError(f"prompt_ids: expected a [P, Lp] tensor, got {describe(prompt_ids)}")
     if not isinstance(prompt_mask, Tensor) or prompt_mask.shape != prompt_ids.shape:
@@ -25,6 +24,11 @@ def unpad_prompts(prompt_ids: Tensor, prompt_mask: Tensor) -> list[list[int]]:
             f"prompt_mask: expected shape {tuple(prompt_ids.shape)} like prompt_ids, "
             f"got {describe(prompt_mask)}"
         )
+
+
+def unpad_prompts(prompt_ids: Tensor, prompt_mask: Tensor) -> list[list[int]]:
+    """Left-padded ``[P, Lp]`` ids + mask -> one token-id list per prompt (padding dropped)."""
+    _check_prompts(prompt_ids, prompt_mask)
     keep = prompt_mask.bool().cpu()
     return [row[m].tolist() for row, m in zip(prompt_ids.cpu(), keep)]
 
@@ -65,13 +69,7 @@ def completions_to_batch(
     mask is that mask (0 on observation tokens: holes), the attention mask stays 1 on every real
     token, and ``num_turns`` / ``tool_calls`` / ``tool_errors`` [B] int64 are added.
     """
-    if not isinstance(prompt_ids, Tensor) or prompt_ids.dim() != 2:
-        raise ValueError(f"prompt_ids: expected a [P, Lp] tensor, got {describe(prompt_ids)}")
-    if not isinstance(prompt_mask, Tensor) or prompt_mask.shape != prompt_ids.shape:
-        raise ValueError(
-            f"prompt_mask: expected shape {tuple(prompt_ids.shape)} like prompt_ids, "
-            f"got {describe(prompt_mask)}"
-        )
+    _check_prompts(prompt_ids, prompt_mask)
     if not isinstance(completions, Sequence) or len(completions) != prompt_ids.shape[0]:
         raise ValueError(
             f"completions: expected one list per prompt ({prompt_ids.shape[0]}), got "

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from otbrl.algos.metrics import sample_metrics
-from otbrl.data import encode_prompts
+from otbrl.data import encode_prompts, pad_token_id
 from otbrl.rewards import score_responses
 from otbrl.rewards.placement import place_scores
 from otbrl.rollout import (
@@ -68,11 +68,6 @@ class Sample(NamedTuple):
     metrics: dict[str, float]
 
 
-def pad_id(tokenizer) -> int:
-    """The id that pads prompts and responses: the tokenizer's pad token, else its EOS."""
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-
 def sample_batch(
     sampler: Sampler,
     tokenizer,
@@ -98,7 +93,7 @@ def sample_batch(
     prompts = unpad_prompts(enc["input_ids"], enc["attention_mask"])
     completions = sampler.generate(prompts, params, rows=rows)
     batch = completions_to_batch(
-        enc["input_ids"], enc["attention_mask"], completions, pad_id=pad_id(tokenizer)
+        enc["input_ids"], enc["attention_mask"], completions, pad_id=pad_token_id(tokenizer)
     )
     batch["uid"] = batch["uid"] + uid_offset
     sampled = time.perf_counter()
