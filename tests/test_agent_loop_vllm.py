@@ -150,3 +150,21 @@ def test_vllm_sampled_log_probs_equal_the_trainer_forward_with_observations(setu
     assert float(diff.median()) <= 1e-6
     assert float((blind["log_probs"] - old)[after].abs().max()) > 1e-3
     assert (batch["rollout_log_probs"][holes] == 0).all()
+
+
+def test_a_default_size_batch_with_tools(setup):
+    """32 prompts x 8 samples through the agent loop (the trainer's default batch): each later
+    turn re-prefills prompt + response + observation for 256 streams at once, more tokens than
+    one engine step holds — where chunked prefill crashed the CPU engine. Every stream comes
+    back whole, and the first prompts' streams are those of a batch that fits one step."""
+    s = setup
+    rows = get_task("tool_arithmetic").rows("val", 32, seed=1)
+    enc = encode_prompts(rows, s["tok"], max_prompt_length=16)
+    prompts = unpad_prompts(enc["input_ids"], enc["attention_mask"])
+    p = params(s, n=8, temperature=1.0)
+    out = agent(s, "vllm").generate(prompts, p)
+    assert len(out) == 32 and all(len(group) == 8 for group in out)
+    flat = [t for g in out for t in g]
+    assert sum(t.tool_calls > 0 for t in flat) >= len(flat) // 2  # the turns did happen
+    assert any(t.num_turns > 1 for t in flat)
+    assert agent(s, "vllm").generate(prompts[:2], p) == out[:2]

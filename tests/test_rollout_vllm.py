@@ -22,7 +22,7 @@ from otbrl.rollout import (
     left_pad,
     unpad_prompts,
 )
-from user_model import build_user_style_model, chat_prompts
+from user_model import USER_MESSAGES, build_user_style_model, chat_prompts
 
 LOG_PROBS = frozenset({"log_probs"})  # the trainer forward's sampled-token log-probs
 
@@ -45,9 +45,9 @@ def setup(request, tmp_path_factory):
         path = build_user_style_model(root)
         model, tok = load_model_and_tokenizer(path)
         prompts = chat_prompts(tok)
-        max_model_len = 128
+        max_model_len = 256  # the model's positions: room for ~200-token prompts
     engine = VLLMRollout(path, max_model_len=max_model_len, seed=0)
-    yield {"engine": engine, "model": model, "tok": tok, "prompts": prompts}
+    yield {"engine": engine, "model": model, "tok": tok, "prompts": prompts, "kind": request.param}
     engine.close()
     torch.set_num_threads(previous)
 
@@ -160,6 +160,32 @@ def test_seeded_batches_are_bit_identical(setup):
     assert any(len({tuple(c.token_ids) for c in group}) > 1 for group in a)
     unseeded = _params(setup, temperature=0.8, seed=None)
     assert engine.generate(prompts, unseeded) != engine.generate(prompts, unseeded)
+
+
+def test_a_default_size_batch_of_long_chat_prompts(setup):
+    """32 prompts x 8 samples of ~200-token chat prompts (the trainer's default batch on a
+    user's data): more prompt tokens than one engine step holds. With chunked prefill the CPU
+    engine crashed here ("CPU Generator does not use offset"); each seeded stream must also
+    stay what it is when its prompt is sampled in a batch that fits one step."""
+    if setup["kind"] != "user":
+        pytest.skip("the built-in model has 64 positions")
+    tok, engine = setup["tok"], setup["engine"]
+    text = " ".join(USER_MESSAGES * 2)
+    messages = [f"{i}: {text}" for i in range(32)]
+    prompts = chat_prompts(tok, messages)
+    assert min(map(len, prompts)) >= 180 and max(map(len, prompts)) <= 220
+    params = _params(setup, n=8, max_tokens=256 - max(map(len, prompts)), temperature=1.0)
+    out = engine.generate(prompts, params)
+    assert len(out) == 32 and all(len(group) == 8 for group in out)
+    ids, mask = left_pad(prompts, tok.pad_token_id)
+    batch = completions_to_batch(ids, mask, out, pad_id=tok.pad_token_id)
+    assert batch["response_mask"].sum() > 32 * 8 * 4  # real samples, not a handful of tokens
+    with torch.no_grad():
+        stats = forward_outputs(setup["model"], batch, Layout(), outputs=LOG_PROBS)
+    m = batch["response_mask"].bool()
+    assert float((stats["log_probs"] - batch["rollout_log_probs"])[m].abs().max()) <= TOL
+    # seeds are positional (prompt i of a call): the first prompts alone, in one engine step
+    assert engine.generate(prompts[:2], params) == out[:2]
 
 
 def test_greedy_matches_an_argmax_loop_with_untempered_log_probs(setup):

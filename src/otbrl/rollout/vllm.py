@@ -15,7 +15,8 @@ CPU; on GPU the CUDA ``vllm`` package runs the same calls). What it relies on:
   completion (vLLM would otherwise add the generation config's EOS); the stop token is part of
   the output.
 - Seeds: one seed per request (vLLM derives seed + j for its j-th sample). On CPU a seeded
-  batch was bit-identical across calls and batch compositions (tested).
+  batch was bit-identical across calls and batch compositions (tested). Chunked prefill is
+  off on CPU: it discards and rewinds seeded draws, which CPU generators cannot (see __init__).
 - Weights: ``collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`` re-runs the
   loader (and the CPU backend's repacking of linear weights) layer by layer as the iterator is
   consumed, then ``reset_prefix_cache()`` drops KV blocks computed with the old weights. On
@@ -56,6 +57,9 @@ INSTALL_HINT = (
 _SEED_MIX = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: spreads consecutive seeds apart
 _SEED_MASK = (1 << 62) - 1
 _LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()
+# vLLM's own CPU default of tokens per engine step (LLM class); raised to the context length
+# when a whole prompt must fit in one step (see the chunked-prefill note in __init__)
+_CPU_STEP_TOKENS = 4096
 
 
 def check_vllm_installed() -> None:
@@ -149,6 +153,17 @@ class VLLMRollout:
         )
         if self.on_cpu:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+            # Every request carries its own seeded generator. With chunked prefill, a request
+            # whose prompt is only partly prefilled in a step samples a token that vLLM then
+            # discards and "rewinds" with Generator.set_offset, which CPU generators lack
+            # ("CPU Generator does not use offset": every batch with more prompt tokens than
+            # one step's budget crashed, e.g. 32 x 8 samples of 200-token prompts). Whole
+            # prefills only: nothing is sampled and discarded, so nothing needs rewinding, and
+            # each seeded stream stays independent of how the batch was split into steps.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(
+                _CPU_STEP_TOKENS, max_model_len or _model_context(model_dir)
+            )
         else:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         kwargs.update(engine_kwargs)
@@ -327,6 +342,19 @@ def _repack_tied_lm_head(worker) -> None:
     # one AdamW step on a tied Qwen2). Repacking from the updated weight fixes that.
     head = _tied_lm_head(worker)
     head.quant_method.process_weights_after_loading(head)
+
+
+def _model_context(model_dir: Path) -> int:
+    """The context length an HF config.json declares (the fields vLLM reads), else 0."""
+    import json
+
+    config = json.loads((model_dir / "config.json").read_text())
+    keys = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+            "max_sequence_length", "model_max_length")  # fmt: skip
+    values = [config.get(k) for k in keys]
+    text = config.get("text_config") or {}
+    values += [text.get(k) for k in keys] if isinstance(text, dict) else []
+    return max([int(v) for v in values if isinstance(v, int | float)] or [0])
 
 
 def _check_cpu_head_size(head_size: int) -> None:
