@@ -114,6 +114,24 @@ def test_export_of_a_damaged_checkpoint_writes_nothing(model_dir, tmp_path, caps
     assert not out.exists() and list(tmp_path.iterdir()) == [tmp_path / "ckpt"]
 
 
+def test_export_of_a_run_directory_takes_its_newest_verified_checkpoint(
+    model_dir, tmp_path, capsys
+):
+    """`otbrl export RUN_DIR OUT` answered with a Python API name; it exports the newest
+    checkpoint that verifies (step_3 is damaged: step_2) and says which one it took."""
+    run = tmp_path / "run"
+    saved(model_dir, run / "checkpoints", steps=(1, 2, 3))
+    truncate(run / "checkpoints" / "step_3" / "model.safetensors")
+    capsys.readouterr()
+    assert cli.main(["export", str(run), str(tmp_path / "out")]) == 0
+    assert "step_2" in capsys.readouterr().out
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "llama"
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["export", str(tmp_path / "empty"), str(tmp_path / "out2")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "neither a checkpoint" in err and "\n" not in err
+
+
 def test_export_is_loaded_back_before_it_appears(model_dir, tmp_path):
     engine = saved(model_dir, tmp_path / "ckpt")
     ckpt = tmp_path / "ckpt" / "step_1"

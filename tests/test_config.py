@@ -99,7 +99,10 @@ def test_list_shorthand_and_round_trip():
     [
         (["actor.lrr=1"], "actor.lrr", "did you mean 'actor.lr'"),
         (["algorithm.adv_estimater=grpo"], "algorithm.adv_estimater", "algorithm.adv_estimator"),
-        (["actr.lr=1"], "actr", "did you mean 'actor.lr'"),
+        (["actr.lr=1"], "actr.lr", "did you mean 'actor.lr'"),
+        # a misspelt group is matched against the groups first (was: 'trainer.seed')
+        (["trainr.total_steps=5"], "trainr.total_steps", "did you mean 'trainer.total_steps'"),
+        (["rolout.vllm.kv_cache_gb=2"], "rolout.vllm.kv_cache_gb", "'rollout.vllm.kv_cache_gib'"),
         (["actor.lr=abc"], "actor.lr", "abc"),
         (["actor.ppo_epochs=1.5"], "actor.ppo_epochs", "1.5"),
         (["actor.loss_agg_mode=token_mean"], "actor.loss_agg_mode", "did you mean 'token-mean'"),

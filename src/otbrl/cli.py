@@ -47,7 +47,10 @@ def _build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="validation accuracy of model.path (or the warm start)")
     _add_config_args(p)
     p = sub.add_parser("export", help="checkpoint -> plain Hugging Face directory")
-    p.add_argument("checkpoint", help="a <output_dir>/checkpoints/step_<k> directory")
+    p.add_argument(
+        "checkpoint",
+        help="a run directory (its newest verified checkpoint) or a checkpoints/step_<k> directory",
+    )
     p.add_argument("out_dir", help="directory to write")
     p = sub.add_parser("plot", help="overlay the curves of one or more runs")
     p.add_argument("run_dirs", nargs="+", help="run output directories")
@@ -169,10 +172,11 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from otbrl.store.checkpoint import export_checkpoint
+    from otbrl.store.checkpoint import export_checkpoint, resolve_checkpoint
 
     try:
-        print(f"exported: {export_checkpoint(args.checkpoint, args.out_dir)}")
+        ckpt = resolve_checkpoint(args.checkpoint)
+        print(f"exported {ckpt}: {export_checkpoint(ckpt, args.out_dir)}")
     except ValueError as err:  # a wrong path or a non-empty target: the user's to fix
         return _usage_error(err)
     return 0

@@ -17,6 +17,18 @@ _LIST_KEYS = ("data.train_files", "data.val_files", "trainer.logger", "rollout.m
 
 def _did_you_mean(key: str) -> str:
     candidates = all_keys()
+    group, dot, rest = key.partition(".")
+    groups = sorted({c.split(".", 1)[0] for c in candidates})
+    if dot and group not in groups:
+        # a misspelt group ("trainr.total_steps"): fix the group first, then look for the rest
+        # inside it — a whole-key match would pick whatever key shares the most letters
+        close_groups = difflib.get_close_matches(group, groups, n=1, cutoff=0.6)
+        if close_groups:
+            fixed = f"{close_groups[0]}.{rest}"
+            if fixed in candidates:
+                return f" (did you mean '{fixed}'?)"
+            candidates = [c for c in candidates if c.startswith(close_groups[0] + ".")]
+            key = fixed
     close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
     if not close:  # a typo in the leaf with the right group, e.g. "actor.lrr"
         leaf = key.rsplit(".", 1)[-1]
@@ -33,6 +45,8 @@ def _merge(
         return OmegaConf.merge(base, other)
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or key_hint
+        if key_hint.startswith(f"{key}."):  # OmegaConf names only the unknown group
+            key = key_hint
         if type(err).__name__ in ("ConfigKeyError", "ConfigAttributeError"):
             raise ConfigError(
                 f"unknown config key '{key}' in {source}{_did_you_mean(key)}", key

@@ -59,6 +59,7 @@ __all__ = [
     "checkpoint_step",
     "export_checkpoint",
     "latest_checkpoint",
+    "resolve_checkpoint",
     "latest_verified_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
@@ -253,6 +254,29 @@ def latest_verified_checkpoint(ckpt_root: str | Path) -> tuple[Path | None, list
     return None, skipped
 
 
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The checkpoint ``path`` names: a ``step_<k>`` directory itself, or — for a run directory
+    (``<output_dir>``) or its ``checkpoints/`` folder — the newest checkpoint that verifies.
+
+    Raises ``ValueError`` naming ``path`` when it is none of these or holds no verified
+    checkpoint (listing the newer ones passed over and why).
+    """
+    path = Path(path)
+    if (path / _MARKER).is_file():
+        return path
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    if not _step_dirs(root):
+        raise ValueError(
+            f"path: {path} is neither a checkpoint (step_<k> with {_MARKER}) nor a run "
+            "directory with checkpoints"
+        )
+    found, skipped = latest_verified_checkpoint(root)
+    if found is None:
+        why = "; ".join(f"{p.name}: {err}" for p, err in skipped)
+        raise ValueError(f"path: no checkpoint under {root} verifies ({why})")
+    return found
+
+
 def checkpoint_step(path: str | Path) -> int:
     """The step a complete checkpoint directory was saved at."""
     return int(_read_marker(path)["step"])
@@ -263,7 +287,8 @@ def _read_marker(path: str | Path) -> dict:
     if not (ckpt / _MARKER).is_file():
         raise ValueError(
             f"path: expected a complete checkpoint directory (step_<k> with {_MARKER}), "
-            f"got {ckpt}; use latest_checkpoint(ckpt_root) to find one"
+            f"got {ckpt} (a run directory or its checkpoints/ folder stands for its newest "
+            "verified checkpoint)"
         )
     try:
         meta = json.loads((ckpt / _MARKER).read_text())
@@ -374,14 +399,15 @@ def load_checkpoint(
 
 
 def export_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
-    """Copy the policy's model and tokenizer files of a verified checkpoint to ``out_dir``.
+    """Copy the policy's model and tokenizer files of a verified checkpoint to ``out_dir``
+    (``path``: a checkpoint, or a run directory for its newest verified one).
 
     The checkpoint is verified first, the copies are checked against its manifest, and the
     result is loaded back with ``AutoModelForCausalLM`` (its tensors compared with the file's)
     and ``AutoTokenizer`` before it appears, atomically, at ``out_dir`` (which must not exist
     or be empty). Raises ``ValueError`` naming the problem; nothing is left behind then.
     """
-    ckpt = Path(path)
+    ckpt = resolve_checkpoint(path)
     verify_checkpoint(ckpt)
     if not (ckpt / "config.json").is_file():
         raise ValueError(f"path: {ckpt} holds no Hugging Face model (no config.json)")
