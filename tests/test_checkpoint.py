@@ -331,7 +331,7 @@ def test_export_loads_with_auto_classes(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="out_dir"):
         export_checkpoint(path, out)  # not empty
     (tmp_path / "broken").mkdir()
-    with pytest.raises(ValueError, match="complete checkpoint"):
+    with pytest.raises(ValueError, match="neither a checkpoint"):
         export_checkpoint(tmp_path / "broken", tmp_path / "export2")
     assert json.loads((path / "checkpoint.json").read_text())["step"] == 5
 

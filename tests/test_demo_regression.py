@@ -47,15 +47,12 @@ WALL_CLOCK = ("timing/", "throughput/")
 
 
 def _run(task: str, root: Path) -> dict[str, dict[str, float]]:
-    from otbrl.run.presets import task_preset
-
     preset = [
         o for o in DEMO_PRESET if not o.startswith(("trainer.output_dir", "trainer.max_wall"))
     ]
     out = root / task
     args = [
         *preset,
-        *task_preset(RUNS[task]),
         *RUNS[task],
         f"trainer.output_dir={out}",
         f"sft.cache_dir={root / 'cache'}",

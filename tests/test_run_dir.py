@@ -235,13 +235,15 @@ def test_output_dir_problems_are_one_line_before_loading(setup, tmp_path, capsys
 
 
 def test_a_failed_start_leaves_nothing_that_blocks_a_fixed_config(setup, tmp_path):
-    """A start that fails before its first step (here: a bad model file) leaves a manifest but
-    no run: the corrected command, with another config, is not refused."""
+    """A start that fails before its first step (here: a weights file that does not load)
+    leaves a manifest but no run: the corrected command, with another config, is not
+    refused."""
     overrides, _ = setup
     run = tmp_path / "run"
+    model = next(o.split("=", 1)[1] for o in overrides(run) if o.startswith("model.path="))
     broken = tmp_path / "broken_model"
-    broken.mkdir()
-    (broken / "config.json").write_text("{not json")
+    shutil.copytree(model, broken)
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(Exception):  # noqa: B017 — the HF loader's own error
         Trainer(load_config(None, [*overrides(run), f"model.path={broken}"]))
     assert (run / "run.json").is_file()

@@ -31,8 +31,30 @@ DEMO_PRESET = [
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML file with config groups (data, model, actor, ...)")
     parser.add_argument(
-        "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. actor.lr=1e-4"
+        "--print-config",
+        action="store_true",
+        help="print the resolved configuration (every key, its value, what it means) as YAML "
+        "and exit",
     )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. actor.lr=1e-6"
+    )
+
+
+def _config_parser(sub, name: str, help_: str) -> argparse.ArgumentParser:
+    """A subcommand that takes the configuration; its --help lists every key."""
+    from otbrl.config.describe import keys_help
+
+    parser = sub.add_parser(
+        name,
+        help=help_,
+        description=help_,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="configuration keys (key = schema default; the built-in model and tasks lay "
+        f"their presets over these; see --print-config):\n{keys_help()}\n",
+    )
+    _add_config_args(parser)
+    return parser
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -40,12 +62,11 @@ def _build_parser() -> argparse.ArgumentParser:
         prog="otbrl", description="RL post-training with the Optimal Token Baseline."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    p = sub.add_parser("train", help="run RL training")
-    _add_config_args(p)
-    p = sub.add_parser("sft", help="supervised warm start of the built-in model (cached)")
-    _add_config_args(p)
-    p = sub.add_parser("eval", help="validation accuracy of model.path (or the warm start)")
-    _add_config_args(p)
+    _config_parser(sub, "train", "run RL training")
+    _config_parser(sub, "sft", "supervised warm start of the built-in model (cached)")
+    _config_parser(
+        sub, "eval", "validation accuracy of model.path: a model, a checkpoint or a run directory"
+    )
     p = sub.add_parser("export", help="checkpoint -> plain Hugging Face directory")
     p.add_argument(
         "checkpoint",
@@ -55,13 +76,11 @@ def _build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="overlay the curves of one or more runs")
     p.add_argument("run_dirs", nargs="+", help="run output directories")
     p.add_argument("--out", default=None, help="PNG to write (default: <run>/curves.png)")
-    p = sub.add_parser("demo", help="warm start + RL with the defaults; prints accuracy gain")
-    _add_config_args(p)
+    _config_parser(sub, "demo", "warm start + RL with the defaults; prints accuracy gain")
     p = sub.add_parser(
         "compare", help="OTB vs GRPO at equal token budget over seeds", add_help=False
     )
-    p = sub.add_parser("variance", help="empirical gradient variance per estimator, with CIs")
-    _add_config_args(p)
+    p = _config_parser(sub, "variance", "empirical gradient variance per estimator, with CIs")
     _add_variance_args(p)
     return parser
 
@@ -84,19 +103,34 @@ def _add_variance_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="variance.json", help="JSON to write (PNG beside it)")
 
 
-def _config(args: argparse.Namespace, extra: list[str] | None = None):
+class _Printed(Exception):
+    """--print-config printed the configuration: the command ends there (exit 0)."""
+
+
+def _load(
+    args: argparse.Namespace, extra: list[str] | None = None, *, base: dict | None = None
+):
+    """The loaded config (presets, --config, then overrides over ``extra``); with
+    --print-config it is printed and the command ends."""
+    cfg = load_config(args.config, [*(extra or []), *args.overrides], base=base)
+    if getattr(args, "print_config", False):
+        from otbrl.config.describe import commented_yaml
+
+        print(commented_yaml(cfg), end="")
+        raise _Printed
+    return cfg
+
+
+def _config(args: argparse.Namespace, extra: list[str] | None = None, *, train: bool = True):
     """The loaded config and its ``Plan`` (validated once, before any model loads)."""
     from otbrl.run.plan import validate_config
 
-    cfg = load_config(args.config, [*(extra or []), *args.overrides])
-    return cfg, validate_config(cfg)
+    cfg = _load(args, extra)
+    return cfg, validate_config(cfg, train=train)
 
 
 def _train(args: argparse.Namespace) -> int:
-    from otbrl.run.presets import task_preset
-
-    # a built-in task's own preset (tool_arithmetic: the calculator on...), before the user's
-    cfg, plan = _config(args, task_preset(args.overrides, args.config))
+    cfg, plan = _config(args)
     from otbrl.run.trainer import Trainer
     from otbrl.store.rundir import claim_run_dir
 
@@ -107,10 +141,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from otbrl.run.presets import task_preset
-
-    # the task's own preset (tool_arithmetic: the calculator on...), before the user's overrides
-    cfg, plan = _config(args, [*DEMO_PRESET, *task_preset(args.overrides, args.config)])
+    cfg, plan = _config(args, DEMO_PRESET)
     from otbrl.run.trainer import Trainer
     from otbrl.store.rundir import claim_run_dir
 
@@ -143,9 +174,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _sft(args: argparse.Namespace) -> int:
-    from otbrl.run.presets import task_preset
-
-    cfg, _ = _config(args, task_preset(args.overrides, args.config))
+    cfg, _ = _config(args)
     if cfg.model.path != "builtin":
         raise ConfigError(
             "'model.path' must be 'builtin' for 'otbrl sft' (it warm-starts the built-in model)",
@@ -159,16 +188,65 @@ def _sft(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from otbrl.run.presets import task_preset
+    base, ckpt = _checkpoint_config(args.overrides)
+    if ckpt is not None:  # a run directory stands for its newest verified checkpoint
+        args.overrides = [
+            f"model.path={ckpt}" if o.partition("=")[0].strip() == "model.path" else o
+            for o in args.overrides
+        ]
+    # a checkpoint's own settings (response budget, tools, reward...) unless overridden
+    cfg = _load(args, base=base)
+    if base is not None:
+        print(f"evaluating {ckpt} with the configuration it was trained with", file=sys.stderr)
+    from otbrl.run.plan import validate_config
 
-    cfg, plan = _config(args, task_preset(args.overrides, args.config))
-    from otbrl.run.build import model_path, scoring
-    from otbrl.run.evaluate import evaluate_model
+    plan = validate_config(cfg, train=False)
+    from otbrl.engine.world import World
+    from otbrl.models import eos_token_ids
+    from otbrl.rollout import HFRollout
+    from otbrl.run.build import build_sampler, load_policy, model_path, scoring
+    from otbrl.run.evaluate import validate
 
-    # the plan already read and checked the rows: evaluate those, never read the files again
-    accuracy, count = evaluate_model(cfg, plan.val_rows, model_path(cfg), scoring(cfg, plan))
-    print(f"val accuracy: {accuracy:.4f} on {count} prompts ({cfg.model.path})")
+    path = model_path(cfg)
+    model, tokenizer = load_policy(cfg, path)
+    eos = eos_token_ids(model, tokenizer)
+    sampler = build_sampler(cfg, plan.tools, HFRollout(model, tokenizer), tokenizer, eos, str(path))
+    result = validate(
+        sampler, tokenizer, plan.val_rows, cfg, world=World(), stop_token_ids=eos,
+        seed=cfg.trainer.seed, scoring=scoring(cfg, plan), label="evaluating",
+    )  # fmt: skip
+    rate = result.get("val/tool_call_rate")
+    print(
+        f"val accuracy: {result['val/accuracy']:.4f} on {len(plan.val_rows)} prompts "
+        f"({cfg.model.path})" + ("" if rate is None else f"; tool-call rate {rate:.3f}")
+    )
     return 0
+
+
+def _checkpoint_config(overrides: list[str]) -> tuple[dict | None, str | None]:
+    """(the saved configuration, the checkpoint) when ``model.path`` names a checkpoint or a
+    run directory with checkpoints; (None, None) for a plain model."""
+    paths = [v for k, _, v in (o.partition("=") for o in overrides) if k.strip() == "model.path"]
+    if not paths:
+        return None, None
+    from pathlib import Path
+
+    from otbrl.store.checkpoint import resolve_checkpoint
+
+    given = Path(paths[-1].strip())
+    if not ((given / "checkpoint.json").is_file() or (given / "checkpoints").is_dir()):
+        return None, None
+    try:
+        ckpt = resolve_checkpoint(given)
+    except ValueError as err:
+        why = str(err).removeprefix("path: ")
+        raise ConfigError(f"'model.path': {why}", "model.path") from None
+    saved = ckpt / "config.yaml"
+    if not saved.is_file():
+        return None, str(ckpt)
+    import yaml
+
+    return yaml.safe_load(saved.read_text()), str(ckpt)
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -201,9 +279,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _variance(args: argparse.Namespace) -> int:
-    from otbrl.run.presets import task_preset
-
-    cfg, _ = _config(args, task_preset(args.overrides, args.config))
+    cfg, _ = _config(args)
     from otbrl.research.variance import DEFAULT_ESTIMATORS, check_variance_args, run_variance
 
     try:
@@ -261,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(exit_.code or 0)
     try:
         return COMMANDS[args.command](args)
+    except _Printed:
+        return 0
     except ConfigError as err:
         print(f"otbrl: config error: {err}", file=sys.stderr)
         return EXIT_CONFIG

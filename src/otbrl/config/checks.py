@@ -30,6 +30,7 @@ _CHOICES = {
     "critic.enable": ("auto", "true", "false"),
     "algorithm.otb.energy": ("logit_gradient", "uniform"),
     "reward.on_error": ("raise", "zero"),
+    "data.overlong_prompts": ("error", "filter", "truncate_left"),
 }
 
 _LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
@@ -61,7 +62,6 @@ _POSITIVE = (
 )
 
 _NON_NEGATIVE = (
-    "data.val_size",
     "rollout.top_k",
     "actor.warmup_steps",
     "actor.weight_decay",
@@ -130,6 +130,11 @@ def check_config(cfg: Config) -> None:
     for key in _NON_NEGATIVE:
         if _get(cfg, key) < 0:
             raise ConfigError(f"'{key}' must be >= 0, got {_get(cfg, key)}", key)
+    if cfg.data.val_size is not None and cfg.data.val_size < 1:
+        raise ConfigError(
+            f"'data.val_size' must be >= 1 or null (all validation rows), got {cfg.data.val_size}",
+            "data.val_size",
+        )
     if not 0.0 < cfg.rollout.top_p <= 1.0:
         raise ConfigError(
             f"'rollout.top_p' must be in (0, 1], got {cfg.rollout.top_p}", "rollout.top_p"

@@ -10,6 +10,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from otbrl.config.checks import check_config
+from otbrl.config.presets import DEFAULT_TASK, presets_for
 from otbrl.config.schema import Config, ConfigError, all_keys
 
 _LIST_KEYS = ("data.train_files", "data.val_files", "trainer.logger", "rollout.multi_turn.tools")
@@ -56,37 +57,35 @@ def _merge(
 
 
 def load_config(
-    config_file: str | Path | None = None, overrides: list[str] | None = None
+    config_file: str | Path | None = None,
+    overrides: list[str] | None = None,
+    *,
+    base: dict | None = None,
 ) -> Config:
-    """Build a ``Config`` from defaults, an optional YAML file, then ``key=value`` overrides.
+    """Build a ``Config``: the schema's defaults, the presets of the built-in model and task the
+    run uses (``otbrl.config.presets``; none for a user's model on its own data), an optional
+    YAML file, then ``key=value`` overrides — each later layer wins.
+
+    ``base``: a saved, resolved configuration (``to_dict`` of a run's config, e.g. the one a
+    checkpoint holds) that takes the presets' place: ``otbrl eval`` of a checkpoint starts from
+    the settings it was trained with.
 
     Raises ``ConfigError`` (one line, naming the key) for unknown keys, bad types or values.
     """
+    user = _user_layers(config_file, overrides or [])
     cfg = OmegaConf.structured(Config)
-    if config_file is not None:
-        path = Path(config_file)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: '{path}'", "--config")
-        try:
-            loaded = OmegaConf.load(path)
-        except Exception as err:  # YAML syntax errors come in several exception types
-            first = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise ConfigError(f"cannot parse config file '{path}': {first}", "--config") from None
-        if not isinstance(loaded, DictConfig):
-            raise ConfigError(f"config file '{path}' must hold a mapping of groups", "--config")
-        cfg = _merge(cfg, loaded, f"'{path}'")
-    for item in overrides or []:
-        if "=" not in item or item.startswith("="):
-            raise ConfigError(f"override '{item}' is not of the form key=value", item)
-        key, value = (part.strip() for part in item.split("=", 1))
-        if key in _LIST_KEYS and not value.startswith("["):
-            item = f"{key}=[{value}]"  # CLI shorthand: data.train_files=a.parquet
-        try:
-            dot = OmegaConf.from_dotlist([item])
-        except OmegaConfBaseException as err:
-            msg = str(err).splitlines()[0]
-            raise ConfigError(f"cannot parse override '{item}': {msg}", key) from None
-        cfg = _merge(cfg, dot, f"override '{item}'", key)
+    if base is not None:
+        cfg = _merge(cfg, OmegaConf.create(base), "the saved configuration")
+    else:
+        probe = cfg
+        for layer, source, key in user:
+            probe = _merge(probe, layer, source, key)
+        preset = presets_for(
+            probe.model.path, probe.data.task, list(probe.data.train_files or [])
+        )
+        user = [*_user_layers(None, preset), *user]
+    for layer, source, key in user:
+        cfg = _merge(cfg, layer, source, key)
     try:
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:
@@ -99,7 +98,39 @@ def load_config(
     return obj
 
 
+def _user_layers(config_file: str | Path | None, overrides: list[str]) -> list:
+    """[(DictConfig, where it came from, its key)]: the config file, then each override."""
+    layers = []
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: '{path}'", "--config")
+        try:
+            loaded = OmegaConf.load(path)
+        except Exception as err:  # YAML syntax errors come in several exception types
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ConfigError(f"cannot parse config file '{path}': {first}", "--config") from None
+        if not isinstance(loaded, DictConfig):
+            raise ConfigError(f"config file '{path}' must hold a mapping of groups", "--config")
+        layers.append((loaded, f"'{path}'", ""))
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override '{item}' is not of the form key=value", item)
+        key, value = (part.strip() for part in item.split("=", 1))
+        if key in _LIST_KEYS and not value.startswith("["):
+            item = f"{key}=[{value}]"  # CLI shorthand: data.train_files=a.parquet
+        try:
+            dot = OmegaConf.from_dotlist([item])
+        except OmegaConfBaseException as err:
+            msg = str(err).splitlines()[0]
+            raise ConfigError(f"cannot parse override '{item}': {msg}", key) from None
+        layers.append((dot, f"override '{item}'", key))
+    return layers
+
+
 def _normalize(cfg: Config) -> None:
+    if cfg.model.path == "builtin" and cfg.data.task is None:
+        cfg.data.task = DEFAULT_TASK  # the built-in model's vocabulary is its task's alphabet
     # tri-state keys take YAML booleans too
     for group, key in ((cfg.actor, "calculate_sum_pi_squared"), (cfg.critic, "enable")):
         value = getattr(group, key)

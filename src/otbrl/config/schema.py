@@ -22,19 +22,35 @@ class ConfigError(ValueError):
 
 @dataclass
 class DataConfig:
-    train_files: list[str] = field(default_factory=list)  # parquet; empty -> built-in task
+    train_files: list[str] = field(default_factory=list)  # parquet (verl's row schema)
+    # parquet validation rows (same schema); empty: none, or the task's
     val_files: list[str] = field(default_factory=list)
-    task: str = "arithmetic"  # built-in task used when no files are given
+    # a built-in task ("arithmetic" | "digit_sum" | "tool_arithmetic") as the data when no
+    # files are given (it brings its preset, otbrl.config.presets); None: the built-in model's
+    # "arithmetic", and for a user's model no fallback (data.train_files is required)
+    task: str | None = None
     train_batch_size: int = 32  # prompts per RL step
-    val_size: int = 500  # built-in task: number of validation prompts
-    max_prompt_length: int = 64
-    max_response_length: int = 4  # the demo: 3 answer digits + EOS; raise it for real data
+    # validation prompts: a seeded sample of this many rows of data.val_files; None: all of
+    # them (the built-in task: 500)
+    val_size: int | None = None
+    max_prompt_length: int = 512  # tokens, chat template included
+    max_response_length: int = 512  # tokens per response (multi-turn: observations included)
+    # a prompt longer than max_prompt_length: "error" (at start, naming the row) | "filter"
+    # (dropped, counted, reported) | "truncate_left" (its first tokens cut)
+    overlong_prompts: str = "error"
+    # render prompts with the tokenizer's chat template; false: the messages' text as written
+    # (base models without a template)
+    apply_chat_template: bool = True
+    # seeds the shuffling of the training rows and the validation sample
     seed: int = 0
 
 
 @dataclass
 class ModelConfig:
-    path: str = "builtin"  # local HF directory, or "builtin" (tiny model, SFT warm start)
+    # a local HF model directory, a hub id in the local HF cache, or "builtin" (the tiny
+    # model, warm-started by SFT on its task)
+    path: str = "builtin"
+    # weights and optimizer state: float32 | bfloat16 (no fp32 master copy)
     dtype: str = "float32"
     use_remove_padding: bool = False  # packed [1, nnz] forward instead of padded [B, L]
 
@@ -65,7 +81,9 @@ class MultiTurnConfig:
 class RolloutConfig:
     name: str = "hf"  # "hf" (the training model's own sampler) | "vllm"
     n: int = 8  # responses per prompt
+    # sampling temperature (the trainer's log-probs use the same one)
     temperature: float = 1.0
+    # nucleus sampling; 1.0 = off
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     # the response budget: model and (multi-turn) observation tokens together
@@ -76,24 +94,37 @@ class RolloutConfig:
 
 @dataclass
 class ActorConfig:
-    lr: float = 3e-4
+    # AdamW learning rate (1e-6: verl's and TRL's default for full fine-tuning; the built-in
+    # model's preset: 3e-4)
+    lr: float = 1e-6
     warmup_steps: int = 20  # linear warmup of optimizer steps; a cold AdamW can wreck the policy
+    # AdamW weight decay
     weight_decay: float = 0.0
+    # passes over each step's batch
     ppo_epochs: int = 1
     # prompts per optimizer step (x rollout.n sequences); None = the whole step batch
     ppo_mini_batch_size: int | None = None
     # at most this many sequences per forward/backward (the last micro-batch may be smaller;
     # gradients are accumulated exactly, as if the mini-batch ran at once)
-    micro_batch_size: int = 64
+    micro_batch_size: int = 8
+    # PPO clip: the ratio's lower bound is 1 - this
     clip_ratio_low: float = 0.2
+    # PPO clip: the ratio's upper bound is 1 + this (DAPO's clip-higher: > low)
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
+    # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     loss_agg_mode: str = "token-mean"
+    # entropy bonus weight in the policy loss; 0 = off
     entropy_coeff: float = 0.0
+    # add a KL-to-reference term to the loss (builds a frozen reference)
     use_kl_loss: bool = False
+    # weight of the KL loss term
     kl_loss_coef: float = 0.001
+    # KL estimator: k1 | k2 | k3 (= low_var_kl) | abs, '+' for straight-through
     kl_loss_type: str = "low_var_kl"
+    # global gradient-norm clip
     grad_clip: float = 1.0
+    # fuse the lm_head with the token statistics (no [T, V] logits kept)
     use_fused_kernels: bool = False
     calculate_sum_pi_squared: Any = "auto"  # "auto" | "true" | "false" (YAML booleans accepted)
     # "auto": one process, or FSDP2 when torchrun starts several; "single" | "fsdp" | "tp"
@@ -110,34 +141,49 @@ class CriticConfig:
 
     enable: Any = "auto"  # "auto" (on when the estimator needs values) | "true" | "false"
     model_path: str | None = None  # None: the policy's model
-    lr: float = 1e-3
+    lr: float = 1e-5  # the critic's learning rate (verl's default; the built-in model's: 1e-3)
+    # linear warmup of the critic's optimizer steps
     warmup_steps: int = 0
+    # AdamW weight decay of the critic
     weight_decay: float = 0.0
+    # critic passes over each step's batch
     ppo_epochs: int = 1
     cliprange_value: float | None = 0.5  # None: no value clipping
-    micro_batch_size: int = 64
+    # at most this many sequences per critic forward/backward
+    micro_batch_size: int = 8
+    # the critic's global gradient-norm clip
     grad_clip: float = 1.0
 
 
 @dataclass
 class OTBConfig:
+    # baseline of each sample from the other samples of its group only
     leave_one_out: bool = False
-    energy: str = "logit_gradient"  # "logit_gradient" | "uniform"
+    # W_t weights: logit_gradient (1 - 2π + Σπ²) | uniform (a token-count baseline)
+    energy: str = "logit_gradient"
 
 
 @dataclass
 class AlgorithmConfig:
+    # optimal_token_baseline | tir_optimal_token_baseline | grpo | rloo | gae | ...
     adv_estimator: str = "optimal_token_baseline"
+    # discount (gae)
     gamma: float = 1.0
+    # GAE lambda
     lam: float = 1.0
+    # GRPO: divide by the group's reward std (false: Dr. GRPO)
     norm_adv_by_std_in_grpo: bool = True
+    # OTB: no baseline where a group has no samples left
     handle_zero_tail: bool = True
+    # subtract kl_coef · KL(policy || reference) from the token rewards
     use_kl_in_reward: bool = False
+    # weight of the in-reward KL
     kl_coef: float = 0.001
     # correction for sampling with a rollout engine whose log-probs differ from the trainer's:
     # "none" | "token_tis" (w = min(exp(old − rollout), C)) | "seq_mis" (drop sequences whose
     # ratio exp(Σ(old − rollout)) leaves [1/C, C]); C = rollout_is_cap
     rollout_correction: str = "none"
+    # C of rollout_correction (>= 1)
     rollout_is_cap: float = 2.0
     otb: OTBConfig = field(default_factory=OTBConfig)
 
@@ -153,20 +199,27 @@ class RewardConfig:
 
 @dataclass
 class TrainerConfig:
+    # RL steps (each: sample, score, update)
     total_steps: int = 800
     val_every: int = 50  # 0 = no validation
-    save_every: int = 0  # 0 = no checkpoints
-    keep_last_checkpoints: int = 0  # delete older checkpoints beyond the newest N; 0 = keep all
+    save_every: int = 50  # steps between checkpoints (and one at the end); 0 = none
+    # delete older checkpoints beyond the newest N (the disk this takes is printed at start);
+    # 0 = keep all
+    keep_last_checkpoints: int = 2
+    # the run directory: metrics, summary, plots, checkpoints
     output_dir: str = "runs/default"
+    # console | jsonl | tensorboard | wandb
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    # seeds sampling, dropout and the warm start
     seed: int = 0
     resume: str = "auto"  # "auto" | "never" | path to a checkpoint
     # with resume=never: move an existing run in output_dir aside (to <output_dir>.old-<time>)
     # instead of refusing to start; nothing is deleted
     overwrite: bool = False
+    # greedy validation (false: sample at val_temperature)
     val_greedy: bool = True
     val_temperature: float = 1.0  # used when val_greedy is false
-    val_batch_size: int = 256
+    val_batch_size: int = 64  # prompts per validation generate call
     # stop early (after a final validation and checkpoint) once fit() has run this long;
     # 0 = no limit. The demo uses it to keep its 10-minute promise on a slower machine.
     max_wall_seconds: float = 0.0
@@ -180,11 +233,17 @@ class TrainerConfig:
 
 @dataclass
 class SFTConfig:
+    # the built-in model's warm start: learning rate
     lr: float = 3e-3
+    # warm start: demonstrations per step
     batch_size: int = 64
+    # warm start: the most steps
     max_steps: int = 2000
+    # warm start: stop at this greedy validation accuracy
     target_accuracy: float = 0.3
+    # warm start: steps between accuracy checks
     eval_every: int = 25
+    # warm-started models are cached here, keyed by their settings
     cache_dir: str = ".cache/otbrl"
 
 

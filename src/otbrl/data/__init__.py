@@ -7,6 +7,7 @@ from otbrl.data.datasets import (
     pad_token_id,
     read_parquet_rows,
     render_prompts,
+    tokenize_prompts,
     validate_row,
     write_parquet_rows,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "pad_token_id",
     "read_parquet_rows",
     "render_prompts",
+    "tokenize_prompts",
     "validate_row",
     "write_parquet_rows",
 ]

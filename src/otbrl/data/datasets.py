@@ -172,33 +172,52 @@ def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
+def tokenize_prompts(
+    rows: Sequence[dict], tokenizer: PreTrainedTokenizerBase, tools: dict | None = None
+) -> list[list[int]]:
+    """[B] the token ids of each row's prompt (``render_prompts``; no padding)."""
+    texts = render_prompts(rows, tokenizer, tools)
+    # The template already holds the special tokens (BOS, role markers): add none twice.
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+OVERLONG = ("error", "truncate_left")
+
+
 def encode_prompts(
     rows: Sequence[dict],
     tokenizer: PreTrainedTokenizerBase,
     max_prompt_length: int,
     tools: dict | None = None,
+    *,
+    overlong: str = "error",
 ) -> dict[str, Tensor]:
     """Tokenize prompts through the chat template (``tools`` as in ``render_prompts``),
     left-padded.
 
     Returns:
         ``input_ids`` [B, Lp] long and ``attention_mask`` [B, Lp] long, Lp = longest prompt.
-        A prompt longer than ``max_prompt_length`` tokens is a ``ValueError`` naming its row.
+        A prompt longer than ``max_prompt_length`` tokens is a ``ValueError`` naming its row
+        (``overlong="error"``) or keeps its last ``max_prompt_length`` tokens
+        (``"truncate_left"``: the end of the prompt, with the generation prompt, survives).
     """
     if not rows:
         raise ValueError("rows: expected at least one row, got none")
-    texts = render_prompts(rows, tokenizer, tools)
-    # The template already holds the special tokens (BOS, role markers): add none twice.
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    if overlong not in OVERLONG:
+        raise ValueError(f"overlong: expected one of {OVERLONG}, got {overlong!r}")
+    ids = tokenize_prompts(rows, tokenizer, tools)
     lengths = [len(x) for x in ids]
     worst = int(np.argmax(lengths))
     if lengths[worst] > max_prompt_length:
-        raise ValueError(
-            f"max_prompt_length: row {worst} (data_source {rows[worst].get('data_source')!r}) "
-            f"has a {lengths[worst]}-token prompt, longer than {max_prompt_length}"
-        )
+        if overlong == "error":
+            raise ValueError(
+                f"max_prompt_length: row {worst} (data_source "
+                f"{rows[worst].get('data_source')!r}) has a {lengths[worst]}-token prompt, "
+                f"longer than {max_prompt_length}"
+            )
+        ids = [x[-max_prompt_length:] for x in ids]
     pad_id = pad_token_id(tokenizer)
-    width = max(lengths)
+    width = max(len(x) for x in ids)
     input_ids = torch.full((len(ids), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(ids), width), dtype=torch.long)
     for i, x in enumerate(ids):

@@ -8,13 +8,21 @@ from otbrl.models.hf import (
     load_model_and_tokenizer,
     load_value_model,
     random_causal_lm,
+    resolve_model_dir,
 )
-from otbrl.models.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
+from otbrl.models.tokenizer import (
+    CHAT_TEMPLATE,
+    RAW_PROMPT_TEMPLATE,
+    SPECIAL_TOKENS,
+    build_tokenizer,
+    set_prompt_template,
+)
 
 __all__ = [
     "ARCHS",
     "CHAT_TEMPLATE",
     "DEFAULT_SIZE",
+    "RAW_PROMPT_TEMPLATE",
     "SPECIAL_TOKENS",
     "build_tiny_model",
     "build_tokenizer",
@@ -22,4 +30,6 @@ __all__ = [
     "load_model_and_tokenizer",
     "load_value_model",
     "random_causal_lm",
+    "resolve_model_dir",
+    "set_prompt_template",
 ]

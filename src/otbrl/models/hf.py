@@ -171,13 +171,53 @@ def _quiet_loading(errors_only: bool = False):
             hf_logging.enable_progress_bar()
 
 
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+            "pytorch_model.bin.index.json")  # fmt: skip
+
+
+def resolve_model_dir(path: str | Path) -> Path:
+    """A model as a local directory: ``path`` itself when it is a directory with
+    ``config.json``, else a Hugging Face hub id (``"Qwen/Qwen2.5-0.5B"``) looked up in the local
+    HF cache only (``HF_HOME`` / ``HF_HUB_CACHE``; nothing is downloaded).
+
+    Raises ``ValueError`` naming ``path``: not a model directory, an id that is not cached (with
+    the command that fetches it), or a directory without weights.
+    """
+    local = Path(path)
+    if not local.exists() and _looks_like_hub_id(str(path)):
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        try:
+            local = Path(snapshot_download(str(path), local_files_only=True))
+        except LocalEntryNotFoundError:
+            raise ValueError(
+                f"path: {str(path)!r} is not a local directory nor in the local Hugging Face "
+                f"cache; fetch it where there is internet with `hf download {path}` (same "
+                "HF_HOME), or pass a model directory"
+            ) from None
+    if not (local / "config.json").is_file():
+        raise ValueError(
+            f"path: expected a local model directory with config.json (or a Hugging Face hub "
+            f"id in the local cache), got {str(path)!r}"
+        )
+    if not any((local / name).is_file() for name in _WEIGHTS) and not any(
+        local.glob("*.safetensors")
+    ):
+        raise ValueError(
+            f"path: {str(local)!r} has a config.json but no weights (expected "
+            f"model.safetensors, sharded *.safetensors with an index, or pytorch_model.bin)"
+        )
+    return local
+
+
+def _looks_like_hub_id(text: str) -> bool:
+    # "org/name" or "name": no leading "/" "." "~", at most one "/"
+    return bool(text) and text[0] not in "/.~" and text.count("/") <= 1 and " " not in text
+
+
 def _model_dir(path: str | Path, dtype: str) -> Path:
-    """``path`` as a Path after checking it is an HF model directory and ``dtype`` is known."""
+    """``path`` as a local model directory (``resolve_model_dir``) after checking ``dtype``."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ValueError(
-            f"path: expected a local model directory with config.json, got {str(path)!r}"
-        )
-    return path
+    return resolve_model_dir(path)

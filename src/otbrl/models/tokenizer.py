@@ -57,6 +57,29 @@ TOOL_CHAT_TEMPLATE = (
 )
 
 
+# ``data.apply_chat_template=false`` (base models, which often ship no template): the prompt is
+# its messages' text as written, one message per line, with no role markers and no generation
+# prompt — what verl and TRL feed a base model from a raw-text prompt column.
+RAW_PROMPT_TEMPLATE = (
+    "{% for message in messages %}{{ message['content'] }}"
+    "{% if not loop.last %}\n{% endif %}{% endfor %}"
+)
+
+
+def set_prompt_template(tokenizer, apply_chat_template: bool, where: str) -> None:
+    """Make ``tokenizer`` render prompts the way ``data.apply_chat_template`` asks: its own chat
+    template (which must exist: else a ``ValueError`` naming ``where`` and the key that helps),
+    or ``RAW_PROMPT_TEMPLATE``."""
+    if not apply_chat_template:
+        tokenizer.chat_template = RAW_PROMPT_TEMPLATE
+    elif not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"the tokenizer of {where} has no chat template (common for base models): set "
+            "data.apply_chat_template=false to feed each prompt's text as it is, or add a "
+            "chat_template to its tokenizer_config.json"
+        )
+
+
 def build_tokenizer(alphabet: str, *, tool_tokens: bool = False) -> PreTrainedTokenizerFast:
     """Build a character-level byte-level-BPE tokenizer over ``alphabet`` plus special tokens.
 

@@ -269,17 +269,21 @@ def _finished(run: _Run) -> bool:
     return True
 
 
-def _train_subprocess(config_file, overrides, run_dir: Path, threads: int) -> str | None:
-    """``otbrl train`` in a child process with ``threads`` torch threads; output to
-    ``run_dir/train.log``. Returns None on success, else a one-line reason."""
+def _train_subprocess(cfg, run_dir: Path, threads: int) -> str | None:
+    """``otbrl train`` of the resolved ``cfg`` (every key in a YAML file beside the run) in a
+    child process with ``threads`` torch threads; output to ``run_dir/train.log``. Returns None
+    on success, else a one-line reason."""
+    import yaml
+
+    from otbrl.config import to_dict
+
     run_dir.mkdir(parents=True, exist_ok=True)
+    planned = run_dir.parent / f"{run_dir.name}.planned.yaml"
+    planned.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    command = [sys.executable, "-m", "otbrl", "train"]
-    command += ["--config", config_file] if config_file else []
+    command = [sys.executable, "-m", "otbrl", "train", "--config", str(planned)]
     with open(run_dir / "train.log", "w") as log:
-        code = subprocess.run(
-            [*command, *overrides], stdout=log, stderr=subprocess.STDOUT, env=env
-        ).returncode
+        code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
     if code == 0 and (run_dir / "summary.json").is_file():
         return None
     return f"exit code {code}; see {run_dir / 'train.log'}"
@@ -311,21 +315,21 @@ def run_compare(
     processes than as one multi-thread process). Raises ``RuntimeError`` naming every failed
     run after the others have finished.
     """
-    from otbrl.config import load_config
+    from otbrl.config import load_config, to_dict
     from otbrl.run.build import model_path
     from otbrl.run.plan import validate_config
-    from otbrl.run.presets import task_preset
     from otbrl.run.trainer import Trainer
     from otbrl.store.files import atomic_write_text
     from otbrl.store.plain import json_safe
 
     arm_list = parse_arms(arms)
     check_settings(seeds, budget_responses, prompts, updates_per_step, jobs)
-    # the task's own preset (tool_arithmetic: the calculator on...) before the user's overrides
-    overrides = [*task_preset(overrides, config_file), *overrides]
     out = Path(out_dir)
-    base_cfg = load_config(config_file, overrides)
+    base_cfg = load_config(config_file, overrides)  # with the built-in model's and task's presets
     validate_config(base_cfg)
+    # every arm starts from the base's resolved settings: pointing model.path at the shared
+    # warm start must not drop the built-in model's preset
+    base = to_dict(base_cfg)
     # one warm start shared by every arm and seed: seeds vary the RL sampling, not the start
     start_path = model_path(base_cfg)
     start = time.perf_counter()
@@ -345,7 +349,7 @@ def run_compare(
                 run_dir=run_dir,
             )
             # fail before training anything if one arm's config is wrong
-            cfg = load_config(config_file, [*overrides, *run])
+            cfg = load_config(None, run, base=base)
             validate_config(cfg)
             plan.append(_Run(arm_label(name, n), seed, steps, prompts * n, run_dir, cfg, run))
     todo = [run for run in plan if not _finished(run)]
@@ -370,9 +374,7 @@ def run_compare(
 
         def train(item):
             t0 = time.perf_counter()
-            error = _train_subprocess(
-                config_file, [*overrides, *item.overrides], item.run_dir, threads
-            )
+            error = _train_subprocess(item.cfg, item.run_dir, threads)
             return item, error, time.perf_counter() - t0
 
         with ThreadPoolExecutor(jobs) as pool:

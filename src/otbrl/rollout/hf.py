@@ -25,6 +25,8 @@ class HFRollout:
     Args:
         model: the causal LM to sample from (its train/eval mode is restored after each call).
         tokenizer: gives the pad id used to left-pad prompts (its pad, else its EOS token).
+            A prompt plus its budget longer than the model's ``max_position_embeddings`` is a
+            ``ValueError``, as in the vLLM backend.
         owns_copy: ``False`` (default) when ``model`` is the training model itself:
             ``sync_weights`` is then a no-op and does not consume its argument. ``True`` when
             ``model`` is a separate inference copy (e.g. the unsharded copy of a distributed
@@ -52,6 +54,9 @@ class HFRollout:
         self.owns_copy = owns_copy
         self.pad_id = int(pad)
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        # like vLLM's max_model_len: past its positions a model samples garbage, silently
+        positions = getattr(model.config, "max_position_embeddings", None)
+        self.max_model_len = int(positions) if isinstance(positions, int) else None
 
     @torch.no_grad()
     def generate(
@@ -68,7 +73,10 @@ class HFRollout:
         With ``params.seed`` the draw is reproducible and the caller's global RNG is left as it
         was; without a seed the global torch RNG is used (and advanced).
         """
-        budgets = check_generate_args(prompts, params, max_tokens, vocab_size=self.vocab_size)
+        budgets = check_generate_args(
+            prompts, params, max_tokens, vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+        )  # fmt: skip
         device = next(self.model.parameters()).device
         ids, mask = left_pad(prompts, self.pad_id)
         ids, mask = ids.to(device), mask.to(device)

@@ -14,10 +14,16 @@ from pathlib import Path
 
 from otbrl.algos import loss_terms
 from otbrl.config import Config, ConfigError
-from otbrl.data import PromptDataset, encode_prompts
+from otbrl.data import PromptDataset
 from otbrl.engine.engine import Engine
 from otbrl.engine.world import World
-from otbrl.models import eos_token_ids, load_model_and_tokenizer, load_value_model
+from otbrl.models import (
+    eos_token_ids,
+    load_model_and_tokenizer,
+    load_value_model,
+    resolve_model_dir,
+    set_prompt_template,
+)
 from otbrl.rollout import HFRollout, RolloutBackend, Sampler, VLLMRollout, make_agent
 from otbrl.run.plan import Plan
 from otbrl.run.sampling import Scoring
@@ -40,8 +46,17 @@ def warm_start(cfg: Config) -> Path:
 
 
 def model_path(cfg: Config) -> Path:
-    """``model.path``, or the warm-started built-in model when it is ``builtin``."""
-    return warm_start(cfg) if cfg.model.path == "builtin" else Path(cfg.model.path)
+    """``model.path`` as a local directory (a hub id resolved in the local HF cache), or the
+    warm-started built-in model when it is ``builtin``."""
+    return warm_start(cfg) if cfg.model.path == "builtin" else resolve_model_dir(cfg.model.path)
+
+
+def load_policy(cfg: Config, path: Path):
+    """(model, tokenizer) of the policy at ``path`` in ``model.dtype``, the tokenizer rendering
+    prompts as ``data.apply_chat_template`` asks (the plan checked that it can)."""
+    model, tokenizer = load_model_and_tokenizer(path, dtype=cfg.model.dtype)
+    set_prompt_template(tokenizer, cfg.data.apply_chat_template, str(path))
+    return model, tokenizer
 
 
 def policy_loss(cfg: Config, *, regularizers: bool = True) -> loss_terms.Loss:
@@ -98,13 +113,6 @@ def build_backend(
         copy_ = copy.deepcopy(model).eval().requires_grad_(False).to(world.device)
         return HFRollout(copy_, tokenizer, owns_copy=True)
     v = cfg.rollout.vllm
-    positions = getattr(model.config, "max_position_embeddings", None)
-    if positions is not None and context > positions:
-        raise ConfigError(
-            f"'data.max_response_length': the longest prompt plus the response budget is "
-            f"{context} tokens, more than the model's {positions} positions",
-            "data.max_response_length",
-        )
     return VLLMRollout(
         model_dir,
         dtype=v.dtype,
@@ -159,22 +167,18 @@ def build_run(cfg: Config, plan: Plan, world: World, path: Path) -> RunParts:
     """Load the policy from ``path`` and build the parts of the run for this process, in the
     order they must come: the rollout backend before the engine shards the model (an HF backend
     on several processes copies it), then the engines."""
-    model, tokenizer = load_model_and_tokenizer(path, dtype=cfg.model.dtype)
+    model, tokenizer = load_policy(cfg, path)
     eos_ids = eos_token_ids(model, tokenizer)
-    dataset = PromptDataset(
+    dataset = PromptDataset(  # the plan measured every prompt already: no tokenizer here
         plan.train_rows,
-        tokenizer,
+        None,
         max_prompt_length=cfg.data.max_prompt_length,
         batch_size=cfg.data.train_batch_size,
         seed=cfg.data.seed,
         tools=plan.tools,
     )
-    longest = dataset.longest_prompt
-    if plan.val_rows:
-        val = encode_prompts(plan.val_rows, tokenizer, 10**9, plan.tools)
-        longest = max(longest, int(val["attention_mask"].sum(dim=1).max()))
     backend = build_backend(
-        cfg, model, tokenizer, world, path, longest + cfg.rollout.max_new_tokens
+        cfg, model, tokenizer, world, path, plan.longest_prompt + cfg.rollout.max_new_tokens
     )
     sampler = build_sampler(cfg, plan.tools, backend, tokenizer, eos_ids, str(path))
     a = cfg.actor

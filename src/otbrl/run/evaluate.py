@@ -4,15 +4,15 @@ one sampling step (``otbrl.run.sampling``) exactly as training samples."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from otbrl.config import Config, ConfigError
+from otbrl.config import Config
 from otbrl.engine.world import World
-from otbrl.models import eos_token_ids, load_model_and_tokenizer
-from otbrl.rollout import HFRollout, Sampler, SamplingParams
+from otbrl.rollout import Sampler, SamplingParams
+from otbrl.run.plan import overlong_mode
 from otbrl.run.sampling import Scoring, sample_batch
 
 
@@ -29,6 +29,9 @@ def evaluate(
     temperature: float = 1.0,
     seed: int = 0,
     scoring: Scoring | None = None,
+    max_prompt_length: int = 10**9,
+    overlong: str = "error",
+    progress: str | None = None,
 ) -> dict[str, float]:
     """``{"accuracy"}`` — the mean reward of one response per row (with 0/1 rewards, the
     accuracy) — plus ``"tool_call_rate"`` (rows with at least one tool call) and
@@ -36,13 +39,19 @@ def evaluate(
 
     ``sampler``: any rollout backend, or the agent loop over one (validation samples the way
     training does); rows are sampled in batches of ``batch_size``, batch k with seed
-    ``seed + k · batch_size``. ``scoring`` as in ``sample_batch``.
+    ``seed + k · batch_size``. ``scoring``, ``max_prompt_length`` and ``overlong`` as in
+    ``sample_batch``. ``progress``: a label to show a progress bar over the rows under (on
+    stderr, cleared when done); None: silent.
     """
     if not rows:
         raise ValueError("rows: expected at least one row to evaluate, got none")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size: expected an int ≥ 1, got {batch_size!r}")
     total = calls = called = 0.0
+    bar = tqdm(
+        total=len(rows), desc=progress, unit="prompt", leave=False, disable=progress is None,
+        dynamic_ncols=True,
+    )  # fmt: skip
     for start in range(0, len(rows), batch_size):
         params = SamplingParams(
             n=1,
@@ -53,12 +62,15 @@ def evaluate(
             seed=seed + start,
         )
         sample = sample_batch(
-            sampler, tokenizer, rows[start : start + batch_size], params, scoring=scoring
-        )
+            sampler, tokenizer, rows[start : start + batch_size], params, scoring=scoring,
+            max_prompt_length=max_prompt_length, overlong=overlong,
+        )  # fmt: skip
         total += sum(sample.scores)
         if "tool_calls" in sample.batch:
             calls += float(sample.batch["tool_calls"].sum())
             called += float((sample.batch["tool_calls"] > 0).sum())
+        bar.update(len(sample.rows))
+    bar.close()
     out = {"accuracy": total / len(rows)}
     if sampler.tools:
         out["tool_call_rate"] = called / len(rows)
@@ -81,10 +93,12 @@ def validate(
     stop_token_ids: Sequence[int],
     seed: int,
     scoring: Scoring,
+    label: str = "validating",
 ) -> dict[str, float]:
     """The run's validation with the ``trainer.val_*`` settings: ``{"val/accuracy"}`` (and
     ``"val/tool_call_rate"`` when the sampler has tools), averaged over the whole of ``rows``.
-    Collective: each rank evaluates its share (rows ``rank::size``)."""
+    Collective: each rank evaluates its share (rows ``rank::size``); rank 0 shows a progress
+    bar under ``label``."""
     t = cfg.trainer
     share = list(rows[world.rank :: world.size])
     accuracy = rate = 0.0
@@ -100,6 +114,9 @@ def validate(
             batch_size=t.val_batch_size,
             seed=seed,
             scoring=scoring,
+            max_prompt_length=cfg.data.max_prompt_length,
+            overlong=overlong_mode(cfg),
+            progress=f"{label} ({len(rows)} prompts)" if world.is_main else None,
         )
         accuracy, rate = result["accuracy"], result.get("tool_call_rate", 0.0)
     total, called, count = world.sum([accuracy * len(share), rate * len(share), len(share)])
@@ -107,23 +124,3 @@ def validate(
     if sampler.tools:
         out["val/tool_call_rate"] = called / max(count, 1.0)
     return out
-
-
-def evaluate_model(cfg: Config, val_rows: Sequence[dict], path: Path, scoring: Scoring):
-    """(accuracy, number of prompts) of the model at ``path`` on ``val_rows`` (``otbrl eval``;
-    the rows and the reward come from the plan the CLI already made)."""
-    if not val_rows:
-        raise ConfigError("'data.val_files' is empty: nothing to evaluate", "data.val_files")
-    model, tokenizer = load_model_and_tokenizer(path, dtype=cfg.model.dtype)
-    accuracy = evaluate_accuracy(
-        HFRollout(model, tokenizer),
-        tokenizer,
-        val_rows,
-        stop_token_ids=eos_token_ids(model, tokenizer),
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        greedy=cfg.trainer.val_greedy,
-        temperature=cfg.trainer.val_temperature,
-        batch_size=cfg.trainer.val_batch_size,
-        scoring=scoring,
-    )
-    return accuracy, len(val_rows)

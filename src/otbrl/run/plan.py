@@ -20,17 +20,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from otbrl.algos.advantages import ESTIMATORS, get_estimator
 from otbrl.algos.loss_math import KL_KINDS
 from otbrl.config import Config, ConfigError
-from otbrl.data import get_task, read_parquet_rows
+from otbrl.data import get_task, read_parquet_rows, tokenize_prompts
 from otbrl.engine.dims import ParallelDims
-from otbrl.models import build_tokenizer
+from otbrl.models import DEFAULT_SIZE, build_tokenizer, resolve_model_dir, set_prompt_template
 from otbrl.report.metrics_log import check_backends
 from otbrl.rewards import BUILTIN_REWARDS, DATA_SOURCE_REWARDS, resolve_reward_function
 from otbrl.rollout import check_vllm_installed, make_agent
 from otbrl.tools import resolve_tools, tools_for_row
 
+TASK_VAL_SIZE = 500  # validation prompts of a built-in task when data.val_size is unset
 # estimator option -> the config key that sets it
 ESTIMATOR_OPTION_KEYS = {
     "gamma": "algorithm.gamma",
@@ -72,7 +75,9 @@ class Plan:
     has a ``SOURCES`` entry). ``dims``: the parallel layout. ``mini_batch_size``: prompts per
     optimizer step. ``reward_fn``: the resolved ``reward.function`` (None: by data_source).
     ``train_rows`` / ``val_rows``: the checked data rows (``load_rows``). ``tools``: the
-    resolved ``rollout.multi_turn.tools`` (None when empty: single-turn).
+    resolved ``rollout.multi_turn.tools`` (None when empty: single-turn). ``longest_prompt``:
+    the longest prompt in tokens after ``data.overlong_prompts``; ``notes``: one line per
+    change that policy made (rows dropped or cut), printed when the run starts.
     """
 
     needs: frozenset[str]
@@ -82,6 +87,8 @@ class Plan:
     train_rows: list = field(default_factory=list, repr=False)
     val_rows: list = field(default_factory=list, repr=False)
     tools: Any = None  # {name: otbrl.tools.Tool} of rollout.multi_turn.tools; None: single-turn
+    longest_prompt: int = 0  # tokens, over all kept rows (a rollout engine's context: + budget)
+    notes: tuple[str, ...] = ()  # what the plan changed in the data, for the run's start-up lines
 
     @property
     def use_reference(self) -> bool:
@@ -157,12 +164,11 @@ def _check_files(cfg: Config) -> None:
             if not Path(file).is_file():
                 raise ConfigError(f"'data.{key}' file not found: '{file}'", f"data.{key}")
     for key, path in (("model.path", cfg.model.path), ("critic.model_path", cfg.critic.model_path)):
-        if path not in (None, "builtin") and not (Path(path) / "config.json").is_file():
-            raise ConfigError(
-                f"'{key}' must be 'builtin' or a local HF model directory with config.json, "
-                f"got '{path}'",
-                key,
-            )
+        if path not in (None, "builtin"):
+            try:
+                resolve_model_dir(path)
+            except ValueError as err:
+                raise ConfigError(f"'{key}': {str(err).removeprefix('path: ')}", key) from None
 
 
 def _check_task(cfg: Config) -> None:
@@ -180,11 +186,13 @@ def _check_task(cfg: Config) -> None:
         )
 
 
-def validate_config(cfg: Config, world_size: int | None = None) -> Plan:
+def validate_config(cfg: Config, world_size: int | None = None, *, train: bool = True) -> Plan:
     """Every check that needs the registries, the file system or the world size; returns the
-    ``Plan``. Runs once, before any model is loaded; raises ``ConfigError`` naming the key.
+    ``Plan``. Runs once, before any model is loaded (the tokenizer is: prompts are measured
+    now); raises ``ConfigError`` naming the key.
 
-    ``world_size`` defaults to torchrun's ``WORLD_SIZE`` (1 without torchrun).
+    ``world_size`` defaults to torchrun's ``WORLD_SIZE`` (1 without torchrun). ``train=False``
+    (``otbrl eval``): no training rows are needed.
     """
     name = cfg.algorithm.adv_estimator
     if name not in ESTIMATORS:
@@ -207,7 +215,7 @@ def validate_config(cfg: Config, world_size: int | None = None) -> Plan:
         check_backends(cfg.trainer.logger)
     except (ImportError, ValueError) as err:
         raise ConfigError(f"'trainer.logger': {err}", "trainer.logger") from None
-    if not cfg.data.train_files:
+    if cfg.data.task is not None and not cfg.data.train_files:  # the task supplies the data
         _check_task(cfg)
     reward_fn = None
     if cfg.reward.function is not None:
@@ -215,7 +223,8 @@ def validate_config(cfg: Config, world_size: int | None = None) -> Plan:
             reward_fn = resolve_reward_function(cfg.reward.function)
         except (ValueError, TypeError, ImportError, AttributeError) as err:
             raise ConfigError(f"'reward.function': {err}", "reward.function") from None
-    tools = check_tools(cfg)
+    tokenizer = plan_tokenizer(cfg)  # loaded once, no model: the tools and prompts need it
+    tools = check_tools(cfg, tokenizer)
     if cfg.rollout.name == "vllm":
         try:
             check_vllm_installed()
@@ -230,12 +239,15 @@ def validate_config(cfg: Config, world_size: int | None = None) -> Plan:
     mini = cfg.actor.ppo_mini_batch_size or cfg.data.train_batch_size
     dims.check_divisible("data.train_batch_size", cfg.data.train_batch_size)
     dims.check_divisible("actor.ppo_mini_batch_size", mini)
-    train_rows, val_rows = load_rows(cfg)
+    train_rows, val_rows = load_rows(cfg, train=train)
     if reward_fn is None:
         _check_rewards_resolvable(train_rows + val_rows)
     if tools:
         check_row_tools(train_rows + val_rows, tools)
-    if len(train_rows) < cfg.data.train_batch_size:
+    train_rows, longest, notes = check_prompt_lengths(cfg, train_rows, tokenizer, tools, "train")
+    val_rows, longest_val, val_notes = check_prompt_lengths(cfg, val_rows, tokenizer, tools, "val")
+    _check_context(cfg, max(longest, longest_val))
+    if train and len(train_rows) < cfg.data.train_batch_size:
         raise ConfigError(
             f"'data.train_batch_size' ({cfg.data.train_batch_size}) is larger than the training "
             f"data ({len(train_rows)} rows)",
@@ -249,6 +261,8 @@ def validate_config(cfg: Config, world_size: int | None = None) -> Plan:
         train_rows=train_rows,
         val_rows=val_rows,
         tools=tools,
+        longest_prompt=max(longest, longest_val),
+        notes=(*notes, *val_notes),
     )
 
 
@@ -273,10 +287,9 @@ def _check_rewards_resolvable(rows: list[dict]) -> None:
     )
 
 
-def check_tools(cfg: Config):
-    """The resolved tools (None without any), after checking that the model's tokenizer and
-    chat template can carry tool turns in the configured format: the built-in task's tokenizer
-    for ``model.path=builtin``, else the one in ``model.path`` (no model is loaded)."""
+def check_tools(cfg: Config, tokenizer):
+    """The resolved tools (None without any), after checking that the run's ``tokenizer``
+    (``plan_tokenizer``) and its chat template can carry tool turns in the configured format."""
     multi = cfg.rollout.multi_turn
     if not multi.tools:
         return None
@@ -286,15 +299,11 @@ def check_tools(cfg: Config):
         raise ConfigError(
             f"'rollout.multi_turn.tools': {err}", "rollout.multi_turn.tools"
         ) from None
-    if cfg.model.path == "builtin":
-        task = get_task(cfg.data.task)
-        tokenizer = build_tokenizer(task.alphabet, tool_tokens=bool(task.tools))
-        key, where = "data.task", f"built-in model of task {cfg.data.task!r}"
-    else:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        key, where = "model.path", cfg.model.path
+    key, where = (
+        ("data.task", f"built-in model of task {cfg.data.task!r}")
+        if cfg.model.path == "builtin"
+        else ("model.path", cfg.model.path)
+    )
     try:
         make_agent(
             None,
@@ -321,17 +330,126 @@ def check_row_tools(rows: list[dict], tools) -> None:
                               "rollout.multi_turn.tools") from None  # fmt: skip
 
 
-def load_rows(cfg: Config) -> tuple[list[dict], list[dict]]:
-    """(train rows, validation rows): from parquet files, else from the built-in task (the
-    task's validation rows only when neither file list is set). A problem with a file is a
-    one-line ``ConfigError`` naming the key and the file."""
+def load_rows(cfg: Config, *, train: bool = True) -> tuple[list[dict], list[dict]]:
+    """(train rows, validation rows): from parquet files, else from the built-in task
+    ``data.task`` (the task's validation rows only when neither file list is set); validation
+    rows capped at ``data.val_size`` (a seeded sample, kept in file order). With a user's model
+    and no files, ``data.task`` must name the task: no silent fallback. ``train=False``: the
+    training rows may be missing (``otbrl eval``). A problem with a file is a one-line
+    ``ConfigError`` naming the key and the file."""
     data = cfg.data
-    task = None if data.train_files and data.val_files else get_task(data.task)
-    train = _read_rows(cfg, "train_files") or task.rows("train", seed=data.seed)
+    task = get_task(data.task) if data.task is not None else None
+    train_rows = _read_rows(cfg, "train_files")
+    if not train_rows and task is not None:
+        train_rows = task.rows("train", seed=data.seed)
+    if not train_rows and train:
+        raise ConfigError(
+            f"'data.train_files' is empty and model.path is a model of yours "
+            f"('{cfg.model.path}'): set data.train_files=[train.parquet] (verl's row schema), "
+            "or data.task=arithmetic to train it on a built-in task",
+            "data.train_files",
+        )
     val = _read_rows(cfg, "val_files")
-    if not val and not data.train_files:
-        val = task.rows("val", data.val_size, seed=data.seed)
-    return train, val
+    if val and data.val_size is not None and len(val) > data.val_size:
+        keep = np.random.default_rng(data.seed).choice(len(val), data.val_size, replace=False)
+        val = [val[i] for i in sorted(keep)]
+    if not val and not data.train_files and task is not None:
+        val = task.rows("val", data.val_size or TASK_VAL_SIZE, seed=data.seed)
+    return train_rows, val
+
+
+def plan_tokenizer(cfg: Config):
+    """The run's tokenizer, loaded without its model (a ``ConfigError`` for a model without a
+    usable one): the built-in task's for ``model.path=builtin``, else the one in ``model.path``,
+    with prompts rendered as ``data.apply_chat_template`` asks (``set_prompt_template``)."""
+    if cfg.model.path == "builtin":
+        task = get_task(cfg.data.task)
+        tokenizer = build_tokenizer(task.alphabet, tool_tokens=bool(task.tools))
+        where = f"the built-in model of task {cfg.data.task!r}"
+    else:
+        from transformers import AutoTokenizer
+
+        path = resolve_model_dir(cfg.model.path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except Exception as err:  # transformers raises many types for a broken tokenizer
+            first = (str(err).splitlines() or [type(err).__name__])[0]
+            raise ConfigError(
+                f"'model.path': cannot load the tokenizer in '{path}': {first}", "model.path"
+            ) from None
+        where = f"'{cfg.model.path}'"
+    try:
+        set_prompt_template(tokenizer, cfg.data.apply_chat_template, where)
+    except ValueError as err:
+        raise ConfigError(
+            f"'data.apply_chat_template': {err}", "data.apply_chat_template"
+        ) from None
+    return tokenizer
+
+
+def check_prompt_lengths(
+    cfg: Config, rows: list[dict], tokenizer, tools, split: str
+) -> tuple[list[dict], int, list[str]]:
+    """Apply ``data.overlong_prompts`` to the ``split`` rows: (the rows kept, their longest
+    prompt in tokens after truncation, notes on what changed). ``error``: a ``ConfigError``
+    naming the first long row and how many there are; ``filter``: those rows dropped;
+    ``truncate_left``: kept (the sampling step keeps each prompt's last tokens)."""
+    limit, mode = cfg.data.max_prompt_length, cfg.data.overlong_prompts
+    lengths: list[int] = []
+    for start in range(0, len(rows), 4096):  # bounded memory on big files
+        lengths += [len(x) for x in tokenize_prompts(rows[start : start + 4096], tokenizer, tools)]
+    over = [i for i, n in enumerate(lengths) if n > limit]
+    if not over:
+        return rows, max(lengths, default=0), []
+    first = over[0]
+    what = f"{len(over)} of {len(rows)} {split} prompts are longer than {limit} tokens"
+    if mode == "error":
+        raise ConfigError(
+            f"'data.max_prompt_length': {what} ({split} row {first}, data_source "
+            f"{rows[first].get('data_source')!r}: {lengths[first]} tokens); raise "
+            "data.max_prompt_length, or set data.overlong_prompts=filter (drop them) or "
+            "truncate_left (cut their beginning)",
+            "data.max_prompt_length",
+        )
+    if mode == "filter":
+        dropped = set(over)
+        kept = [row for i, row in enumerate(rows) if i not in dropped]
+        longest = max((n for i, n in enumerate(lengths) if i not in dropped), default=0)
+        return kept, longest, [f"{what}: dropped (data.overlong_prompts=filter)"]
+    return rows, limit, [f"{what}: their beginning is cut (data.overlong_prompts=truncate_left)"]
+
+
+def overlong_mode(cfg: Config) -> str:
+    """The sampling step's mode for prompts over ``data.max_prompt_length``: the plan dropped
+    them under ``filter`` (any left would be a bug: ``error``); ``truncate_left`` cuts them."""
+    return "truncate_left" if cfg.data.overlong_prompts == "truncate_left" else "error"
+
+
+def _check_context(cfg: Config, longest_prompt: int) -> None:
+    """The longest prompt plus the response budget fits the model's positions (both rollout
+    backends refuse more; this says so before the model loads, naming the key)."""
+    if cfg.model.path == "builtin":
+        positions = DEFAULT_SIZE["max_position_embeddings"]
+    else:
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(resolve_model_dir(cfg.model.path))
+        except Exception as err:  # a broken config.json: transformers raises many types
+            first = (str(err).splitlines() or [type(err).__name__])[0]
+            raise ConfigError(
+                f"'model.path': cannot read the model config in '{cfg.model.path}': {first}",
+                "model.path",
+            ) from None
+        positions = getattr(config, "max_position_embeddings", None)
+    context = longest_prompt + cfg.rollout.max_new_tokens
+    if isinstance(positions, int) and context > positions:
+        raise ConfigError(
+            f"'data.max_response_length': the longest prompt ({longest_prompt} tokens) plus the "
+            f"response budget ({cfg.rollout.max_new_tokens}) is {context} tokens, more than the "
+            f"model's {positions} positions",
+            "data.max_response_length",
+        )
 
 
 def _read_rows(cfg: Config, key: str) -> list[dict]:

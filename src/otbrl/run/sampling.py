@@ -76,20 +76,22 @@ def sample_batch(
     *,
     scoring: Scoring | None = None,
     max_prompt_length: int = 10**9,
+    overlong: str = "error",
     uid_offset: int = 0,
 ) -> Sample:
     """Sample ``params.n`` responses for each of ``rows`` [P] and score them; B = P · n rows,
     those of a prompt adjacent with one ``uid`` (the prompt's index + ``uid_offset``: the
     global index when ``rows`` is one data-parallel rank's share).
 
-    A prompt longer than ``max_prompt_length`` tokens is a ``ValueError`` naming its row. A
+    A prompt longer than ``max_prompt_length`` tokens is a ``ValueError`` naming its row, or
+    keeps its last ``max_prompt_length`` tokens with ``overlong="truncate_left"``. A
     multi-turn response is scored on its final turn (the model tokens after the last
     observation), its whole transcript in ``extra_info``. ``scoring`` None: ``Scoring()``.
     """
     rows = list(rows)
     scoring = scoring or Scoring()
     start = time.perf_counter()
-    enc = encode_prompts(rows, tokenizer, max_prompt_length, sampler.tools)
+    enc = encode_prompts(rows, tokenizer, max_prompt_length, sampler.tools, overlong=overlong)
     prompts = unpad_prompts(enc["input_ids"], enc["attention_mask"])
     completions = sampler.generate(prompts, params, rows=rows)
     batch = completions_to_batch(

@@ -42,7 +42,7 @@ from otbrl.report.plots import plot_run
 from otbrl.rollout import SamplingParams
 from otbrl.run.build import build_run, model_path, scoring
 from otbrl.run.evaluate import validate
-from otbrl.run.plan import Plan, estimator_options, validate_config
+from otbrl.run.plan import Plan, estimator_options, overlong_mode, validate_config
 from otbrl.run.sampling import sample_batch
 from otbrl.run.seeds import seed_everything, step_seed
 from otbrl.store import checkpoint
@@ -126,6 +126,7 @@ class Trainer:
             params,
             scoring=self.scoring,
             max_prompt_length=self.cfg.data.max_prompt_length,
+            overlong=overlong_mode(self.cfg),
             uid_offset=self.world.dp_rank * len(rows),  # the global prompt index
         )
         self.rollout.sleep()  # frees the backend's memory for training, where supported
