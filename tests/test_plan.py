@@ -94,7 +94,8 @@ def test_eval_reads_each_data_file_once(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(plan_mod, "read_parquet_rows", counting)
     argv = ["eval", f"model.path={model}", f"data.train_files=[{train}]",
-            f"data.val_files=[{val}]", "data.train_batch_size=4", "data.max_response_length=4"]  # fmt: skip
+            f"data.val_files=[{val}]", "data.train_batch_size=4",
+            "data.max_response_length=4"]  # fmt: skip
     assert cli.main(argv) == 0
     assert sorted(reads) == sorted([(str(train),), (str(val),)])
     assert "on 4 prompts" in capsys.readouterr().out
