@@ -107,9 +107,7 @@ class _Printed(Exception):
     """--print-config printed the configuration: the command ends there (exit 0)."""
 
 
-def _load(
-    args: argparse.Namespace, extra: list[str] | None = None, *, base: dict | None = None
-):
+def _load(args: argparse.Namespace, extra: list[str] | None = None, *, base: dict | None = None):
     """The loaded config (presets, --config, then overrides over ``extra``); with
     --print-config it is printed and the command ends."""
     cfg = load_config(args.config, [*(extra or []), *args.overrides], base=base)
@@ -214,7 +212,7 @@ def _eval(args: argparse.Namespace) -> int:
     result = validate(
         sampler, tokenizer, plan.val_rows, cfg, world=World(), stop_token_ids=eos,
         seed=cfg.trainer.seed, scoring=scoring(cfg, plan), label="evaluating",
-    )  # fmt: skip
+    ).metrics  # fmt: skip
     rate = result.get("val/tool_call_rate")
     print(
         f"val accuracy: {result['val/accuracy']:.4f} on {len(plan.val_rows)} prompts "
@@ -355,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as err:
         print(f"otbrl: error: {err}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("otbrl: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as err:
+        if not getattr(err, "otbrl_reported", False):  # the trainer said what it kept
+            print("otbrl: interrupted", file=sys.stderr)
         return 130

@@ -78,6 +78,7 @@ _NON_NEGATIVE = (
     "trainer.keep_last_checkpoints",
     "trainer.max_wall_seconds",
     "trainer.max_skipped_steps",
+    "trainer.log_generations",
     "actor.entropy_coeff",
     "reward.timeout_s",
     "sft.max_steps",

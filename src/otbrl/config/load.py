@@ -80,9 +80,7 @@ def load_config(
         probe = cfg
         for layer, source, key in user:
             probe = _merge(probe, layer, source, key)
-        preset = presets_for(
-            probe.model.path, probe.data.task, list(probe.data.train_files or [])
-        )
+        preset = presets_for(probe.model.path, probe.data.task, list(probe.data.train_files or []))
         user = [*_user_layers(None, preset), *user]
     for layer, source, key in user:
         cfg = _merge(cfg, layer, source, key)

@@ -220,6 +220,9 @@ class TrainerConfig:
     val_greedy: bool = True
     val_temperature: float = 1.0  # used when val_greedy is false
     val_batch_size: int = 64  # prompts per validation generate call
+    # at each validation, the first N validation samples (prompt, response or transcript,
+    # reward) go to generations.jsonl (and TensorBoard / W&B tables); 0 = none
+    log_generations: int = 4
     # stop early (after a final validation and checkpoint) once fit() has run this long;
     # 0 = no limit. The demo uses it to keep its 10-minute promise on a slower machine.
     max_wall_seconds: float = 0.0

@@ -25,7 +25,7 @@ from typing import Any, TextIO
 
 from tqdm.auto import tqdm
 
-from otbrl.store.files import METRICS_FILE, SUMMARY_FILE, atomic_write_text
+from otbrl.store.files import GENERATIONS_FILE, METRICS_FILE, SUMMARY_FILE, atomic_write_text
 from otbrl.store.plain import json_safe, to_number, to_plain_dict
 
 BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
@@ -38,6 +38,7 @@ _BAR_KEYS = (
     ("val/accuracy", "val acc"),
     ("policy/entropy_mean", "entropy"),
     ("policy/sum_pi_squared_mean", "Σπ²"),
+    ("tool/call_rate", "tool rate"),  # multi-turn runs only
 )
 # (metrics key, label): the "last value" rows of the end-of-run summary.
 _SUMMARY_KEYS = (
@@ -122,6 +123,11 @@ def _format_value(value: Any) -> str:
     return str(value)
 
 
+def _md_cell(value: Any) -> str:
+    """One Markdown table cell: pipes escaped, newlines as <br>."""
+    return str(value).replace("|", "\\|").replace("\n", "<br>")
+
+
 class MetricsLogger:
     """Writes one record per training step to every requested backend.
 
@@ -191,6 +197,7 @@ class MetricsLogger:
             )
         if "jsonl" in self.backends:
             self._open_jsonl()
+            self._keep_generations()
         if "console" in self.backends:
             self._bar = tqdm(
                 total=self.total_steps,
@@ -239,6 +246,45 @@ class MetricsLogger:
         self._last_offset = self._file.tell() - (len(lines[-1].encode()) if lines else 0)
         if kept:
             self._last_step, self._last_record = kept[-1]["step"], kept[-1]
+
+    def _keep_generations(self) -> None:
+        """Resuming at step k: drop the generations of later steps (they will be redone), like
+        the metrics; a fresh run starts the file empty."""
+        path = self.output_dir / GENERATIONS_FILE
+        if not path.exists():
+            return
+        kept = []
+        if self.initial_step > 0:
+            records, _ = _parse_lines(path.read_bytes())
+            kept = [r for r in records if r.get("step", 0) <= self.initial_step]
+        atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept))
+
+    def log_generations(self, step: int, rows: Iterable[Mapping[str, Any]]) -> None:
+        """Append sampled ``rows`` (``{"prompt", "response", "reward", ...}``, JSON-able) of
+        ``step`` to ``generations.jsonl`` (jsonl backend), and as a table to TensorBoard
+        (text) and W&B (``wandb.Table``) when those are on."""
+        if self._closed:
+            raise ValueError("log_generations: this MetricsLogger is closed")
+        records = [{"step": step, **json_safe(dict(row))} for row in rows]
+        if not records:
+            return
+        if "jsonl" in self.backends:
+            with (self.output_dir / GENERATIONS_FILE).open("a", encoding="utf-8") as f:
+                f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        columns = list(dict.fromkeys(k for r in records for k in r))
+        if self._tb is not None:
+            header = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
+            body = "".join(
+                "| " + " | ".join(_md_cell(r.get(c)) for c in columns) + " |\n" for r in records
+            )
+            self._tb.add_text("generations", header + body, global_step=step)
+            self._tb.flush()
+        if self._wandb_run is not None:
+            wandb = importlib.import_module("wandb")
+            table = wandb.Table(
+                columns=columns, data=[[r.get(c) for c in columns] for r in records]
+            )
+            self._wandb_run.log({"generations": table}, step=step)
 
     def _remember(self, record: Mapping[str, Any]) -> None:
         for key, value in record.items():

@@ -4,6 +4,7 @@ one sampling step (``otbrl.run.sampling``) exactly as training samples."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -32,7 +33,8 @@ def evaluate(
     max_prompt_length: int = 10**9,
     overlong: str = "error",
     progress: str | None = None,
-) -> dict[str, float]:
+    generations: int = 0,
+) -> dict:
     """``{"accuracy"}`` — the mean reward of one response per row (with 0/1 rewards, the
     accuracy) — plus ``"tool_call_rate"`` (rows with at least one tool call) and
     ``"tool_calls_per_sample"`` when the sampler has tools (the agent loop).
@@ -41,13 +43,17 @@ def evaluate(
     training does); rows are sampled in batches of ``batch_size``, batch k with seed
     ``seed + k · batch_size``. ``scoring``, ``max_prompt_length`` and ``overlong`` as in
     ``sample_batch``. ``progress``: a label to show a progress bar over the rows under (on
-    stderr, cleared when done); None: silent.
+    stderr, cleared when done); None: silent. ``generations`` > 0: also ``"generations"``, the
+    first that many rows as ``{"prompt", "response", "reward", "data_source"}`` (the prompt as
+    the model saw it, chat template included; the response as text, multi-turn: the
+    transcript).
     """
     if not rows:
         raise ValueError("rows: expected at least one row to evaluate, got none")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size: expected an int ≥ 1, got {batch_size!r}")
     total = calls = called = 0.0
+    kept: list[dict] = []
     bar = tqdm(
         total=len(rows), desc=progress, unit="prompt", leave=False, disable=progress is None,
         dynamic_ncols=True,
@@ -70,17 +76,44 @@ def evaluate(
             calls += float(sample.batch["tool_calls"].sum())
             called += float((sample.batch["tool_calls"] > 0).sum())
         bar.update(len(sample.rows))
+        if len(kept) < generations:
+            kept += _generations(tokenizer, sample, generations - len(kept))
     bar.close()
-    out = {"accuracy": total / len(rows)}
+    out: dict = {"accuracy": total / len(rows)}
+    if generations > 0:
+        out["generations"] = kept
     if sampler.tools:
         out["tool_call_rate"] = called / len(rows)
         out["tool_calls_per_sample"] = calls / len(rows)
     return out
 
 
+def _generations(tokenizer, sample, n: int) -> list[dict]:
+    """The first ``n`` samples of ``sample`` as log rows."""
+    prompts, mask = sample.batch["prompts"][:n], sample.batch["attention_mask"]
+    width = prompts.shape[1]
+    return [
+        {
+            "prompt": tokenizer.decode(ids[mask[i, :width] > 0].tolist()),
+            "response": sample.responses[i],
+            "reward": sample.scores[i],
+            "data_source": sample.rows[i].get("data_source"),
+        }
+        for i, ids in enumerate(prompts)
+    ]
+
+
 def evaluate_accuracy(sampler: Sampler, tokenizer, rows: Sequence[dict], **kwargs) -> float:
     """``evaluate(...)["accuracy"]`` (keywords as there)."""
     return evaluate(sampler, tokenizer, rows, **kwargs)["accuracy"]
+
+
+class Validation(NamedTuple):
+    """``metrics``: ``{"val/accuracy"[, "val/tool_call_rate"]}``; ``generations``: the logged
+    rows of ``evaluate(..., generations=)`` (rank 0's share; [] when none were asked for)."""
+
+    metrics: dict[str, float]
+    generations: list[dict]
 
 
 def validate(
@@ -94,14 +127,15 @@ def validate(
     seed: int,
     scoring: Scoring,
     label: str = "validating",
-) -> dict[str, float]:
-    """The run's validation with the ``trainer.val_*`` settings: ``{"val/accuracy"}`` (and
-    ``"val/tool_call_rate"`` when the sampler has tools), averaged over the whole of ``rows``.
-    Collective: each rank evaluates its share (rows ``rank::size``); rank 0 shows a progress
-    bar under ``label``."""
+    generations: int = 0,
+) -> Validation:
+    """The run's validation with the ``trainer.val_*`` settings: the metrics averaged over the
+    whole of ``rows`` and ``generations`` sample rows. Collective: each rank evaluates its share
+    (rows ``rank::size``); rank 0 shows a progress bar under ``label``."""
     t = cfg.trainer
     share = list(rows[world.rank :: world.size])
     accuracy = rate = 0.0
+    kept: list[dict] = []
     if share:
         result = evaluate(
             sampler,
@@ -117,10 +151,12 @@ def validate(
             max_prompt_length=cfg.data.max_prompt_length,
             overlong=overlong_mode(cfg),
             progress=f"{label} ({len(rows)} prompts)" if world.is_main else None,
+            generations=generations,
         )
         accuracy, rate = result["accuracy"], result.get("tool_call_rate", 0.0)
+        kept = result.get("generations", [])
     total, called, count = world.sum([accuracy * len(share), rate * len(share), len(share)])
     out = {"val/accuracy": total / max(count, 1.0)}
     if sampler.tools:
         out["val/tool_call_rate"] = called / max(count, 1.0)
-    return out
+    return Validation(out, kept)

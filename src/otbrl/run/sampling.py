@@ -60,12 +60,15 @@ class Sample(NamedTuple):
     floats: an accuracy sums them unrounded). ``metrics``: ``train/reward_*``, response length
     and clip ratio, ``reward/errors`` / ``reward/timeouts``, ``timing/rollout`` (encoding and
     generation) and ``timing/reward`` (decoding and scoring) and, multi-turn, the ``tool/*`` set.
+    ``responses``: [B] each response as text (multi-turn: the whole transcript, observations
+    included), for logs.
     """
 
     batch: dict[str, Tensor]
     rows: list[dict]
     scores: list[float]
     metrics: dict[str, float]
+    responses: list[str]
 
 
 def sample_batch(
@@ -103,9 +106,10 @@ def sample_batch(
     repeated = [row for row in rows for _ in range(params.n)]
     texts = decode_responses(tokenizer, batch["responses"], mask)
     multi_turn = "num_turns" in batch
+    responses = texts
     if multi_turn:
         attention = batch["attention_mask"][:, enc["input_ids"].shape[1] :]
-        transcripts = decode_transcripts(tokenizer, batch["responses"], attention)
+        responses = transcripts = decode_transcripts(tokenizer, batch["responses"], attention)
         repeated = transcript_rows(repeated, transcripts, batch)
     scores, info = score_responses(
         texts,
@@ -122,4 +126,4 @@ def sample_batch(
     metrics["timing/reward"] = time.perf_counter() - sampled
     if multi_turn:
         metrics.update(tool_metrics(batch))
-    return Sample(batch, repeated, list(scores), metrics)
+    return Sample(batch, repeated, list(scores), metrics, list(responses))

@@ -24,6 +24,7 @@ directory; checkpoints are collective and resume on any engine and world size.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from pathlib import Path
 
@@ -57,6 +58,20 @@ def _timed(timing: dict, name: str):
     start = time.perf_counter()
     yield
     timing[f"timing/{name}"] = time.perf_counter() - start
+
+
+def _say(text: str) -> None:
+    print(f"otbrl: {text}", file=sys.stderr, flush=True)
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def engine_bytes(engine) -> int:
+    """Bytes one checkpoint holds for ``engine``: its weights and AdamW's two moments (same
+    dtype as the weights), at full (unsharded) size."""
+    return sum(3 * p.numel() * p.element_size() for p in engine.model.parameters())
 
 
 class Trainer:
@@ -216,11 +231,12 @@ class Trainer:
         self.rollout.wake_up()
         self.rollout.sync_weights(self.policy.full_tensors())
 
-    def validate(self, with_tools: bool = True) -> dict[str, float]:
+    def validate(self, with_tools: bool = True, logger=None) -> dict[str, float]:
         """``val/*`` on the validation rows (greedy unless ``trainer.val_greedy=false``), sampled
         as training samples (through the agent loop when tools are configured, unless
-        ``with_tools`` is false: the same policy answering alone)."""
-        return validate(
+        ``with_tools`` is false: the same policy answering alone). With a ``logger`` the first
+        ``trainer.log_generations`` samples go to its generations log."""
+        result = validate(
             self.sampler if with_tools else self.rollout,
             self.tokenizer,
             self.plan.val_rows,
@@ -229,7 +245,11 @@ class Trainer:
             stop_token_ids=self.eos_ids,
             seed=step_seed(self.cfg.trainer.seed, self.step),
             scoring=self.scoring,
+            generations=self.cfg.trainer.log_generations if logger is not None else 0,
         )
+        if logger is not None and result.generations:
+            logger.log_generations(self.step, result.generations)
+        return result.metrics
 
     # -- checkpoints ------------------------------------------------------------------------------
     def _resume(self) -> None:
@@ -292,6 +312,11 @@ class Trainer:
         """
         try:
             return self._fit()
+        except KeyboardInterrupt as err:
+            if self.world.is_main:
+                self._interrupted()
+                err.otbrl_reported = True  # the CLI adds no second line
+            raise
         finally:
             close = getattr(self.rollout, "close", None)
             if close is not None:
@@ -300,10 +325,56 @@ class Trainer:
                 teardown_distributed()
             self.run.release()
 
+    def _announce(self) -> None:
+        """Start-up lines (rank 0, stderr): what the plan changed in the data, the disk the
+        checkpoints will take, and a run that is already complete."""
+        for note in self.plan.notes:
+            _say(note)
+        cfg = self.cfg.trainer
+        if cfg.save_every > 0:
+            size = sum(engine_bytes(engine) for engine in self.engines.values())
+            saves = cfg.total_steps // cfg.save_every + 1
+            kept = min(saves, cfg.keep_last_checkpoints or saves)
+            retention = (
+                f"the newest {kept} kept (trainer.keep_last_checkpoints)"
+                if cfg.keep_last_checkpoints
+                else "all kept (trainer.keep_last_checkpoints=0)"
+            )
+            _say(
+                f"checkpoints every {cfg.save_every} steps, {retention}: ~{_gb(size)} each, "
+                f"up to ~{_gb(size * min(kept + 1, saves))} in {self.ckpt_root} while one is "
+                "written"
+            )
+        else:
+            _say("no checkpoints (trainer.save_every=0): an interrupted run starts over")
+        if self.step >= cfg.total_steps:
+            _say(
+                f"the run in {self.output_dir} is already complete (step {self.step} of "
+                f"trainer.total_steps={cfg.total_steps}): nothing to train; raise "
+                "trainer.total_steps to train on, or use a new trainer.output_dir"
+            )
+
+    def _interrupted(self) -> None:
+        """Ctrl-C: say what of the run is kept (rank 0)."""
+        newest = checkpoint.latest_checkpoint(self.ckpt_root)
+        if newest is not None:
+            kept = (
+                f"the newest checkpoint is {newest.name}: the same command resumes from "
+                f"step {checkpoint.checkpoint_step(newest)}"
+            )
+        else:
+            kept = (
+                "no checkpoint was written (trainer.save_every), so the same command starts "
+                f"over; the metrics so far are in {self.output_dir / 'metrics.jsonl'}"
+            )
+        _say(f"interrupted at step {self.step}: {kept}")
+
     def _fit(self) -> dict:
         cfg = self.cfg.trainer
         self._fit_start = time.perf_counter()
         self._resume()
+        if self.world.is_main:
+            self._announce()
         logger = None
         if self.world.is_main:
             logger = MetricsLogger(
@@ -318,7 +389,7 @@ class Trainer:
         summary: dict = {}
         try:
             if validating and self.step == 0:
-                self.initial_val = self.last_val = self.validate()
+                self.initial_val = self.last_val = self.validate(logger=logger)
                 self.initial_val_accuracy = self.last_val_accuracy = self.last_val["val/accuracy"]
                 log(0, dict(self.last_val))
             while self.step < cfg.total_steps:
@@ -330,7 +401,7 @@ class Trainer:
                 last = self.step == cfg.total_steps or out_of_time
                 if validating and (self.step % cfg.val_every == 0 or last):
                     start = time.perf_counter()
-                    self.last_val = self.validate()
+                    self.last_val = self.validate(logger=logger)
                     self.last_val_accuracy = self.last_val["val/accuracy"]
                     metrics.update(self.last_val)
                     metrics["timing/val"] = time.perf_counter() - start

@@ -16,6 +16,7 @@ from pathlib import Path
 # the run directory's log files (written by otbrl.report, named by otbrl.store.rundir)
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
+GENERATIONS_FILE = "generations.jsonl"
 
 
 def make_temp_dir(parent: str | Path, prefix: str) -> Path:

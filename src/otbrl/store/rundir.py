@@ -40,7 +40,7 @@ from typing import Any, TextIO
 import otbrl
 from otbrl.config import Config, ConfigError, to_dict
 from otbrl.store import checkpoint
-from otbrl.store.files import METRICS_FILE, SUMMARY_FILE, atomic_write_text
+from otbrl.store.files import GENERATIONS_FILE, METRICS_FILE, SUMMARY_FILE, atomic_write_text
 
 MANIFEST = "run.json"
 LOCK = "run.lock"
@@ -78,7 +78,7 @@ RESUME_MAY_DIFFER = frozenset(
     }
 )
 # What otbrl writes into a run directory (named in messages).
-_RUN_ENTRIES = (MANIFEST, METRICS_FILE, SUMMARY_FILE, CHECKPOINTS, "config.yaml")
+_RUN_ENTRIES = (MANIFEST, METRICS_FILE, SUMMARY_FILE, GENERATIONS_FILE, CHECKPOINTS, "config.yaml")
 
 
 @dataclass
@@ -176,7 +176,11 @@ def claim_run_dir(cfg: Config, *, rank: int | None = None, stream: TextIO | None
         run.resume_from = _resume_from(cfg, path, entry, stream)
         if run.resume_from is not None:
             entry["resumed_from"] = str(run.resume_from)
-        elif saved is not None and "damaged_checkpoints" not in entry:
+            step = checkpoint.checkpoint_step(run.resume_from)
+            print(f"otbrl: resuming {path} from {run.resume_from.name} (step {step})", file=stream)
+        elif saved is None:
+            print(f"otbrl: new run in {path}", file=stream)
+        elif "damaged_checkpoints" not in entry:
             print(
                 f"otbrl: {path} holds this run but no checkpoint (trainer.save_every=0?): "
                 "starting it over from step 0",
