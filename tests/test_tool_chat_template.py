@@ -9,22 +9,8 @@ from otbrl import cli
 from otbrl.models import load_model_and_tokenizer
 from otbrl.rollout import Completion, SamplingParams, make_agent
 from otbrl.tools import HermesFormat, resolve_tools, tool_schemas
-from user_model import build_user_style_model
+from user_model import TOOLS_CHATML, build_user_style_model
 
-# ChatML with a tools section and tool answers wrapped in <tool_response>, as Qwen2.5-style
-# templates do (written for this test).
-TOOLS_CHATML = (
-    "{% if tools %}<|im_start|>system\nYou may call these tools:"
-    "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n"
-    'Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im_end|>\n'
-    "{% endif %}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'tool' %}"
-    "<|im_start|>user\n<tool_response>\n{{ message['content'] }}\n</tool_response><|im_end|>\n"
-    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 # Hides every assistant turn but the last one (as templates that strip earlier reasoning do).
 HIDING = TOOLS_CHATML.replace(
     "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n",

@@ -19,6 +19,20 @@ CHATML = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# ChatML with a tools section and tool answers wrapped in <tool_response>, as Qwen2.5-style
+# templates do (written for this test).
+TOOLS_CHATML = (
+    "{% if tools %}<|im_start|>system\nYou may call these tools:"
+    "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n"
+    'Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im_end|>\n'
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ message['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
     "What is the sum of 12 and 30? The answer is 42.",
@@ -37,7 +51,9 @@ USER_MESSAGES = [
 ]
 
 
-def build_user_style_model(out_dir: str | Path, *, seed: int = 0, chat_template=CHATML) -> Path:
+def build_user_style_model(
+    out_dir: str | Path, *, seed: int = 0, chat_template=CHATML, max_positions: int = 256
+) -> Path:
     """Write the directory; returns its path (loadable with ``load_model_and_tokenizer``)."""
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -54,7 +70,7 @@ def build_user_style_model(out_dir: str | Path, *, seed: int = 0, chat_template=
     )  # fmt: skip
     config = Qwen2Config(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions,
         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         bos_token_id=None,
     )  # fmt: skip

@@ -433,8 +433,8 @@ def check_settings(seeds, budget_responses, prompts, updates_per_step, jobs) -> 
         )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m otbrl.research.compare [--config F] [key=value ...] [--arms ...] ...``"""
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``otbrl compare``."""
     parser = argparse.ArgumentParser(
         prog="otbrl compare",
         description="OTB vs GRPO (or any estimators) trained at an equal token budget over "
@@ -474,7 +474,12 @@ def main(argv: list[str] | None = None) -> int:
         "--jobs", type=int, default=1, help="runs trained at once, each its own process (default 1)"
     )
     parser.add_argument("--out-dir", default="runs/compare")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m otbrl.research.compare [--config F] [key=value ...] [--arms ...] ...``"""
+    args = build_parser().parse_args(argv)
     try:
         parse_arms(args.arms)
         check_settings(args.seeds, args.budget, args.prompts, args.updates_per_step, args.jobs)
