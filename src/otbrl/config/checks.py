@@ -30,6 +30,7 @@ _CHOICES = {
     "critic.enable": ("auto", "true", "false"),
     "algorithm.otb.energy": ("logit_gradient", "uniform"),
     "reward.on_error": ("raise", "zero"),
+    "reward.math_backend": ("verl", "math_verify"),
 }
 
 _LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
@@ -58,6 +59,10 @@ _POSITIVE = (
     "rollout.temperature",
     "trainer.val_temperature",
     "trainer.dist_timeout_s",
+    "reward.code.cpu_s",
+    "reward.code.wall_s",
+    "reward.code.memory_mb",
+    "reward.code.max_workers",
 )
 
 _NON_NEGATIVE = (

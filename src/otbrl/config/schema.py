@@ -143,12 +143,30 @@ class AlgorithmConfig:
 
 
 @dataclass
+class CodeRewardConfig:
+    """The sandbox model-written code runs in (``codecontests``, ``apps``, ``codeforces``,
+    ``taco`` rows; ``otbrl.rewards.sandbox``): limits of one run of one solution."""
+
+    cpu_s: float = 10.0  # CPU seconds
+    wall_s: float = 10.0  # seconds per test input (the whole run: one more)
+    memory_mb: int = 1024  # address space
+    max_workers: int = 4  # sandboxed runs at once in this process
+    # run model code without namespaces where the OS cannot make them (as this user, with
+    # only a time limit); false: such a run is refused, before any model loads
+    allow_unsandboxed: bool = False
+
+
+@dataclass
 class RewardConfig:
     function: str | None = None  # built-in name or "path/to/file.py:fn"; None -> by data_source
     on_error: str = "raise"  # "raise" | "zero"
     # a call that runs longer is an error, handled by on_error (a hung verifier would otherwise
     # stall the run forever); 0 = no limit
     timeout_s: float = 60.0
+    # how the MATH sources (lighteval/MATH, MATH-500) are checked: "verl" (string
+    # normalisation, verl's default) | "math_verify" (the math-verify package)
+    math_backend: str = "verl"
+    code: CodeRewardConfig = field(default_factory=CodeRewardConfig)
 
 
 @dataclass

@@ -10,10 +10,13 @@ import time
 from collections.abc import Callable, Sequence
 
 from otbrl.rewards.builtin import BUILTIN_REWARDS, RewardFunction, reward_for_data_source
+from otbrl.rewards.sandbox import SandboxConfig
 from otbrl.user_code import load_user_function
 
 logger = logging.getLogger(__name__)
 ON_ERROR = ("raise", "zero")
+# extra entries of a reward's dict that are counted over the batch (the rest are averaged)
+COUNTED = frozenset({"sandbox_violations"})
 
 
 class RewardError(RuntimeError):
@@ -56,6 +59,8 @@ def score_responses(
     function: RewardFunction | str | None = None,
     on_error: str = "raise",
     timeout_s: float | None = None,
+    math_backend: str = "verl",
+    sandbox: SandboxConfig | None = None,
 ) -> tuple[list[float], dict[str, float]]:
     """Score each response against its row's ground truth.
 
@@ -73,12 +78,17 @@ def score_responses(
             that runs longer is an error handled by ``on_error``. In the main thread a
             ``SIGALRM`` timer interrupts the call; elsewhere the call runs in a helper thread
             that is abandoned (Python cannot stop a thread) when it runs late.
+        math_backend, sandbox: how the built-in rewards score MATH rows and run code
+            (``reward_for_data_source``); unused with ``function``.
 
     Returns:
         ``(scores, info)``: B floats and ``{"reward/errors": count, "reward/timeouts": count}``
         (timeouts are errors too). A function may return a number (NumPy scalars and 0-d
-        tensors included), a bool, or a dict with a ``"score"`` entry. A list ground truth
-        means "any of these": the sample gets the best score over its items.
+        tensors included), a bool, or a dict with a ``"score"`` entry; the dict's other
+        numeric entries become ``reward/<key>``: the batch mean (over the samples that
+        reported it), or the count for ``sandbox_violations``. A list ground truth means
+        "any of these": the sample gets the best score over its items (and that item's
+        entries).
     """
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error: expected one of {list(ON_ERROR)}, got {on_error!r}")
@@ -91,14 +101,23 @@ def score_responses(
     if isinstance(function, str):
         function = resolve_reward_function(function)
     if function is None:
-        functions = [reward_for_data_source(row.get("data_source")) for row in rows]
+        functions = [
+            reward_for_data_source(
+                row.get("data_source"), math_backend=math_backend, sandbox=sandbox
+            )
+            for row in rows
+        ]
     else:
         functions = [function] * len(rows)
     scores: list[float] = []
+    extras: dict[str, list[float]] = {}
     errors = timeouts = 0
     for i, (response, row, fn) in enumerate(zip(responses, rows, functions)):
         try:
-            scores.append(_with_deadline(timeout_s, _call, fn, response, row))
+            score, entries = _with_deadline(timeout_s, _call, fn, response, row)
+            scores.append(score)
+            for key, value in entries.items():
+                extras.setdefault(key, []).append(value)
         except (Exception, RewardTimeout) as e:
             if isinstance(e, RewardTimeout):
                 timeouts += 1
@@ -117,10 +136,13 @@ def score_responses(
                 )
             errors += 1
             scores.append(0.0)
-    return scores, {"reward/errors": float(errors), "reward/timeouts": float(timeouts)}
+    info = {"reward/errors": float(errors), "reward/timeouts": float(timeouts)}
+    for key, values in extras.items():
+        info[f"reward/{key}"] = float(sum(values) if key in COUNTED else sum(values) / len(values))
+    return scores, info
 
 
-def _call(fn: RewardFunction, response: str, row: dict) -> float:
+def _call(fn: RewardFunction, response: str, row: dict) -> tuple[float, dict[str, float]]:
     ground_truth = row["reward_model"]["ground_truth"]
     truths = ground_truth if isinstance(ground_truth, list | tuple) else [ground_truth]
     if not truths or not all(isinstance(t, str) for t in truths):
@@ -129,13 +151,21 @@ def _call(fn: RewardFunction, response: str, row: dict) -> float:
             "(otbrl.data.normalize_ground_truth turns numbers into text)"
         )
     extra = row.get("extra_info") or {}
-    return max(_number(fn(row.get("data_source"), response, t, extra)) for t in truths)
+    results = [_number(fn(row.get("data_source"), response, t, extra)) for t in truths]
+    return max(results, key=lambda r: r[0])
 
 
-def _number(result) -> float:
+def _number(result) -> tuple[float, dict[str, float]]:
+    """The score, and the other numeric entries of a dict result."""
+    entries = {}
     if isinstance(result, dict):
         if "score" not in result:
             raise TypeError(f"returned a dict without a 'score' entry (keys {sorted(result)})")
+        entries = {
+            str(k): float(v)
+            for k, v in result.items()
+            if k != "score" and isinstance(v, int | float) and math.isfinite(v)
+        }
         result = result["score"]
     if getattr(result, "ndim", None) == 0 and callable(getattr(result, "item", None)):
         result = result.item()  # a NumPy scalar or a 0-d tensor
@@ -143,10 +173,10 @@ def _number(result) -> float:
         raise TypeError(f"returned {type(result).__name__}, expected a number")
     if not math.isfinite(result):
         raise ValueError(f"returned {result!r}, expected a finite number")
-    return float(result)
+    return float(result), entries
 
 
-def _with_deadline(seconds: float | None, call: Callable[..., float], *args) -> float:
+def _with_deadline(seconds: float | None, call: Callable, *args):
     """``call(*args)``, raising ``RewardTimeout`` if it runs longer than ``seconds``."""
     if not seconds:
         return call(*args)
@@ -171,7 +201,7 @@ def _with_deadline(seconds: float | None, call: Callable[..., float], *args) -> 
             signal.setitimer(signal.ITIMER_REAL, left, interval)
 
 
-def _in_thread(seconds: float, call: Callable[..., float], *args) -> float:
+def _in_thread(seconds: float, call: Callable, *args):
     box: dict[str, object] = {}
 
     def run():

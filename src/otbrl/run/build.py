@@ -18,6 +18,7 @@ from otbrl.data import PromptDataset, encode_prompts
 from otbrl.engine.engine import Engine
 from otbrl.engine.world import World
 from otbrl.models import eos_token_ids, load_model_and_tokenizer, load_value_model
+from otbrl.rewards import SandboxConfig
 from otbrl.rollout import HFRollout, RolloutBackend, Sampler, VLLMRollout, make_agent
 from otbrl.run.plan import Plan
 from otbrl.run.sampling import Scoring
@@ -72,7 +73,15 @@ def critic_loss(cfg: Config) -> loss_terms.Loss:
 
 def scoring(cfg: Config, plan: Plan) -> Scoring:
     """How the run scores responses: the plan's reward function and ``reward.*``."""
-    return Scoring(plan.reward_fn, cfg.reward.on_error, cfg.reward.timeout_s)
+    r = cfg.reward
+    sandbox = SandboxConfig(
+        cpu_s=r.code.cpu_s,
+        wall_s=r.code.wall_s,
+        memory_mb=r.code.memory_mb,
+        max_workers=r.code.max_workers,
+        allow_unsandboxed=r.code.allow_unsandboxed,
+    )
+    return Scoring(plan.reward_fn, r.on_error, r.timeout_s, r.math_backend, sandbox)
 
 
 def build_backend(

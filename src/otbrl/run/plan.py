@@ -27,7 +27,15 @@ from otbrl.data import get_task, read_parquet_rows
 from otbrl.engine.dims import ParallelDims
 from otbrl.models import build_tokenizer
 from otbrl.report.metrics_log import check_backends
-from otbrl.rewards import BUILTIN_REWARDS, DATA_SOURCE_REWARDS, resolve_reward_function
+from otbrl.rewards import (
+    BUILTIN_REWARDS,
+    CODE_SOURCES,
+    DATA_SOURCE_PREFIXES,
+    DATA_SOURCE_REWARDS,
+    has_builtin_reward,
+    resolve_reward_function,
+    sandbox_problem,
+)
 from otbrl.rollout import check_vllm_installed, make_agent
 from otbrl.tools import resolve_tools, tools_for_row
 
@@ -233,6 +241,7 @@ def validate_config(cfg: Config, world_size: int | None = None) -> Plan:
     train_rows, val_rows = load_rows(cfg)
     if reward_fn is None:
         _check_rewards_resolvable(train_rows + val_rows)
+        _check_reward_backends(cfg, train_rows + val_rows)
     if tools:
         check_row_tools(train_rows + val_rows, tools)
     if len(train_rows) < cfg.data.train_batch_size:
@@ -256,7 +265,7 @@ def _check_rewards_resolvable(rows: list[dict]) -> None:
     """Without ``reward.function`` each row is scored by its data_source's built-in reward:
     every data_source must have one."""
     unknown = Counter(
-        row["data_source"] for row in rows if row["data_source"] not in DATA_SOURCE_REWARDS
+        row["data_source"] for row in rows if not has_builtin_reward(row["data_source"])
     )
     if not unknown:
         return
@@ -267,10 +276,35 @@ def _check_rewards_resolvable(rows: list[dict]) -> None:
     raise ConfigError(
         f"'reward.function' is unset and {sum(unknown.values())} rows of the data have a "
         f"data_source with no built-in reward: {listed}{more} (built-in data sources: "
-        f"{sorted(DATA_SOURCE_REWARDS)}); set reward.function to a built-in "
+        f"{sorted(DATA_SOURCE_REWARDS)} and names starting with {sorted(DATA_SOURCE_PREFIXES)}"
+        "); set reward.function to a built-in "
         f"({sorted(BUILTIN_REWARDS)}) or to path/to/file.py:function",
         "reward.function",
     )
+
+
+def _check_reward_backends(cfg: Config, rows: list[dict]) -> None:
+    """What the rows' built-in rewards need is there: the sandbox for code rows (or
+    ``reward.code.allow_unsandboxed``), ``math-verify`` for ``reward.math_backend``."""
+    code_rows = sum(row["data_source"] in CODE_SOURCES for row in rows)
+    if code_rows and not cfg.reward.code.allow_unsandboxed:
+        problem = sandbox_problem()
+        if problem is not None:
+            raise ConfigError(
+                f"'reward.code.allow_unsandboxed': {code_rows} rows are scored by running "
+                f"model-written code, and it cannot be sandboxed here: {problem}; set "
+                "reward.code.allow_unsandboxed=true to run it without the sandbox",
+                "reward.code.allow_unsandboxed",
+            )
+    if cfg.reward.math_backend == "math_verify":
+        try:
+            import math_verify  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "'reward.math_backend' is math_verify but the math-verify package is not "
+                "installed: pip install 'otbrl[rewards]'",
+                "reward.math_backend",
+            ) from None
 
 
 def check_tools(cfg: Config):

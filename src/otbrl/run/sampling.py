@@ -23,7 +23,7 @@ from torch import Tensor
 
 from otbrl.algos.metrics import sample_metrics
 from otbrl.data import encode_prompts, pad_token_id
-from otbrl.rewards import score_responses
+from otbrl.rewards import SandboxConfig, score_responses
 from otbrl.rewards.placement import place_scores
 from otbrl.rollout import (
     Sampler,
@@ -40,12 +40,15 @@ from otbrl.rollout import (
 @dataclass(frozen=True)
 class Scoring:
     """How responses are scored (``otbrl.rewards.score_responses``): ``function`` (None: the
-    built-in reward of each row's ``data_source``), ``on_error`` (``"raise"`` | ``"zero"``) and
-    ``timeout_s`` per call (None: no limit)."""
+    built-in reward of each row's ``data_source``), ``on_error`` (``"raise"`` | ``"zero"``),
+    ``timeout_s`` per call (None: no limit), and for the built-in rewards ``math_backend`` and
+    the code ``sandbox``."""
 
     function: Callable | None = None
     on_error: str = "raise"
     timeout_s: float | None = None
+    math_backend: str = "verl"
+    sandbox: SandboxConfig | None = None
 
 
 class Sample(NamedTuple):
@@ -111,6 +114,8 @@ def sample_batch(
         function=scoring.function,
         on_error=scoring.on_error,
         timeout_s=scoring.timeout_s,
+        math_backend=scoring.math_backend,
+        sandbox=scoring.sandbox,
     )
     score = torch.tensor(scores, dtype=torch.float32)
     batch["token_level_scores"] = place_scores(score, mask)
