@@ -85,6 +85,8 @@ _NON_NEGATIVE = (
     "trainer.max_skipped_steps",
     "actor.entropy_coeff",
     "reward.timeout_s",
+    "reward.overlong_buffer.len",
+    "reward.overlong_buffer.penalty",
     "sft.max_steps",
     "sft.eval_every",
 )
@@ -222,6 +224,20 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(
             f"'critic.cliprange_value' must be > 0 or null (no clipping), got {clip}",
             "critic.cliprange_value",
+        )
+    overlong = cfg.reward.overlong_buffer
+    if overlong.len == 0 and overlong.penalty != 1.0:
+        raise ConfigError(
+            "'reward.overlong_buffer.penalty' is set but 'reward.overlong_buffer.len' is 0 "
+            "(shaping off); set reward.overlong_buffer.len to the tokens before the budget's end "
+            "where the penalty ramps up, or drop the key",
+            "reward.overlong_buffer.penalty",
+        )
+    if overlong.len >= cfg.rollout.max_new_tokens:
+        raise ConfigError(
+            f"'reward.overlong_buffer.len' ({overlong.len}) must be smaller than the response "
+            f"budget 'rollout.max_new_tokens' ({cfg.rollout.max_new_tokens})",
+            "reward.overlong_buffer.len",
         )
     if cfg.reward.function is not None and ":" in cfg.reward.function:
         file = cfg.reward.function.rsplit(":", 1)[0]

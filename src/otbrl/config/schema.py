@@ -157,6 +157,15 @@ class CodeRewardConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO's overlong reward shaping: the last ``len`` tokens of the response budget
+    (``rollout.max_new_tokens``) cost linearly up to ``penalty`` (0 = off)."""
+
+    len: int = 0
+    penalty: float = 1.0
+
+
+@dataclass
 class RewardConfig:
     function: str | None = None  # built-in name or "path/to/file.py:fn"; None -> by data_source
     on_error: str = "raise"  # "raise" | "zero"
@@ -167,6 +176,7 @@ class RewardConfig:
     # normalisation, verl's default) | "math_verify" (the math-verify package)
     math_backend: str = "verl"
     code: CodeRewardConfig = field(default_factory=CodeRewardConfig)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 @dataclass

@@ -81,7 +81,15 @@ def scoring(cfg: Config, plan: Plan) -> Scoring:
         max_workers=r.code.max_workers,
         allow_unsandboxed=r.code.allow_unsandboxed,
     )
-    return Scoring(plan.reward_fn, r.on_error, r.timeout_s, r.math_backend, sandbox)
+    return Scoring(
+        plan.reward_fn,
+        r.on_error,
+        r.timeout_s,
+        r.math_backend,
+        sandbox,
+        overlong_buffer_len=r.overlong_buffer.len,
+        overlong_penalty=r.overlong_buffer.penalty,
+    )
 
 
 def build_backend(

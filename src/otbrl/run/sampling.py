@@ -25,6 +25,7 @@ from otbrl.algos.metrics import sample_metrics
 from otbrl.data import encode_prompts, pad_token_id
 from otbrl.rewards import SandboxConfig, score_responses
 from otbrl.rewards.placement import place_scores
+from otbrl.rewards.shaping import overlong_penalty
 from otbrl.rollout import (
     Sampler,
     SamplingParams,
@@ -41,14 +42,18 @@ from otbrl.rollout import (
 class Scoring:
     """How responses are scored (``otbrl.rewards.score_responses``): ``function`` (None: the
     built-in reward of each row's ``data_source``), ``on_error`` (``"raise"`` | ``"zero"``),
-    ``timeout_s`` per call (None: no limit), and for the built-in rewards ``math_backend`` and
-    the code ``sandbox``."""
+    ``timeout_s`` per call (None: no limit), for the built-in rewards ``math_backend`` and
+    the code ``sandbox``, and DAPO's overlong shaping of the trained reward: the last
+    ``overlong_buffer_len`` tokens of the response budget (0: off) cost up to
+    ``overlong_penalty``."""
 
     function: Callable | None = None
     on_error: str = "raise"
     timeout_s: float | None = None
     math_backend: str = "verl"
     sandbox: SandboxConfig | None = None
+    overlong_buffer_len: int = 0
+    overlong_penalty: float = 1.0
 
 
 class Sample(NamedTuple):
@@ -62,7 +67,10 @@ class Sample(NamedTuple):
     ``extra_info``). ``scores``: [B] the rewards as the reward function returned them (Python
     floats: an accuracy sums them unrounded). ``metrics``: ``train/reward_*``, response length
     and clip ratio, ``reward/errors`` / ``reward/timeouts``, ``timing/rollout`` (encoding and
-    generation) and ``timing/reward`` (decoding and scoring) and, multi-turn, the ``tool/*`` set.
+    generation) and ``timing/reward`` (decoding and scoring), with overlong shaping
+    ``reward/overlong_penalty_mean`` and, multi-turn, the ``tool/*`` set. With overlong
+    shaping ``token_level_scores`` carry the shaped reward, ``scores`` the unshaped one (what
+    validation accuracy counts).
     """
 
     batch: dict[str, Tensor]
@@ -118,9 +126,23 @@ def sample_batch(
         sandbox=scoring.sandbox,
     )
     score = torch.tensor(scores, dtype=torch.float32)
+    shaping = {}
+    if scoring.overlong_buffer_len > 0:
+        # the response's length in tokens against its budget (observation tokens count, as
+        # they do against max_tokens)
+        lengths = batch["attention_mask"][:, enc["input_ids"].shape[1] :].sum(dim=1)
+        penalty = overlong_penalty(
+            lengths,
+            max_length=params.max_tokens,
+            buffer_len=scoring.overlong_buffer_len,
+            penalty=scoring.overlong_penalty,
+        )
+        score = score + penalty
+        shaping["reward/overlong_penalty_mean"] = float(penalty.mean())
     batch["token_level_scores"] = place_scores(score, mask)
     metrics = sample_metrics(score, mask, batch["truncated"])
     metrics.update({k: float(v) for k, v in info.items()})
+    metrics.update(shaping)
     metrics["timing/rollout"] = sampled - start
     metrics["timing/reward"] = time.perf_counter() - sampled
     if multi_turn:
