@@ -149,6 +149,8 @@ def prime_code(
     verdicts = _passed(together, outputs, fn_name)
     if len(verdicts) == len(inputs) and all(verdicts):
         return {"score": 1.0, "sandbox_violations": int(violations)}
+    if len(inputs) == 1:  # alone it would run exactly as it just did
+        return {"score": 0.0, "sandbox_violations": int(violations)}
     first = list(range(min(len(inputs), MAX_SEPARATE_CASES)))
     with ThreadPoolExecutor(max_workers=max(1, min(config.max_workers, len(first)))) as pool:
         runs = list(

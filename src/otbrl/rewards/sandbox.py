@@ -155,7 +155,8 @@ def _run(code, inputs, fn_name, config: SandboxConfig, uid: int, sandboxed: bool
                 stdin=subprocess.PIPE,
                 stdout=reply,
                 stderr=subprocess.DEVNULL,
-                env=_ENV,
+                # unsandboxed, HOME is the temporary directory: "~" must not reach ours
+                env=_ENV if sandboxed else {**_ENV, "HOME": tmp},
                 cwd="/" if sandboxed else tmp,
                 start_new_session=True,
             )

@@ -210,6 +210,7 @@ def _run(request: dict) -> list[dict]:
         target = module.Solution() if fn_name and "class Solution" in request["code"] else module
         method = getattr(target, fn_name or "code")
     except CaseTimeout:
+        VIOLATIONS.append("time")
         return [{"status": "timeout"}]
     except BaseException as e:  # whatever the program raises while loading
         return [{"status": "compile_error", "error": repr(e)[:300]}]
@@ -234,6 +235,7 @@ def _run(request: dict) -> list[dict]:
                 results.append({"status": "ok", "output": captured.getvalue()})
         except CaseTimeout:
             results.append({"status": "timeout"})
+            VIOLATIONS.append("time")
             break  # the run ends here: verl's harness is killed by its alarm
         except BaseException as e:  # the program's own errors: the case fails
             results.append({"status": "error", "error": repr(e)[:300]})
