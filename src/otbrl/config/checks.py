@@ -11,7 +11,13 @@ from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from otbrl.config.schema import Config, ConfigError, MultiTurnConfig, VLLMConfig
+from otbrl.config.schema import (
+    Config,
+    ConfigError,
+    MultiTurnConfig,
+    RewardModelConfig,
+    VLLMConfig,
+)
 
 _CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
@@ -63,6 +69,7 @@ _POSITIVE = (
     "reward.code.wall_s",
     "reward.code.memory_mb",
     "reward.code.max_workers",
+    "reward.model.micro_batch_size",
 )
 
 _NON_NEGATIVE = (
@@ -225,6 +232,15 @@ def check_config(cfg: Config) -> None:
             f"'critic.cliprange_value' must be > 0 or null (no clipping), got {clip}",
             "critic.cliprange_value",
         )
+    rm, rm_defaults = cfg.reward.model, RewardModelConfig()
+    if rm.path is None:
+        for key in ("weight", "micro_batch_size"):
+            if getattr(rm, key) != getattr(rm_defaults, key):
+                raise ConfigError(
+                    f"'reward.model.{key}' is set but 'reward.model.path' is not; set the "
+                    "reward model's directory or drop the key",
+                    f"reward.model.{key}",
+                )
     overlong = cfg.reward.overlong_buffer
     if overlong.len == 0 and overlong.penalty != 1.0:
         raise ConfigError(

@@ -166,6 +166,17 @@ class OverlongBufferConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    """A learned reward model (``otbrl.rewards.reward_model``): an HF
+    ``AutoModelForSequenceClassification`` directory with one label; the trained reward is the
+    rule reward + ``weight`` × its score."""
+
+    path: str | None = None  # None: no reward model
+    weight: float = 1.0
+    micro_batch_size: int = 16  # conversations per forward
+
+
+@dataclass
 class RewardConfig:
     function: str | None = None  # built-in name or "path/to/file.py:fn"; None -> by data_source
     on_error: str = "raise"  # "raise" | "zero"
@@ -177,6 +188,7 @@ class RewardConfig:
     math_backend: str = "verl"
     code: CodeRewardConfig = field(default_factory=CodeRewardConfig)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)
 
 
 @dataclass

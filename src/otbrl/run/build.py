@@ -19,6 +19,7 @@ from otbrl.engine.engine import Engine
 from otbrl.engine.world import World
 from otbrl.models import eos_token_ids, load_model_and_tokenizer, load_value_model
 from otbrl.rewards import SandboxConfig
+from otbrl.rewards.reward_model import RewardModel
 from otbrl.rollout import HFRollout, RolloutBackend, Sampler, VLLMRollout, make_agent
 from otbrl.run.plan import Plan
 from otbrl.run.sampling import Scoring
@@ -71,8 +72,9 @@ def critic_loss(cfg: Config) -> loss_terms.Loss:
     )
 
 
-def scoring(cfg: Config, plan: Plan) -> Scoring:
-    """How the run scores responses: the plan's reward function and ``reward.*``."""
+def scoring(cfg: Config, plan: Plan, reward_model: RewardModel | None = None) -> Scoring:
+    """How the run scores responses: the plan's reward function, ``reward.*`` and the loaded
+    ``reward_model`` (``build_run`` loads it when the plan needs one)."""
     r = cfg.reward
     sandbox = SandboxConfig(
         cpu_s=r.code.cpu_s,
@@ -89,6 +91,8 @@ def scoring(cfg: Config, plan: Plan) -> Scoring:
         sandbox,
         overlong_buffer_len=r.overlong_buffer.len,
         overlong_penalty=r.overlong_buffer.penalty,
+        reward_model=reward_model,
+        reward_model_weight=r.model.weight,
     )
 
 
@@ -159,7 +163,8 @@ def build_sampler(
 class RunParts:
     """Everything a run is built from. ``engines``: the trained ones (``policy``, and
     ``critic`` when the plan needs values), checkpointed together; ``reference``: the frozen
-    reference policy or None. ``sampler``: ``backend``, or the agent loop over it."""
+    reference policy or None. ``sampler``: ``backend``, or the agent loop over it.
+    ``reward_model``: the frozen learned reward model (``reward.model.path``) or None."""
 
     tokenizer: object
     eos_ids: list[int]
@@ -170,6 +175,7 @@ class RunParts:
     reference: Engine | None
     policy_loss: loss_terms.Loss
     critic_loss: loss_terms.Loss | None
+    reward_model: RewardModel | None = None
 
 
 def build_run(cfg: Config, plan: Plan, world: World, path: Path) -> RunParts:
@@ -219,6 +225,14 @@ def build_run(cfg: Config, plan: Plan, world: World, path: Path) -> RunParts:
         reference = Engine(
             ref_model, None, name="reference", micro_batch_size=a.micro_batch_size, **common
         )
+    reward_model = None
+    if plan.use_reward_model:  # frozen, on this rank's device, one full copy per rank
+        reward_model = RewardModel(
+            cfg.reward.model.path,
+            dtype=cfg.model.dtype,
+            device=world.device,
+            micro_batch_size=cfg.reward.model.micro_batch_size,
+        )
     return RunParts(
         tokenizer=tokenizer,
         eos_ids=eos_ids,
@@ -229,4 +243,5 @@ def build_run(cfg: Config, plan: Plan, world: World, path: Path) -> RunParts:
         reference=reference,
         policy_loss=policy_loss(cfg),
         critic_loss=critic_loss(cfg) if plan.use_critic else None,
+        reward_model=reward_model,
     )

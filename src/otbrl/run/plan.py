@@ -36,6 +36,7 @@ from otbrl.rewards import (
     resolve_reward_function,
     sandbox_problem,
 )
+from otbrl.rewards.reward_model import check_reward_model_dir
 from otbrl.rollout import check_vllm_installed, make_agent
 from otbrl.tools import resolve_tools, tools_for_row
 
@@ -69,6 +70,9 @@ SOURCES = {
     "sum_pi_squared": Source("policy", "sum_pi_squared", "actor.calculate_sum_pi_squared"),
     "ref_log_probs": Source("reference", "log_probs", "actor.use_kl_loss"),
     "values": Source("critic", "values", "critic.enable"),
+    # the learned reward model scores the decoded conversations in the sampling step (its own
+    # tokenizer and template), before the policy's forward; it adds to token_level_scores
+    "rm_scores": Source("reward_model", "scores", "reward.model.path"),
 }
 
 
@@ -95,6 +99,11 @@ class Plan:
     def use_reference(self) -> bool:
         """A frozen reference policy is built (a KL loss or KL reward needs its log-probs)."""
         return "ref_log_probs" in self.needs
+
+    @property
+    def use_reward_model(self) -> bool:
+        """A learned reward model is loaded (``reward.model.path``)."""
+        return "rm_scores" in self.needs
 
     @property
     def use_critic(self) -> bool:
@@ -132,6 +141,8 @@ def stat_needs(cfg: Config) -> frozenset[str]:
         needs.add("sum_pi_squared")
     if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         needs.add("ref_log_probs")
+    if cfg.reward.model.path is not None:
+        needs.add("rm_scores")
     return frozenset(needs)
 
 
@@ -160,6 +171,11 @@ def _check_providers(cfg: Config, needs: frozenset[str], use_critic: bool) -> No
 
 
 def _check_files(cfg: Config) -> None:
+    if cfg.reward.model.path is not None:
+        try:
+            check_reward_model_dir(cfg.reward.model.path)
+        except ValueError as err:
+            raise ConfigError(f"'reward.model.path': {err}", "reward.model.path") from None
     for key in ("train_files", "val_files"):
         for file in getattr(cfg.data, key):
             if not Path(file).is_file():

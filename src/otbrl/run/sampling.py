@@ -13,10 +13,11 @@ holds no state: everything it uses comes in as arguments, so a background worker
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -45,7 +46,8 @@ class Scoring:
     ``timeout_s`` per call (None: no limit), for the built-in rewards ``math_backend`` and
     the code ``sandbox``, and DAPO's overlong shaping of the trained reward: the last
     ``overlong_buffer_len`` tokens of the response budget (0: off) cost up to
-    ``overlong_penalty``."""
+    ``overlong_penalty``, and a learned ``reward_model`` (``otbrl.rewards.RewardModel``) whose
+    score, times ``reward_model_weight``, is added to it."""
 
     function: Callable | None = None
     on_error: str = "raise"
@@ -54,6 +56,13 @@ class Scoring:
     sandbox: SandboxConfig | None = None
     overlong_buffer_len: int = 0
     overlong_penalty: float = 1.0
+    reward_model: Any = None
+    reward_model_weight: float = 1.0
+
+    def for_validation(self) -> Scoring:
+        """The same scoring without what only shapes the trained reward (overlong penalty,
+        reward model): validation counts the rule reward alone."""
+        return dataclasses.replace(self, overlong_buffer_len=0, reward_model=None)
 
 
 class Sample(NamedTuple):
@@ -68,9 +77,10 @@ class Sample(NamedTuple):
     floats: an accuracy sums them unrounded). ``metrics``: ``train/reward_*``, response length
     and clip ratio, ``reward/errors`` / ``reward/timeouts``, ``timing/rollout`` (encoding and
     generation) and ``timing/reward`` (decoding and scoring), with overlong shaping
-    ``reward/overlong_penalty_mean`` and, multi-turn, the ``tool/*`` set. With overlong
-    shaping ``token_level_scores`` carry the shaped reward, ``scores`` the unshaped one (what
-    validation accuracy counts).
+    ``reward/overlong_penalty_mean``, with a reward model ``reward/model_mean`` and
+    ``timing/reward_model``, and, multi-turn, the ``tool/*`` set. ``token_level_scores`` carry
+    the trained reward (rule + shaping + weighted reward model), ``scores`` the rule reward
+    alone (what validation accuracy counts).
     """
 
     batch: dict[str, Tensor]
@@ -139,6 +149,13 @@ def sample_batch(
         )
         score = score + penalty
         shaping["reward/overlong_penalty_mean"] = float(penalty.mean())
+    if scoring.reward_model is not None:
+        # the final turn is the answer the reward model judges (multi-turn: after the tools)
+        start_rm = time.perf_counter()
+        learned = scoring.reward_model.score(repeated, texts)
+        score = score + scoring.reward_model_weight * learned
+        shaping["reward/model_mean"] = float(learned.mean())
+        shaping["timing/reward_model"] = time.perf_counter() - start_rm
     batch["token_level_scores"] = place_scores(score, mask)
     metrics = sample_metrics(score, mask, batch["truncated"])
     metrics.update({k: float(v) for k, v in info.items()})

@@ -91,7 +91,7 @@ class Trainer:
         self.rollout, self.sampler = parts.backend, parts.sampler
         self.engines, self.reference = parts.engines, parts.reference
         self.policy_loss, self.critic_loss = parts.policy_loss, parts.critic_loss
-        self.scoring = scoring(cfg, plan)
+        self.scoring = scoring(cfg, plan, parts.reward_model)
         self.step = 0
         self.initial_val: dict[str, float] = {}  # val/* at step 0 (not resumed)
         self.last_val: dict[str, float] = {}
@@ -227,7 +227,7 @@ class Trainer:
             world=self.world,
             stop_token_ids=self.eos_ids,
             seed=step_seed(self.cfg.trainer.seed, self.step),
-            scoring=self.scoring,
+            scoring=self.scoring.for_validation(),
         )
 
     # -- checkpoints ------------------------------------------------------------------------------
