@@ -92,6 +92,7 @@ _NON_NEGATIVE = (
     "trainer.max_skipped_steps",
     "actor.entropy_coeff",
     "reward.timeout_s",
+    "reward.workers",
     "reward.overlong_buffer.len",
     "reward.overlong_buffer.penalty",
     "sft.max_steps",
@@ -231,6 +232,12 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(
             f"'critic.cliprange_value' must be > 0 or null (no clipping), got {clip}",
             "critic.cliprange_value",
+        )
+    if cfg.reward.batched and cfg.reward.function is None:
+        raise ConfigError(
+            "'reward.batched' is true but 'reward.function' is unset: a batched reward is "
+            "your function taking lists (the built-in rewards score one sample at a time)",
+            "reward.batched",
         )
     rm, rm_defaults = cfg.reward.model, RewardModelConfig()
     if rm.path is None:

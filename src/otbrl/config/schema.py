@@ -186,6 +186,12 @@ class RewardConfig:
     # how the MATH sources (lighteval/MATH, MATH-500) are checked: "verl" (string
     # normalisation, verl's default) | "math_verify" (the math-verify package)
     math_backend: str = "verl"
+    # score in this many worker processes while the policy computes its statistics (0: in
+    # the trainer's process, after sampling)
+    workers: int = 0
+    # reward.function takes lists (data_sources, solution_strs, ground_truths, extra_infos)
+    # and returns one result per sample: one call per batch (per worker chunk)
+    batched: bool = False
     code: CodeRewardConfig = field(default_factory=CodeRewardConfig)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     model: RewardModelConfig = field(default_factory=RewardModelConfig)

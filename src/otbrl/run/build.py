@@ -19,6 +19,7 @@ from otbrl.engine.engine import Engine
 from otbrl.engine.world import World
 from otbrl.models import eos_token_ids, load_model_and_tokenizer, load_value_model
 from otbrl.rewards import SandboxConfig
+from otbrl.rewards.pool import RewardPool
 from otbrl.rewards.reward_model import RewardModel
 from otbrl.rollout import HFRollout, RolloutBackend, Sampler, VLLMRollout, make_agent
 from otbrl.run.plan import Plan
@@ -72,9 +73,13 @@ def critic_loss(cfg: Config) -> loss_terms.Loss:
     )
 
 
-def scoring(cfg: Config, plan: Plan, reward_model: RewardModel | None = None) -> Scoring:
+def scoring(
+    cfg: Config, plan: Plan, reward_model: RewardModel | None = None, *, pool: bool = False
+) -> Scoring:
     """How the run scores responses: the plan's reward function, ``reward.*`` and the loaded
-    ``reward_model`` (``build_run`` loads it when the plan needs one)."""
+    ``reward_model`` (``build_run`` loads it when the plan needs one). ``pool``: with
+    ``reward.workers`` > 0, start the worker processes (the trainer does; ``close()`` them
+    through ``Scoring.pool``)."""
     r = cfg.reward
     sandbox = SandboxConfig(
         cpu_s=r.code.cpu_s,
@@ -83,12 +88,25 @@ def scoring(cfg: Config, plan: Plan, reward_model: RewardModel | None = None) ->
         max_workers=r.code.max_workers,
         allow_unsandboxed=r.code.allow_unsandboxed,
     )
+    workers = None
+    if pool and r.workers > 0:
+        workers = RewardPool(
+            r.workers,
+            function=r.function,
+            on_error=r.on_error,
+            timeout_s=r.timeout_s,
+            math_backend=r.math_backend,
+            sandbox=sandbox,
+            batched=r.batched,
+        )
     return Scoring(
         plan.reward_fn,
         r.on_error,
         r.timeout_s,
         r.math_backend,
         sandbox,
+        batched=r.batched,
+        pool=workers,
         overlong_buffer_len=r.overlong_buffer.len,
         overlong_penalty=r.overlong_buffer.penalty,
         reward_model=reward_model,

@@ -91,7 +91,7 @@ class Trainer:
         self.rollout, self.sampler = parts.backend, parts.sampler
         self.engines, self.reference = parts.engines, parts.reference
         self.policy_loss, self.critic_loss = parts.policy_loss, parts.critic_loss
-        self.scoring = scoring(cfg, plan, parts.reward_model)
+        self.scoring = scoring(cfg, plan, parts.reward_model, pool=True)
         self.step = 0
         self.initial_val: dict[str, float] = {}  # val/* at step 0 (not resumed)
         self.last_val: dict[str, float] = {}
@@ -107,7 +107,8 @@ class Trainer:
 
     # -- one step ---------------------------------------------------------------------------------
     def sample(self):
-        """This rank's share of the next prompts, ``rollout.n`` responses each, scored."""
+        """This rank's share of the next prompts, ``rollout.n`` responses each; its scores may
+        still be on their way (``sample.resolve()`` waits for them)."""
         r = self.cfg.rollout
         rows = self.world.shard(self.dataset.next_batch())
         params = SamplingParams(
@@ -127,6 +128,7 @@ class Trainer:
             scoring=self.scoring,
             max_prompt_length=self.cfg.data.max_prompt_length,
             uid_offset=self.world.dp_rank * len(rows),  # the global prompt index
+            defer=True,  # scored (in reward.workers processes) during the policy's forward
         )
         self.rollout.sleep()  # frees the backend's memory for training, where supported
         return sample
@@ -190,9 +192,11 @@ class Trainer:
         with collective_guard(f"training step {self.step}"):
             timing: dict[str, float] = {}
             start = time.perf_counter()
-            sample = self.sample()  # its metrics hold timing/rollout and timing/reward
-            batch, metrics = sample.batch, dict(sample.metrics)
+            sample = self.sample()  # its scores may still be on their way
+            batch = sample.batch
             self.statistics(batch, timing)
+            sample = sample.resolve()  # token_level_scores; timing/rollout, timing/reward
+            metrics = dict(sample.metrics)
             metrics.update(self.rollout_correction(batch))
             with _timed(timing, "adv"):
                 metrics.update(self.advantage(batch))
@@ -295,6 +299,8 @@ class Trainer:
             close = getattr(self.rollout, "close", None)
             if close is not None:
                 close()  # before the process group goes: a vLLM engine holds groups of its own
+            if self.scoring.pool is not None:
+                self.scoring.pool.close()
             if self.world.mesh is not None:  # only the group this run created
                 teardown_distributed()
             self.run.release()
