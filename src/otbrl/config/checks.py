@@ -233,6 +233,12 @@ def check_config(cfg: Config) -> None:
             f"'critic.cliprange_value' must be > 0 or null (no clipping), got {clip}",
             "critic.cliprange_value",
         )
+    if cfg.reward.code.max_workers > 64:  # otbrl.rewards.sandbox.UIDS_PER_PROCESS
+        raise ConfigError(
+            f"'reward.code.max_workers' must be <= 64 (sandboxed runs at once per process), got "
+            f"{cfg.reward.code.max_workers}",
+            "reward.code.max_workers",
+        )
     if cfg.reward.batched and cfg.reward.function is None:
         raise ConfigError(
             "'reward.batched' is true but 'reward.function' is unset: a batched reward is "

@@ -31,7 +31,11 @@ from pathlib import Path
 
 HARNESS = Path(__file__).with_name("sandbox_harness.py")
 UNSHARE = ("unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc")
-FIRST_UID = 61000  # one unprivileged uid per concurrent run: process limits do not mix
+# One unprivileged uid per concurrent run, so that process limits do not mix: each process
+# (a torchrun rank, a reward worker) draws from a block of its own, chosen by its pid.
+FIRST_UID = 61000
+UIDS_PER_PROCESS = 64
+MAX_WORKERS = UIDS_PER_PROCESS  # reward.code.max_workers, over all configs of one process
 _ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
     "LANG": "C.UTF-8",
@@ -95,14 +99,23 @@ def sandbox_problem() -> str | None:
 _GATES: dict[int, threading.BoundedSemaphore] = {}
 _UIDS: queue.SimpleQueue[int] = queue.SimpleQueue()
 _LOCK = threading.Lock()
+_ALLOCATED = [0]
 
 
 def _gate(max_workers: int) -> threading.BoundedSemaphore:
+    """The semaphore of ``max_workers`` concurrent runs, and that many more uids to run as."""
     with _LOCK:
         if max_workers not in _GATES:
-            _GATES[max_workers] = threading.BoundedSemaphore(max_workers)
+            if _ALLOCATED[0] + max_workers > UIDS_PER_PROCESS:
+                raise ValueError(
+                    f"max_workers: at most {UIDS_PER_PROCESS} sandboxed runs at once per "
+                    f"process, got {max_workers} more after {_ALLOCATED[0]}"
+                )
+            block = FIRST_UID + (os.getpid() % 4000) * UIDS_PER_PROCESS
             for i in range(max_workers):
-                _UIDS.put(FIRST_UID + len(_GATES) * 100 + i)
+                _UIDS.put(block + _ALLOCATED[0] + i)
+            _ALLOCATED[0] += max_workers
+            _GATES[max_workers] = threading.BoundedSemaphore(max_workers)
         return _GATES[max_workers]
 
 
