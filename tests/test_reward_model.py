@@ -23,11 +23,9 @@ from run_utils import tiny_run_factory
 from test_rewards_shaping import ScriptedSampler
 
 
-@pytest.fixture(scope="module")
-def rm_dir(tmp_path_factory):
+def make_reward_model_dir(root):
     """A tiny random one-label classifier saved with the built-in task's tokenizer and chat
     template, as a user's reward model directory would be."""
-    root = tmp_path_factory.mktemp("rm")
     size = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
     lm = build_tiny_model(root / "lm", **size, num_key_value_heads=2, intermediate_size=64)
     tokenizer = AutoTokenizer.from_pretrained(lm)
@@ -37,6 +35,11 @@ def rm_dir(tmp_path_factory):
     model.save_pretrained(root / "rm")
     tokenizer.save_pretrained(root / "rm")
     return root / "rm"
+
+
+@pytest.fixture(scope="module")
+def rm_dir(tmp_path_factory):
+    return make_reward_model_dir(tmp_path_factory.mktemp("rm"))
 
 
 def _rows_and_answers(n=5):

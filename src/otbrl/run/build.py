@@ -15,6 +15,7 @@ from pathlib import Path
 from otbrl.algos import loss_terms
 from otbrl.config import Config, ConfigError
 from otbrl.data import PromptDataset, encode_prompts
+from otbrl.engine import parallel
 from otbrl.engine.engine import Engine
 from otbrl.engine.world import World
 from otbrl.models import eos_token_ids, load_model_and_tokenizer, load_value_model
@@ -177,6 +178,24 @@ def build_sampler(
     )
 
 
+def build_reward_model(cfg: Config, world: World) -> RewardModel:
+    """The frozen reward model of ``reward.model.path`` on this rank's device. On several
+    processes its parameters are FSDP2-sharded over the data-parallel ranks, as the
+    reference's are (every rank scores its own rows, the same number of forwards); with
+    tensor parallelism each rank keeps a full copy (its TP plan is the causal LM's)."""
+    model = RewardModel(
+        cfg.reward.model.path,
+        dtype=cfg.model.dtype,
+        device=world.device,
+        micro_batch_size=cfg.reward.model.micro_batch_size,
+    )
+    mesh = world.mesh
+    if mesh is not None and mesh["tp"].size() == 1:
+        policy = parallel.mixed_precision_policy(world.device)
+        parallel.apply_fsdp(model.model, parallel.fsdp_mesh(mesh), policy)
+    return model
+
+
 @dataclass
 class RunParts:
     """Everything a run is built from. ``engines``: the trained ones (``policy``, and
@@ -244,13 +263,8 @@ def build_run(cfg: Config, plan: Plan, world: World, path: Path) -> RunParts:
             ref_model, None, name="reference", micro_batch_size=a.micro_batch_size, **common
         )
     reward_model = None
-    if plan.use_reward_model:  # frozen, on this rank's device, one full copy per rank
-        reward_model = RewardModel(
-            cfg.reward.model.path,
-            dtype=cfg.model.dtype,
-            device=world.device,
-            micro_batch_size=cfg.reward.model.micro_batch_size,
-        )
+    if plan.use_reward_model:
+        reward_model = build_reward_model(cfg, world)
     return RunParts(
         tokenizer=tokenizer,
         eos_ids=eos_ids,
