@@ -3,6 +3,7 @@
 Small limits keep it quick: 1 s per test input, 1 CPU second, 256 MB.
 """
 
+import ast
 import os
 import subprocess
 import threading
@@ -62,7 +63,8 @@ def test_hostile_programs_fail_and_are_counted(tmp_path):
 
 
 def test_the_operating_system_stops_what_the_audit_hook_does_not(tmp_path):
-    """Through ctypes (no audit event): files outside its directory, the network, root."""
+    """Through ctypes (no audit event): files outside its directory, the network, root, the
+    host's file system."""
     target = tmp_path / "keep"
     target.mkdir()
     (target / "file").write_text("x")
@@ -75,6 +77,7 @@ print(sorted(os.listdir('/root')), os.getuid() != 0, os.getcwd())
 print(sorted(name for _, name in socket.if_nameindex()))
 open('/tmp/inside', 'w').write('tmpfs')
 print(sorted(k for k in os.environ))
+print(os.path.exists("{target}"), sorted(os.listdir("/")))
 """
     os.environ["OTBRL_TEST_SECRET"] = "do not leak"
     try:
@@ -82,12 +85,16 @@ print(sorted(k for k in os.environ))
     finally:
         del os.environ["OTBRL_TEST_SECRET"]
     assert run.cases[0]["status"] == "ok", run
-    first, interfaces, env = run.cases[0]["output"].splitlines()
+    first, interfaces, env, visible = run.cases[0]["output"].splitlines()
     root, not_root, cwd = first.rsplit(" ", 2)
     assert (target / "file").read_text() == "x" and not (target / "new").exists()
     assert root in ("[]", "['.pyenv']") and not_root == "True" and cwd == "/tmp/work"
     assert interfaces == "['lo']"  # a network namespace of its own
     assert "OTBRL_TEST_SECRET" not in env and not os.path.exists("/tmp/inside")
+    # a root of its own: the trainer's files (this test's directory, /work) are not there
+    exists, top = visible.split(" ", 1)
+    assert exists == "False" and {"usr", "tmp", "proc", "dev"} <= set(ast.literal_eval(top))
+    assert not {"home", "mnt", "opt", "srv", "var"} & set(ast.literal_eval(top))
 
 
 def test_at_most_max_workers_runs_at_once(monkeypatch):

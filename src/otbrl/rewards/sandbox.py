@@ -3,9 +3,10 @@
 ``run_program(code, inputs, fn_name=..., config=...)`` starts ``sandbox_harness.py`` under
 ``unshare --net --mount --pid --fork --kill-child --mount-proc`` (fresh network, mount and PID
 namespaces: even 127.0.0.1 is unreachable, and when the harness ends or is killed the kernel
-kills every process it started, a fork bomb included). The harness mounts fresh tmpfs over the
-world-writable directories, sets the resource limits, drops root to a uid of its own and then
-runs the program (see its module doc). Its environment is scrubbed (no inherited variables,
+kills every process it started, a fork bomb included). The harness enters a root of its own
+(read-only system and interpreter directories, a tmpfs ``/tmp``: the host's files are not
+there), sets the resource limits, drops root to a uid of its own and then runs the program
+(see its module doc). Its environment is scrubbed (no inherited variables,
 so no secrets); its reply goes to a file the caller owns, bounded by the file-size limit.
 
 Where namespaces are not available (not Linux, not root, no ``unshare``) a run is refused with

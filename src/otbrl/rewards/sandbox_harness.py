@@ -3,18 +3,20 @@
 Started as root inside fresh network, mount and PID namespaces (``unshare``), it reads one
 request from stdin, builds the cage, drops root, and only then runs the model's program:
 
-1. fresh ``tmpfs`` mounts over every world-writable place (``/tmp``, ``/var/tmp``,
-   ``/run/lock``, ``/dev/shm``); the working directory is ``/tmp/work`` on one of them;
+1. a new root: a tmpfs holding, read-only, only ``/usr``, ``/etc``, the interpreter's
+   directories and ``/dev``, plus a fresh ``/proc`` and a writable ``/tmp`` tmpfs (the host's
+   world-writable places get fresh tmpfs mounts too); the working directory is ``/tmp/work``;
 2. resource limits: address space, CPU seconds, processes, file size, open files, no core;
 3. ``no_new_privs``, then ``setgroups([])`` / ``setgid`` / ``setuid`` to an unprivileged uid
-   that owns nothing outside the working directory; the process is made non-dumpable, so
-   the program cannot read this harness's memory or descriptors through ``/proc``;
+   that owns nothing but the working directory;
 4. an audit hook refuses process creation, signals to others, sockets and file deletion
    (a ``PermissionError`` in the program, reported as a violation).
 
-The reply (one JSON object, on a private copy of the original stdout) holds, per test input,
+The program then runs in this very process (as verl's harness runs it: one module, called per
+input). The reply (one JSON object, on a copy of the original stdout) holds, per test input,
 the program's output (stdin mode: its stdout; call mode: ``repr`` of the return value) or its
-error. The expected outputs never enter this process: the caller compares.
+error. The expected outputs never enter this process, so a program that writes the reply
+itself can only report outputs it could have printed: the caller compares.
 """
 
 import ast
@@ -99,51 +101,49 @@ def _mount_tmpfs(target: str, size_mb: int, mode: str = "1777") -> None:
     _mount("none", target, "tmpfs", 0, f"size={size_mb}m,mode={mode}")
 
 
-def _closed_ancestor(path: str) -> str | None:
-    """The first directory on the way to ``path`` that others cannot enter (``/root``)."""
-    current = "/"
-    for part in path.strip("/").split("/"):
-        current = os.path.join(current, part)
-        if os.path.isdir(current) and not os.stat(current).st_mode & 0o001:
-            return current
-    return None
+def _bind_readonly(source: str, target: str) -> None:
+    os.makedirs(target, mode=0o755, exist_ok=True)
+    _mount(source, target, None, _MS_BIND | _MS_REC)
+    _mount(None, target, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_REC)
 
 
-def _expose_python_only() -> None:
-    """The interpreter may live in a directory others cannot enter (pyenv under ``/root``):
-    replace each such directory with an empty tmpfs that holds only the interpreter's own
-    directories (bind-mounted, read-only), so the dropped uid can import the standard library
-    and sees nothing else that was there."""
+def _enter_new_root(tmpfs_mb: int) -> None:
+    """``chroot`` into a fresh tmpfs that holds only, read-only, the system's programs and
+    libraries (``/usr``, ``/etc`` and their links), the interpreter's directories
+    (``sys.prefix``, ``sys.path``: the venv, pyenv under ``/root``) and ``/dev``; a new
+    ``/proc`` and a writable ``/tmp`` tmpfs. Everything else of the host — the trainer's data,
+    checkpoints, home directories, ``/work`` — is not there at all."""
+    new = "/tmp/.root"
+    os.mkdir(new, 0o755)
+    _mount_tmpfs(new, 16, "755")
     needed = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, *sys.path) if p}
-    needed = sorted(p for p in needed if os.path.exists(p))
-    closed = {}
-    for p in needed:
-        top = _closed_ancestor(p)
-        if top is not None and not any(p.startswith(q + "/") for q in needed if q != p):
-            closed.setdefault(top, []).append(p)
-    for i, (top, paths) in enumerate(sorted(closed.items())):
-        staged = []
-        for j, p in enumerate(paths):
-            stage = f"/tmp/.stage-{i}-{j}"
-            os.mkdir(stage)
-            _mount(p, stage, None, _MS_BIND | _MS_REC)
-            staged.append((stage, p))
-        _mount_tmpfs(top, 16, "755")
-        for stage, p in staged:
-            os.makedirs(p, mode=0o755, exist_ok=True)
-            _mount(stage, p, None, _MS_MOVE)
-            _mount(None, p, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_REC)
-            os.rmdir(stage)
+    needed = sorted(p for p in needed if os.path.isdir(p))
+    needed = [p for p in needed if not any(p.startswith(q + "/") for q in needed if q != p)]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/usr", "/etc"):
+        if os.path.islink(top):  # merged /usr: /lib -> usr/lib
+            os.symlink(os.readlink(top), new + top)
+        elif os.path.isdir(top):
+            _bind_readonly(top, new + top)
+    for path in needed:
+        if not path.startswith(("/usr/", "/etc/")):
+            _bind_readonly(path, new + path)
+    os.makedirs(new + "/dev", exist_ok=True)
+    _mount("/dev", new + "/dev", None, _MS_BIND | _MS_REC)
+    os.makedirs(new + "/proc")
+    _mount("proc", new + "/proc", "proc", 0, None)  # this PID namespace's processes only
+    os.makedirs(new + "/tmp")
+    _mount_tmpfs(new + "/tmp", tmpfs_mb)
+    os.chroot(new)
 
 
 _MS_RDONLY, _MS_REMOUNT, _MS_BIND, _MS_MOVE, _MS_REC = 1, 32, 4096, 8192, 16384
 
 
 def _cage(limits: dict) -> None:
-    for target in _WRITABLE:
+    for target in _WRITABLE:  # the host's, in case the new root cannot be entered
         if os.path.isdir(target):
             _mount_tmpfs(target, limits["tmpfs_mb"])
-    _expose_python_only()
+    _enter_new_root(limits["tmpfs_mb"])
     os.mkdir("/tmp/work", 0o700)
     os.chown("/tmp/work", limits["uid"], limits["uid"])
     os.chdir("/tmp/work")
@@ -166,7 +166,6 @@ def _cage(limits: dict) -> None:
     os.setuid(limits["uid"])
     if os.getuid() == 0 or os.geteuid() == 0:
         raise OSError("could not drop root")
-    libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: /proc/<pid>/fd and mem are root's
     os.environ["HOME"] = "/tmp/work"
 
 
