@@ -73,7 +73,9 @@ def test_the_plan_asks_each_engine_for_what_its_sources_list():
     # critic.enable=true with GRPO: the critic is trained, so its values are a need
     critic = validate_config(load_config(None, ["critic.enable=true"]))
     assert critic.use_critic and critic.outputs("critic") == {"values"}
-    assert {s.engine for s in SOURCES.values()} == {"policy", "reference", "critic"}
+    assert {s.engine for s in SOURCES.values()} == {"policy", "reference", "critic",
+                                                    "reward_model"}  # fmt: skip
+    assert not critic.use_reward_model and critic.outputs("reward_model") == frozenset()
 
 
 def test_eval_reads_each_data_file_once(tmp_path, monkeypatch, capsys):

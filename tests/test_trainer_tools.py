@@ -209,7 +209,7 @@ def _single_turn_sample(self):
         "train/response_clip_ratio": float(batch["truncated"].float().mean()),
         **{k: float(v) for k, v in info.items()},
     }
-    return Sample(batch, rows, scores, metrics)
+    return Sample(batch, rows, scores, metrics, texts)
 
 
 def _single_turn_validate(self):

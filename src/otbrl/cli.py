@@ -211,7 +211,7 @@ def _eval(args: argparse.Namespace) -> int:
     sampler = build_sampler(cfg, plan.tools, HFRollout(model, tokenizer), tokenizer, eos, str(path))
     result = validate(
         sampler, tokenizer, plan.val_rows, cfg, world=World(), stop_token_ids=eos,
-        seed=cfg.trainer.seed, scoring=scoring(cfg, plan), label="evaluating",
+        seed=cfg.trainer.seed, scoring=scoring(cfg, plan).for_validation(), label="evaluating",
     ).metrics  # fmt: skip
     rate = result.get("val/tool_call_rate")
     print(

@@ -11,7 +11,13 @@ from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from otbrl.config.schema import Config, ConfigError, MultiTurnConfig, VLLMConfig
+from otbrl.config.schema import (
+    Config,
+    ConfigError,
+    MultiTurnConfig,
+    RewardModelConfig,
+    VLLMConfig,
+)
 
 _CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
@@ -31,6 +37,7 @@ _CHOICES = {
     "algorithm.otb.energy": ("logit_gradient", "uniform"),
     "reward.on_error": ("raise", "zero"),
     "data.overlong_prompts": ("error", "filter", "truncate_left"),
+    "reward.math_backend": ("verl", "math_verify"),
 }
 
 _LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
@@ -59,6 +66,11 @@ _POSITIVE = (
     "rollout.temperature",
     "trainer.val_temperature",
     "trainer.dist_timeout_s",
+    "reward.code.cpu_s",
+    "reward.code.wall_s",
+    "reward.code.memory_mb",
+    "reward.code.max_workers",
+    "reward.model.micro_batch_size",
 )
 
 _NON_NEGATIVE = (
@@ -81,6 +93,9 @@ _NON_NEGATIVE = (
     "trainer.log_generations",
     "actor.entropy_coeff",
     "reward.timeout_s",
+    "reward.workers",
+    "reward.overlong_buffer.len",
+    "reward.overlong_buffer.penalty",
     "sft.max_steps",
     "sft.eval_every",
 )
@@ -223,6 +238,41 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(
             f"'critic.cliprange_value' must be > 0 or null (no clipping), got {clip}",
             "critic.cliprange_value",
+        )
+    if cfg.reward.code.max_workers > 64:  # otbrl.rewards.sandbox.UIDS_PER_PROCESS
+        raise ConfigError(
+            f"'reward.code.max_workers' must be <= 64 (sandboxed runs at once per process), got "
+            f"{cfg.reward.code.max_workers}",
+            "reward.code.max_workers",
+        )
+    if cfg.reward.batched and cfg.reward.function is None:
+        raise ConfigError(
+            "'reward.batched' is true but 'reward.function' is unset: a batched reward is "
+            "your function taking lists (the built-in rewards score one sample at a time)",
+            "reward.batched",
+        )
+    rm, rm_defaults = cfg.reward.model, RewardModelConfig()
+    if rm.path is None:
+        for key in ("weight", "micro_batch_size"):
+            if getattr(rm, key) != getattr(rm_defaults, key):
+                raise ConfigError(
+                    f"'reward.model.{key}' is set but 'reward.model.path' is not; set the "
+                    "reward model's directory or drop the key",
+                    f"reward.model.{key}",
+                )
+    overlong = cfg.reward.overlong_buffer
+    if overlong.len == 0 and overlong.penalty != 1.0:
+        raise ConfigError(
+            "'reward.overlong_buffer.penalty' is set but 'reward.overlong_buffer.len' is 0 "
+            "(shaping off); set reward.overlong_buffer.len to the tokens before the budget's end "
+            "where the penalty ramps up, or drop the key",
+            "reward.overlong_buffer.penalty",
+        )
+    if overlong.len >= cfg.rollout.max_new_tokens:
+        raise ConfigError(
+            f"'reward.overlong_buffer.len' ({overlong.len}) must be smaller than the response "
+            f"budget 'rollout.max_new_tokens' ({cfg.rollout.max_new_tokens})",
+            "reward.overlong_buffer.len",
         )
     if cfg.reward.function is not None and ":" in cfg.reward.function:
         file = cfg.reward.function.rsplit(":", 1)[0]

@@ -189,12 +189,58 @@ class AlgorithmConfig:
 
 
 @dataclass
+class CodeRewardConfig:
+    """The sandbox model-written code runs in (``codecontests``, ``apps``, ``codeforces``,
+    ``taco`` rows; ``otbrl.rewards.sandbox``): limits of one run of one solution."""
+
+    cpu_s: float = 10.0  # CPU seconds
+    wall_s: float = 10.0  # seconds per test input (the whole run: one more)
+    memory_mb: int = 1024  # address space
+    max_workers: int = 4  # sandboxed runs at once in this process
+    # run model code without namespaces where the OS cannot make them (as this user, with
+    # only a time limit); false: such a run is refused, before any model loads
+    allow_unsandboxed: bool = False
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO's overlong reward shaping: the last ``len`` tokens of the response budget
+    (``rollout.max_new_tokens``) cost linearly up to ``penalty`` (0 = off)."""
+
+    len: int = 0
+    penalty: float = 1.0
+
+
+@dataclass
+class RewardModelConfig:
+    """A learned reward model (``otbrl.rewards.reward_model``): an HF
+    ``AutoModelForSequenceClassification`` directory with one label; the trained reward is the
+    rule reward + ``weight`` × its score."""
+
+    path: str | None = None  # None: no reward model
+    weight: float = 1.0
+    micro_batch_size: int = 16  # conversations per forward
+
+
+@dataclass
 class RewardConfig:
     function: str | None = None  # built-in name or "path/to/file.py:fn"; None -> by data_source
     on_error: str = "raise"  # "raise" | "zero"
     # a call that runs longer is an error, handled by on_error (a hung verifier would otherwise
     # stall the run forever); 0 = no limit
     timeout_s: float = 60.0
+    # how the MATH sources (lighteval/MATH, MATH-500) are checked: "verl" (string
+    # normalisation, verl's default) | "math_verify" (the math-verify package)
+    math_backend: str = "verl"
+    # score in this many worker processes while the policy computes its statistics (0: in
+    # the trainer's process, after sampling)
+    workers: int = 0
+    # reward.function takes lists (data_sources, solution_strs, ground_truths, extra_infos)
+    # and returns one result per sample: one call per batch (per worker chunk)
+    batched: bool = False
+    code: CodeRewardConfig = field(default_factory=CodeRewardConfig)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)
 
 
 @dataclass

@@ -27,10 +27,13 @@ REQUIRED_COLUMNS = ("prompt", "data_source", "reward_model")
 def normalize_ground_truth(value, where: str = "ground_truth") -> str | list[str]:
     """A ground truth as the reward functions compare it: a str as is; a number as the text a
     person writes (``102.0`` -> ``"102"``, ``0.5`` -> ``"0.5"``), so it matches the answer
-    ``102``; a list (any item counts as right) of those. None, bools, NaN, dicts, empty or
-    nested lists are a ``ValueError`` naming ``where``."""
+    ``102``; a list (any item counts as right) of those; verl's QA form ``{"target": answers}``
+    as its answers. None, bools, NaN, other dicts, empty or nested lists are a ``ValueError``
+    naming ``where``."""
     if isinstance(value, str):
         return value
+    if isinstance(value, dict) and set(value) == {"target"}:  # Search-R1 rows
+        return normalize_ground_truth(value["target"], where)
     if isinstance(value, list | tuple):
         if not value:
             raise ValueError(f"{where}: 'ground_truth' is an empty list (no right answer)")

@@ -6,8 +6,16 @@ extra_info) -> float`` and scores one decoded response against the row's ground 
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
+
+from otbrl.rewards.code import prime_code
+from otbrl.rewards.math_answers import dapo_math, hendrycks_math
+from otbrl.rewards.math_prime import geometry3k, prime_math
+from otbrl.rewards.math_verify import math_verify_score
+from otbrl.rewards.qa import search_r1_exact_match
+from otbrl.rewards.sandbox import SandboxConfig
 
 RewardFunction = Callable[[str, str, str, dict], float]
 
@@ -68,25 +76,107 @@ BUILTIN_REWARDS: dict[str, RewardFunction] = {
     "digit_sum": digit_sum,
     "gsm8k": gsm8k,
     "gsm8k_flexible": gsm8k_flexible,
+    "hendrycks_math": hendrycks_math,
+    "dapo_math": dapo_math,
+    "prime_math": prime_math,
+    "prime_code": prime_code,
+    "geometry3k": geometry3k,
+    "search_r1_exact_match": search_r1_exact_match,
 }
 
-# The reward a row gets when no reward function is configured, keyed by its data_source.
+_MATH = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
+_NUMINA = (
+    "numina_aops_forum",
+    "numina_synthetic_math",
+    "numina_amc_aime",
+    "numina_synthetic_amc",
+    "numina_cn_k12",
+    "numina_olympiads",
+)
+CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco")
+_SEARCH = (
+    "searchR1_nq",
+    "searchR1_triviaqa",
+    "searchR1_popqa",
+    "searchR1_hotpotqa",
+    "searchR1_2wikimultihopqa",
+    "searchR1_musique",
+    "searchR1_bamboogle",
+)
+
+# The reward a row gets when no reward function is configured, keyed by its data_source:
+# otbrl's tasks, and every source verl 0.9.1's default_compute_score knows (README table).
 DATA_SOURCE_REWARDS: dict[str, RewardFunction] = {
     "otbrl/arithmetic": exact_match,
     "otbrl/digit_sum": digit_sum,
     "otbrl/tool_arithmetic": exact_match,
     "openai/gsm8k": gsm8k,
     "gsm8k": gsm8k,
+    **dict.fromkeys(_MATH, hendrycks_math),
+    **dict.fromkeys(("math_dapo", "math", "math_dapo_reasoning"), dapo_math),
+    **dict.fromkeys(_NUMINA, prime_math),
+    **dict.fromkeys(CODE_SOURCES, prime_code),
+    "hiyouga/geometry3k": geometry3k,
+    **dict.fromkeys(_SEARCH, search_r1_exact_match),
 }
+# data_source prefixes, checked after the exact names: AIME years ("aime2024", "aime_2025"...)
+DATA_SOURCE_PREFIXES: dict[str, RewardFunction] = {"aime": dapo_math}
+MATH_BACKENDS = ("verl", "math_verify")
 
 
-def reward_for_data_source(data_source: str) -> RewardFunction:
-    """The built-in reward for ``data_source``; ``ValueError`` naming it when there is none."""
-    try:
-        return DATA_SOURCE_REWARDS[data_source]
-    except (KeyError, TypeError):
+def has_builtin_reward(data_source) -> bool:
+    """Whether ``data_source`` has a built-in reward (an exact name or a known prefix)."""
+    return isinstance(data_source, str) and (
+        data_source in DATA_SOURCE_REWARDS or data_source.startswith(tuple(DATA_SOURCE_PREFIXES))
+    )
+
+
+def reward_for_data_source(
+    data_source: str, *, math_backend: str = "verl", sandbox: SandboxConfig | None = None
+) -> RewardFunction:
+    """The built-in reward for ``data_source``; ``ValueError`` naming it when there is none.
+
+    ``math_backend="math_verify"`` scores the MATH sources (``lighteval/MATH``,
+    ``DigitalLearningGmbH/MATH-lighteval``, ``HuggingFaceH4/MATH-500``) with the
+    ``math-verify`` package instead of string normalisation; ``sandbox``: the limits code
+    sources run under (default ``SandboxConfig()``).
+    """
+    if math_backend not in MATH_BACKENDS:
+        raise ValueError(
+            f"math_backend: expected one of {list(MATH_BACKENDS)}, got {math_backend!r}"
+        )
+    if not has_builtin_reward(data_source):
         raise ValueError(
             f"data_source: no built-in reward for {data_source!r} (known: "
-            f"{sorted(DATA_SOURCE_REWARDS)}); set reward.function to a built-in name "
+            f"{sorted(DATA_SOURCE_REWARDS)} and names starting with "
+            f"{sorted(DATA_SOURCE_PREFIXES)}); set reward.function to a built-in name "
             f"({sorted(BUILTIN_REWARDS)}) or to path/to/file.py:function"
-        ) from None
+        )
+    fn = DATA_SOURCE_REWARDS.get(data_source)
+    if fn is None:
+        fn = next(f for p, f in DATA_SOURCE_PREFIXES.items() if data_source.startswith(p))
+    if fn is hendrycks_math and math_backend == "math_verify":
+        return math_verify_score
+    if fn is prime_code and sandbox is not None:
+        return functools.partial(prime_code, sandbox=sandbox)
+    return fn
+
+
+def compute_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth,
+    extra_info=None,
+    *,
+    math_backend: str = "verl",
+    sandbox: SandboxConfig | None = None,
+):
+    """Score one response as verl's ``default_compute_score`` does, for every data source it
+    knows (Sandbox Fusion aside) and otbrl's own: a float, or a dict with ``"score"`` and
+    extra entries (``dapo_math``: ``acc``, ``pred``; code: ``sandbox_violations``).
+
+    ``ground_truth`` as verl takes it: a str (code: the test cases' JSON; Search-R1:
+    ``{"target": [...]}``). Differences from verl, and why, are in the README's reward table.
+    """
+    fn = reward_for_data_source(data_source, math_backend=math_backend, sandbox=sandbox)
+    return fn(data_source, solution_str, ground_truth, extra_info or {})

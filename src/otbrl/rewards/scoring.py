@@ -8,12 +8,16 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from otbrl.rewards.builtin import BUILTIN_REWARDS, RewardFunction, reward_for_data_source
+from otbrl.rewards.sandbox import SandboxConfig
 from otbrl.user_code import load_user_function
 
 logger = logging.getLogger(__name__)
 ON_ERROR = ("raise", "zero")
+# extra entries of a reward's dict that are counted over the batch (the rest are averaged)
+COUNTED = frozenset({"sandbox_violations"})
 
 
 class RewardError(RuntimeError):
@@ -49,6 +53,17 @@ def resolve_reward_function(spec: str | None) -> RewardFunction | None:
     return load_user_function(spec, "reward function")
 
 
+class Outcome(NamedTuple):
+    """Scores of a run of samples before they are summarised: the scores, each sample's extra
+    dict entries, and the error and timeout counts (``score_each``; a pool worker returns one
+    per chunk)."""
+
+    scores: list[float]
+    entries: list[dict[str, float]]
+    errors: int
+    timeouts: int
+
+
 def score_responses(
     responses: Sequence[str],
     rows: Sequence[dict],
@@ -56,6 +71,9 @@ def score_responses(
     function: RewardFunction | str | None = None,
     on_error: str = "raise",
     timeout_s: float | None = None,
+    math_backend: str = "verl",
+    sandbox: SandboxConfig | None = None,
+    batched: bool = False,
 ) -> tuple[list[float], dict[str, float]]:
     """Score each response against its row's ground truth.
 
@@ -73,13 +91,64 @@ def score_responses(
             that runs longer is an error handled by ``on_error``. In the main thread a
             ``SIGALRM`` timer interrupts the call; elsewhere the call runs in a helper thread
             that is abandoned (Python cannot stop a thread) when it runs late.
+        math_backend, sandbox: how the built-in rewards score MATH rows and run code
+            (``reward_for_data_source``); unused with ``function``.
+        batched: ``function`` takes lists — ``fn(data_sources, solution_strs, ground_truths,
+            extra_infos)`` — and returns one result per sample (verl's batched convention);
+            one call for the batch, ``timeout_s`` × B long at most.
 
     Returns:
         ``(scores, info)``: B floats and ``{"reward/errors": count, "reward/timeouts": count}``
         (timeouts are errors too). A function may return a number (NumPy scalars and 0-d
-        tensors included), a bool, or a dict with a ``"score"`` entry. A list ground truth
-        means "any of these": the sample gets the best score over its items.
+        tensors included), a bool, or a dict with a ``"score"`` entry; the dict's other
+        numeric entries become ``reward/<key>``: the batch mean (over the samples that
+        reported it), or the count for ``sandbox_violations``. A list ground truth means
+        "any of these": the sample gets the best score over its items (and that item's
+        entries); a batched function gets the ground truths as they are.
     """
+    outcome = score_each(
+        responses,
+        rows,
+        function=function,
+        on_error=on_error,
+        timeout_s=timeout_s,
+        math_backend=math_backend,
+        sandbox=sandbox,
+        batched=batched,
+    )
+    return summarize([outcome])
+
+
+def summarize(outcomes: Sequence[Outcome]) -> tuple[list[float], dict[str, float]]:
+    """Consecutive chunks' outcomes -> ``score_responses``'s ``(scores, info)``."""
+    scores = [x for o in outcomes for x in o.scores]
+    info = {
+        "reward/errors": float(sum(o.errors for o in outcomes)),
+        "reward/timeouts": float(sum(o.timeouts for o in outcomes)),
+    }
+    extras: dict[str, list[float]] = {}
+    for entries in (e for o in outcomes for e in o.entries):
+        for key, value in entries.items():
+            extras.setdefault(key, []).append(value)
+    for key, values in extras.items():
+        info[f"reward/{key}"] = float(sum(values) if key in COUNTED else sum(values) / len(values))
+    return scores, info
+
+
+def score_each(
+    responses: Sequence[str],
+    rows: Sequence[dict],
+    *,
+    function: RewardFunction | str | None = None,
+    on_error: str = "raise",
+    timeout_s: float | None = None,
+    math_backend: str = "verl",
+    sandbox: SandboxConfig | None = None,
+    batched: bool = False,
+    offset: int = 0,
+) -> Outcome:
+    """``score_responses`` before the summary (arguments as there); ``offset``: the index of
+    the first sample in the whole batch, for error messages (a pool scores chunks)."""
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error: expected one of {list(ON_ERROR)}, got {on_error!r}")
     if timeout_s is not None and not (isinstance(timeout_s, int | float) and timeout_s >= 0):
@@ -90,37 +159,88 @@ def score_responses(
         )
     if isinstance(function, str):
         function = resolve_reward_function(function)
+    if batched:
+        if function is None:
+            raise ValueError("batched: a batched reward needs reward.function")
+        return _score_batched(function, responses, rows, on_error, timeout_s, offset)
     if function is None:
-        functions = [reward_for_data_source(row.get("data_source")) for row in rows]
+        functions = [
+            reward_for_data_source(
+                row.get("data_source"), math_backend=math_backend, sandbox=sandbox
+            )
+            for row in rows
+        ]
     else:
         functions = [function] * len(rows)
     scores: list[float] = []
+    entries: list[dict[str, float]] = []
     errors = timeouts = 0
     for i, (response, row, fn) in enumerate(zip(responses, rows, functions)):
         try:
-            scores.append(_with_deadline(timeout_s, _call, fn, response, row))
+            score, extra = _with_deadline(timeout_s, _call, fn, response, row)
         except (Exception, RewardTimeout) as e:
-            if isinstance(e, RewardTimeout):
-                timeouts += 1
-                why = f"ran longer than the time limit (reward.timeout_s={timeout_s:g} s)"
-            else:
-                why = f"{type(e).__name__}: {e}"
-            error = RewardError(
-                f"reward function {_name(fn)!r} failed on sample {i} "
-                f"(data_source {row.get('data_source')!r}): {why}"
+            timeouts += isinstance(e, RewardTimeout)
+            _handle(
+                e,
+                fn,
+                f"sample {offset + i} (data_source {row.get('data_source')!r})",
+                on_error,
+                timeout_s,
+                first=errors == 0,
             )
-            if on_error == "raise":
-                raise error from e
-            if errors == 0:
-                logger.warning(
-                    "%s (scored 0; later failures in this batch are only counted)", error
-                )
             errors += 1
-            scores.append(0.0)
-    return scores, {"reward/errors": float(errors), "reward/timeouts": float(timeouts)}
+            score, extra = 0.0, {}
+        scores.append(score)
+        entries.append(extra)
+    return Outcome(scores, entries, errors, timeouts)
 
 
-def _call(fn: RewardFunction, response: str, row: dict) -> float:
+def _score_batched(fn, responses, rows, on_error, timeout_s, offset) -> Outcome:
+    """One call of a batched function for all samples; a failure fails them all."""
+    n = len(responses)
+
+    def call():
+        results = fn(
+            [row.get("data_source") for row in rows],
+            list(responses),
+            [row["reward_model"]["ground_truth"] for row in rows],
+            [row.get("extra_info") or {} for row in rows],
+        )
+        results = list(results)
+        if len(results) != n:
+            raise ValueError(f"returned {len(results)} results for {n} samples")
+        return [_number(r) for r in results]
+
+    try:
+        numbers = _with_deadline(timeout_s * n if timeout_s else None, call)
+    except (Exception, RewardTimeout) as e:
+        _handle(
+            e,
+            fn,
+            f"samples {offset}..{offset + n - 1} (one batched call)",
+            on_error,
+            timeout_s,
+            first=True,
+        )
+        return Outcome([0.0] * n, [{}] * n, n, n * isinstance(e, RewardTimeout))
+    return Outcome([x for x, _ in numbers], [e for _, e in numbers], 0, 0)
+
+
+def _handle(e, fn, what: str, on_error: str, timeout_s, *, first: bool) -> None:
+    """Raise the failure as a ``RewardError`` naming the function and the samples, or (with
+    ``on_error="zero"``) log the first of the batch."""
+    if isinstance(e, RewardTimeout):
+        why = f"ran longer than the time limit (reward.timeout_s={timeout_s:g} s)"
+    else:
+        why = f"{type(e).__name__}: {e}"
+    error = RewardError(f"reward function {_name(fn)!r} failed on {what}: {why}")
+    if on_error == "raise":
+        raise error from e
+    if first:
+        logger.warning("%s (scored 0; later failures in this batch are only counted)", error)
+
+
+def _call(fn: RewardFunction, response: str, row: dict) -> tuple[float, dict[str, float]]:
     ground_truth = row["reward_model"]["ground_truth"]
     truths = ground_truth if isinstance(ground_truth, list | tuple) else [ground_truth]
     if not truths or not all(isinstance(t, str) for t in truths):
@@ -129,13 +249,21 @@ def _call(fn: RewardFunction, response: str, row: dict) -> float:
             "(otbrl.data.normalize_ground_truth turns numbers into text)"
         )
     extra = row.get("extra_info") or {}
-    return max(_number(fn(row.get("data_source"), response, t, extra)) for t in truths)
+    results = [_number(fn(row.get("data_source"), response, t, extra)) for t in truths]
+    return max(results, key=lambda r: r[0])
 
 
-def _number(result) -> float:
+def _number(result) -> tuple[float, dict[str, float]]:
+    """The score, and the other numeric entries of a dict result."""
+    entries = {}
     if isinstance(result, dict):
         if "score" not in result:
             raise TypeError(f"returned a dict without a 'score' entry (keys {sorted(result)})")
+        entries = {
+            str(k): float(v)
+            for k, v in result.items()
+            if k != "score" and isinstance(v, int | float) and math.isfinite(v)
+        }
         result = result["score"]
     if getattr(result, "ndim", None) == 0 and callable(getattr(result, "item", None)):
         result = result.item()  # a NumPy scalar or a 0-d tensor
@@ -143,10 +271,10 @@ def _number(result) -> float:
         raise TypeError(f"returned {type(result).__name__}, expected a number")
     if not math.isfinite(result):
         raise ValueError(f"returned {result!r}, expected a finite number")
-    return float(result)
+    return float(result), entries
 
 
-def _with_deadline(seconds: float | None, call: Callable[..., float], *args) -> float:
+def _with_deadline(seconds: float | None, call: Callable, *args):
     """``call(*args)``, raising ``RewardTimeout`` if it runs longer than ``seconds``."""
     if not seconds:
         return call(*args)
@@ -171,7 +299,7 @@ def _with_deadline(seconds: float | None, call: Callable[..., float], *args) -> 
             signal.setitimer(signal.ITIMER_REAL, left, interval)
 
 
-def _in_thread(seconds: float, call: Callable[..., float], *args) -> float:
+def _in_thread(seconds: float, call: Callable, *args):
     box: dict[str, object] = {}
 
     def run():

@@ -15,6 +15,7 @@ from pathlib import Path
 from otbrl.algos import loss_terms
 from otbrl.config import Config, ConfigError
 from otbrl.data import PromptDataset
+from otbrl.engine import parallel
 from otbrl.engine.engine import Engine
 from otbrl.engine.world import World
 from otbrl.models import (
@@ -24,6 +25,9 @@ from otbrl.models import (
     resolve_model_dir,
     set_prompt_template,
 )
+from otbrl.rewards import SandboxConfig
+from otbrl.rewards.pool import RewardPool
+from otbrl.rewards.reward_model import RewardModel
 from otbrl.rollout import HFRollout, RolloutBackend, Sampler, VLLMRollout, make_agent
 from otbrl.run.plan import Plan
 from otbrl.run.sampling import Scoring
@@ -85,9 +89,45 @@ def critic_loss(cfg: Config) -> loss_terms.Loss:
     )
 
 
-def scoring(cfg: Config, plan: Plan) -> Scoring:
-    """How the run scores responses: the plan's reward function and ``reward.*``."""
-    return Scoring(plan.reward_fn, cfg.reward.on_error, cfg.reward.timeout_s)
+def scoring(
+    cfg: Config, plan: Plan, reward_model: RewardModel | None = None, *, pool: bool = False
+) -> Scoring:
+    """How the run scores responses: the plan's reward function, ``reward.*`` and the loaded
+    ``reward_model`` (``build_run`` loads it when the plan needs one). ``pool``: with
+    ``reward.workers`` > 0, start the worker processes (the trainer does; ``close()`` them
+    through ``Scoring.pool``)."""
+    r = cfg.reward
+    sandbox = SandboxConfig(
+        cpu_s=r.code.cpu_s,
+        wall_s=r.code.wall_s,
+        memory_mb=r.code.memory_mb,
+        max_workers=r.code.max_workers,
+        allow_unsandboxed=r.code.allow_unsandboxed,
+    )
+    workers = None
+    if pool and r.workers > 0:
+        workers = RewardPool(
+            r.workers,
+            function=r.function,
+            on_error=r.on_error,
+            timeout_s=r.timeout_s,
+            math_backend=r.math_backend,
+            sandbox=sandbox,
+            batched=r.batched,
+        )
+    return Scoring(
+        plan.reward_fn,
+        r.on_error,
+        r.timeout_s,
+        r.math_backend,
+        sandbox,
+        batched=r.batched,
+        pool=workers,
+        overlong_buffer_len=r.overlong_buffer.len,
+        overlong_penalty=r.overlong_buffer.penalty,
+        reward_model=reward_model,
+        reward_model_weight=r.model.weight,
+    )
 
 
 def build_backend(
@@ -146,11 +186,30 @@ def build_sampler(
     )
 
 
+def build_reward_model(cfg: Config, world: World) -> RewardModel:
+    """The frozen reward model of ``reward.model.path`` on this rank's device. On several
+    processes its parameters are FSDP2-sharded over the data-parallel ranks, as the
+    reference's are (every rank scores its own rows, the same number of forwards); with
+    tensor parallelism each rank keeps a full copy (its TP plan is the causal LM's)."""
+    model = RewardModel(
+        cfg.reward.model.path,
+        dtype=cfg.model.dtype,
+        device=world.device,
+        micro_batch_size=cfg.reward.model.micro_batch_size,
+    )
+    mesh = world.mesh
+    if mesh is not None and mesh["tp"].size() == 1:
+        policy = parallel.mixed_precision_policy(world.device)
+        parallel.apply_fsdp(model.model, parallel.fsdp_mesh(mesh), policy)
+    return model
+
+
 @dataclass
 class RunParts:
     """Everything a run is built from. ``engines``: the trained ones (``policy``, and
     ``critic`` when the plan needs values), checkpointed together; ``reference``: the frozen
-    reference policy or None. ``sampler``: ``backend``, or the agent loop over it."""
+    reference policy or None. ``sampler``: ``backend``, or the agent loop over it.
+    ``reward_model``: the frozen learned reward model (``reward.model.path``) or None."""
 
     tokenizer: object
     eos_ids: list[int]
@@ -161,6 +220,7 @@ class RunParts:
     reference: Engine | None
     policy_loss: loss_terms.Loss
     critic_loss: loss_terms.Loss | None
+    reward_model: RewardModel | None = None
 
 
 def build_run(cfg: Config, plan: Plan, world: World, path: Path) -> RunParts:
@@ -206,6 +266,9 @@ def build_run(cfg: Config, plan: Plan, world: World, path: Path) -> RunParts:
         reference = Engine(
             ref_model, None, name="reference", micro_batch_size=a.micro_batch_size, **common
         )
+    reward_model = None
+    if plan.use_reward_model:
+        reward_model = build_reward_model(cfg, world)
     return RunParts(
         tokenizer=tokenizer,
         eos_ids=eos_ids,
@@ -216,4 +279,5 @@ def build_run(cfg: Config, plan: Plan, world: World, path: Path) -> RunParts:
         reference=reference,
         policy_loss=policy_loss(cfg),
         critic_loss=critic_loss(cfg) if plan.use_critic else None,
+        reward_model=reward_model,
     )

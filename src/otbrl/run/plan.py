@@ -29,7 +29,16 @@ from otbrl.data import get_task, read_parquet_rows, tokenize_prompts
 from otbrl.engine.dims import ParallelDims
 from otbrl.models import DEFAULT_SIZE, build_tokenizer, resolve_model_dir, set_prompt_template
 from otbrl.report.metrics_log import check_backends
-from otbrl.rewards import BUILTIN_REWARDS, DATA_SOURCE_REWARDS, resolve_reward_function
+from otbrl.rewards import (
+    BUILTIN_REWARDS,
+    CODE_SOURCES,
+    DATA_SOURCE_PREFIXES,
+    DATA_SOURCE_REWARDS,
+    has_builtin_reward,
+    resolve_reward_function,
+    sandbox_problem,
+)
+from otbrl.rewards.reward_model import check_reward_model_dir
 from otbrl.rollout import check_vllm_installed, make_agent
 from otbrl.tools import resolve_tools, tools_for_row
 
@@ -64,6 +73,9 @@ SOURCES = {
     "sum_pi_squared": Source("policy", "sum_pi_squared", "actor.calculate_sum_pi_squared"),
     "ref_log_probs": Source("reference", "log_probs", "actor.use_kl_loss"),
     "values": Source("critic", "values", "critic.enable"),
+    # the learned reward model scores the decoded conversations in the sampling step (its own
+    # tokenizer and template), before the policy's forward; it adds to token_level_scores
+    "rm_scores": Source("reward_model", "scores", "reward.model.path"),
 }
 
 
@@ -94,6 +106,11 @@ class Plan:
     def use_reference(self) -> bool:
         """A frozen reference policy is built (a KL loss or KL reward needs its log-probs)."""
         return "ref_log_probs" in self.needs
+
+    @property
+    def use_reward_model(self) -> bool:
+        """A learned reward model is loaded (``reward.model.path``)."""
+        return "rm_scores" in self.needs
 
     @property
     def use_critic(self) -> bool:
@@ -131,6 +148,8 @@ def stat_needs(cfg: Config) -> frozenset[str]:
         needs.add("sum_pi_squared")
     if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         needs.add("ref_log_probs")
+    if cfg.reward.model.path is not None:
+        needs.add("rm_scores")
     return frozenset(needs)
 
 
@@ -159,6 +178,11 @@ def _check_providers(cfg: Config, needs: frozenset[str], use_critic: bool) -> No
 
 
 def _check_files(cfg: Config) -> None:
+    if cfg.reward.model.path is not None:
+        try:
+            check_reward_model_dir(cfg.reward.model.path)
+        except ValueError as err:
+            raise ConfigError(f"'reward.model.path': {err}", "reward.model.path") from None
     for key in ("train_files", "val_files"):
         for file in getattr(cfg.data, key):
             if not Path(file).is_file():
@@ -242,6 +266,7 @@ def validate_config(cfg: Config, world_size: int | None = None, *, train: bool =
     train_rows, val_rows = load_rows(cfg, train=train)
     if reward_fn is None:
         _check_rewards_resolvable(train_rows + val_rows)
+        _check_reward_backends(cfg, train_rows + val_rows)
     if tools:
         check_row_tools(train_rows + val_rows, tools)
     train_rows, longest, notes = check_prompt_lengths(cfg, train_rows, tokenizer, tools, "train")
@@ -270,7 +295,7 @@ def _check_rewards_resolvable(rows: list[dict]) -> None:
     """Without ``reward.function`` each row is scored by its data_source's built-in reward:
     every data_source must have one."""
     unknown = Counter(
-        row["data_source"] for row in rows if row["data_source"] not in DATA_SOURCE_REWARDS
+        row["data_source"] for row in rows if not has_builtin_reward(row["data_source"])
     )
     if not unknown:
         return
@@ -281,10 +306,35 @@ def _check_rewards_resolvable(rows: list[dict]) -> None:
     raise ConfigError(
         f"'reward.function' is unset and {sum(unknown.values())} rows of the data have a "
         f"data_source with no built-in reward: {listed}{more} (built-in data sources: "
-        f"{sorted(DATA_SOURCE_REWARDS)}); set reward.function to a built-in "
+        f"{sorted(DATA_SOURCE_REWARDS)} and names starting with {sorted(DATA_SOURCE_PREFIXES)}"
+        "); set reward.function to a built-in "
         f"({sorted(BUILTIN_REWARDS)}) or to path/to/file.py:function",
         "reward.function",
     )
+
+
+def _check_reward_backends(cfg: Config, rows: list[dict]) -> None:
+    """What the rows' built-in rewards need is there: the sandbox for code rows (or
+    ``reward.code.allow_unsandboxed``), ``math-verify`` for ``reward.math_backend``."""
+    code_rows = sum(row["data_source"] in CODE_SOURCES for row in rows)
+    if code_rows and not cfg.reward.code.allow_unsandboxed:
+        problem = sandbox_problem()
+        if problem is not None:
+            raise ConfigError(
+                f"'reward.code.allow_unsandboxed': {code_rows} rows are scored by running "
+                f"model-written code, and it cannot be sandboxed here: {problem}; set "
+                "reward.code.allow_unsandboxed=true to run it without the sandbox",
+                "reward.code.allow_unsandboxed",
+            )
+    if cfg.reward.math_backend == "math_verify":
+        try:
+            import math_verify  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "'reward.math_backend' is math_verify but the math-verify package is not "
+                "installed: pip install 'otbrl[rewards]'",
+                "reward.math_backend",
+            ) from None
 
 
 def check_tools(cfg: Config, tokenizer):

@@ -13,18 +13,20 @@ holds no state: everything it uses comes in as arguments, so a background worker
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from otbrl.algos.metrics import sample_metrics
 from otbrl.data import encode_prompts, pad_token_id
-from otbrl.rewards import score_responses
+from otbrl.rewards import SandboxConfig, score_responses
 from otbrl.rewards.placement import place_scores
+from otbrl.rewards.shaping import overlong_penalty
 from otbrl.rollout import (
     Sampler,
     SamplingParams,
@@ -40,12 +42,31 @@ from otbrl.rollout import (
 @dataclass(frozen=True)
 class Scoring:
     """How responses are scored (``otbrl.rewards.score_responses``): ``function`` (None: the
-    built-in reward of each row's ``data_source``), ``on_error`` (``"raise"`` | ``"zero"``) and
-    ``timeout_s`` per call (None: no limit)."""
+    built-in reward of each row's ``data_source``), ``on_error`` (``"raise"`` | ``"zero"``),
+    ``timeout_s`` per call (None: no limit), for the built-in rewards ``math_backend`` and
+    the code ``sandbox``, and DAPO's overlong shaping of the trained reward: the last
+    ``overlong_buffer_len`` tokens of the response budget (0: off) cost up to
+    ``overlong_penalty``, and a learned ``reward_model`` (``otbrl.rewards.RewardModel``) whose
+    score, times ``reward_model_weight``, is added to it. ``batched``: ``function`` takes
+    lists; ``pool``: score in worker processes (``otbrl.rewards.pool.RewardPool``, built
+    with these same settings)."""
 
     function: Callable | None = None
     on_error: str = "raise"
     timeout_s: float | None = None
+    math_backend: str = "verl"
+    sandbox: SandboxConfig | None = None
+    batched: bool = False
+    pool: Any = None  # an otbrl.rewards.RewardPool: score in its workers (its own settings)
+    overlong_buffer_len: int = 0
+    overlong_penalty: float = 1.0
+    reward_model: Any = None
+    reward_model_weight: float = 1.0
+
+    def for_validation(self) -> Scoring:
+        """The same scoring without what only shapes the trained reward (overlong penalty,
+        reward model): validation counts the rule reward alone."""
+        return dataclasses.replace(self, overlong_buffer_len=0, reward_model=None)
 
 
 class Sample(NamedTuple):
@@ -59,9 +80,13 @@ class Sample(NamedTuple):
     ``extra_info``). ``scores``: [B] the rewards as the reward function returned them (Python
     floats: an accuracy sums them unrounded). ``metrics``: ``train/reward_*``, response length
     and clip ratio, ``reward/errors`` / ``reward/timeouts``, ``timing/rollout`` (encoding and
-    generation) and ``timing/reward`` (decoding and scoring) and, multi-turn, the ``tool/*`` set.
-    ``responses``: [B] each response as text (multi-turn: the whole transcript, observations
-    included), for logs.
+    generation) and ``timing/reward`` (scoring; with a pool from submission to the last
+    result, and ``timing/reward_wait``: how long the step waited for it), with overlong shaping
+    ``reward/overlong_penalty_mean``, with a reward model ``reward/model_mean`` and
+    ``timing/reward_model``, and, multi-turn, the ``tool/*`` set. ``token_level_scores`` carry
+    the trained reward (rule + shaping + weighted reward model), ``scores`` the rule reward
+    alone (what validation accuracy counts). ``responses``: [B] each response as text
+    (multi-turn: the whole transcript, observations included), for logs.
     """
 
     batch: dict[str, Tensor]
@@ -69,6 +94,12 @@ class Sample(NamedTuple):
     scores: list[float]
     metrics: dict[str, float]
     responses: list[str]
+    finish: Callable | None = None  # set while the scores are still on their way
+
+    def resolve(self) -> Sample:
+        """The scored sample: waits for scores computed elsewhere (``sample_batch(...,
+        defer=True)`` with a pool); the sample itself when it is scored already."""
+        return self if self.finish is None else self.finish(self)
 
 
 def sample_batch(
@@ -81,6 +112,7 @@ def sample_batch(
     max_prompt_length: int = 10**9,
     overlong: str = "error",
     uid_offset: int = 0,
+    defer: bool = False,
 ) -> Sample:
     """Sample ``params.n`` responses for each of ``rows`` [P] and score them; B = P · n rows,
     those of a prompt adjacent with one ``uid`` (the prompt's index + ``uid_offset``: the
@@ -90,6 +122,9 @@ def sample_batch(
     keeps its last ``max_prompt_length`` tokens with ``overlong="truncate_left"``. A
     multi-turn response is scored on its final turn (the model tokens after the last
     observation), its whole transcript in ``extra_info``. ``scoring`` None: ``Scoring()``.
+    ``defer``: return before the scores are in (``token_level_scores``, ``scores`` and the
+    reward metrics missing): the caller computes what does not need them, then calls
+    ``sample.resolve()``; with a pool (``scoring.pool``) the scoring runs meanwhile.
     """
     rows = list(rows)
     scoring = scoring or Scoring()
@@ -111,19 +146,78 @@ def sample_batch(
         attention = batch["attention_mask"][:, enc["input_ids"].shape[1] :]
         responses = transcripts = decode_transcripts(tokenizer, batch["responses"], attention)
         repeated = transcript_rows(repeated, transcripts, batch)
-    scores, info = score_responses(
-        texts,
-        repeated,
-        function=scoring.function,
-        on_error=scoring.on_error,
-        timeout_s=scoring.timeout_s,
-    )
-    score = torch.tensor(scores, dtype=torch.float32)
-    batch["token_level_scores"] = place_scores(score, mask)
-    metrics = sample_metrics(score, mask, batch["truncated"])
-    metrics.update({k: float(v) for k, v in info.items()})
-    metrics["timing/rollout"] = sampled - start
-    metrics["timing/reward"] = time.perf_counter() - sampled
+    if scoring.pool is not None:  # scored in worker processes while the caller goes on
+        pending = scoring.pool.submit(texts, repeated)
+    else:
+        pending = _Scored(
+            score_responses(
+                texts,
+                repeated,
+                function=scoring.function,
+                on_error=scoring.on_error,
+                timeout_s=scoring.timeout_s,
+                math_backend=scoring.math_backend,
+                sandbox=scoring.sandbox,
+                batched=scoring.batched,
+            ),
+            time.perf_counter() - sampled,
+        )
+    metrics = {"timing/rollout": sampled - start}
     if multi_turn:
         metrics.update(tool_metrics(batch))
-    return Sample(batch, repeated, list(scores), metrics, list(responses))
+    width = enc["input_ids"].shape[1]
+    finish = _Finish(pending, texts, params, scoring, width)
+    sample = Sample(batch, repeated, [], metrics, list(responses), finish)
+    return sample if defer else sample.resolve()
+
+
+class _Scored:
+    """Scores computed in this process, in the shape of ``otbrl.rewards.pool.Pending``."""
+
+    def __init__(self, result: tuple[list[float], dict[str, float]], seconds: float):
+        self._result = (result[0], {**result[1], "timing/reward": seconds})
+
+    def result(self) -> tuple[list[float], dict[str, float]]:
+        return self._result
+
+
+@dataclass(frozen=True)
+class _Finish:
+    """What turns a sample's scores into its trained reward, once the scores are in."""
+
+    pending: Any
+    texts: list[str]
+    params: SamplingParams
+    scoring: Scoring
+    prompt_width: int
+
+    def __call__(self, sample: Sample) -> Sample:
+        scores, info = self.pending.result()
+        batch, mask = sample.batch, sample.batch["response_mask"]
+        score = torch.tensor(scores, dtype=torch.float32)
+        shaping = {}
+        if self.scoring.overlong_buffer_len > 0:
+            # the response's length in tokens against its budget (observation tokens count,
+            # as they do against max_tokens)
+            lengths = batch["attention_mask"][:, self.prompt_width :].sum(dim=1)
+            penalty = overlong_penalty(
+                lengths,
+                max_length=self.params.max_tokens,
+                buffer_len=self.scoring.overlong_buffer_len,
+                penalty=self.scoring.overlong_penalty,
+            )
+            score = score + penalty
+            shaping["reward/overlong_penalty_mean"] = float(penalty.mean())
+        if self.scoring.reward_model is not None:
+            # the final turn is the answer the reward model judges (multi-turn: after tools)
+            start_rm = time.perf_counter()
+            learned = self.scoring.reward_model.score(sample.rows, self.texts)
+            score = score + self.scoring.reward_model_weight * learned
+            shaping["reward/model_mean"] = float(learned.mean())
+            shaping["timing/reward_model"] = time.perf_counter() - start_rm
+        batch["token_level_scores"] = place_scores(score, mask)
+        metrics = sample_metrics(score, mask, batch["truncated"])
+        metrics.update({k: float(v) for k, v in info.items()})
+        metrics.update(shaping)
+        metrics.update(sample.metrics)
+        return Sample(batch, sample.rows, list(scores), metrics, sample.responses)

@@ -106,7 +106,7 @@ class Trainer:
         self.rollout, self.sampler = parts.backend, parts.sampler
         self.engines, self.reference = parts.engines, parts.reference
         self.policy_loss, self.critic_loss = parts.policy_loss, parts.critic_loss
-        self.scoring = scoring(cfg, plan)
+        self.scoring = scoring(cfg, plan, parts.reward_model, pool=True)
         self.step = 0
         self.initial_val: dict[str, float] = {}  # val/* at step 0 (not resumed)
         self.last_val: dict[str, float] = {}
@@ -122,7 +122,8 @@ class Trainer:
 
     # -- one step ---------------------------------------------------------------------------------
     def sample(self):
-        """This rank's share of the next prompts, ``rollout.n`` responses each, scored."""
+        """This rank's share of the next prompts, ``rollout.n`` responses each; its scores may
+        still be on their way (``sample.resolve()`` waits for them)."""
         r = self.cfg.rollout
         rows = self.world.shard(self.dataset.next_batch())
         params = SamplingParams(
@@ -143,6 +144,7 @@ class Trainer:
             max_prompt_length=self.cfg.data.max_prompt_length,
             overlong=overlong_mode(self.cfg),
             uid_offset=self.world.dp_rank * len(rows),  # the global prompt index
+            defer=True,  # scored (in reward.workers processes) during the policy's forward
         )
         self.rollout.sleep()  # frees the backend's memory for training, where supported
         return sample
@@ -206,9 +208,11 @@ class Trainer:
         with collective_guard(f"training step {self.step}"):
             timing: dict[str, float] = {}
             start = time.perf_counter()
-            sample = self.sample()  # its metrics hold timing/rollout and timing/reward
-            batch, metrics = sample.batch, dict(sample.metrics)
+            sample = self.sample()  # its scores may still be on their way
+            batch = sample.batch
             self.statistics(batch, timing)
+            sample = sample.resolve()  # token_level_scores; timing/rollout, timing/reward
+            metrics = dict(sample.metrics)
             metrics.update(self.rollout_correction(batch))
             with _timed(timing, "adv"):
                 metrics.update(self.advantage(batch))
@@ -244,7 +248,7 @@ class Trainer:
             world=self.world,
             stop_token_ids=self.eos_ids,
             seed=step_seed(self.cfg.trainer.seed, self.step),
-            scoring=self.scoring,
+            scoring=self.scoring.for_validation(),
             generations=self.cfg.trainer.log_generations if logger is not None else 0,
         )
         if logger is not None and result.generations:
@@ -321,6 +325,8 @@ class Trainer:
             close = getattr(self.rollout, "close", None)
             if close is not None:
                 close()  # before the process group goes: a vLLM engine holds groups of its own
+            if self.scoring.pool is not None:
+                self.scoring.pool.close()
             if self.world.mesh is not None:  # only the group this run created
                 teardown_distributed()
             self.run.release()

@@ -75,6 +75,10 @@ RESUME_MAY_DIFFER = frozenset(
         "rollout.vllm.gpu_memory_utilization",
         "rollout.vllm.kv_cache_gib",
         "rollout.vllm.enable_sleep_mode",
+        # where and how many at once rewards are scored changes no score
+        "reward.workers",
+        "reward.code.max_workers",
+        "reward.model.micro_batch_size",
     }
 )
 # What otbrl writes into a run directory (named in messages).

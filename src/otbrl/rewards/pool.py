@@ -1,0 +1,97 @@
+"""Scoring in worker processes, so that slow verifiers (sympy, code in the sandbox, a user's
+remote call) run while the trainer computes the policy's statistics.
+
+``RewardPool(workers, ...).submit(responses, rows)`` splits the batch into one contiguous
+chunk per worker and returns at once; ``Pending.result()`` waits and gives what
+``score_responses`` would have given in this process. Workers are spawned (not forked: the
+trainer holds threads and, on a GPU, a CUDA context), start once per run and load a user's
+reward file once each; ``reward.function`` therefore travels as its spec
+(``path/file.py:fn``), not as a function object.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+
+from otbrl.rewards.sandbox import SandboxConfig
+from otbrl.rewards.scoring import score_each, summarize
+
+
+class Pending:
+    """Scores on their way: ``result()`` -> ``(scores, info)`` as ``score_responses``, plus
+    ``timing/reward`` (submission to the last result) and ``timing/reward_wait`` (how long
+    ``result`` blocked the caller)."""
+
+    def __init__(self, futures: list[Future], started: float):
+        self._futures = futures
+        self._started = started
+
+    def result(self) -> tuple[list[float], dict[str, float]]:
+        """Wait for every chunk; a ``RewardError`` of a worker is raised here unchanged."""
+        waiting = time.perf_counter()
+        outcomes = [f.result() for f in self._futures]
+        done = time.perf_counter()
+        scores, info = summarize(outcomes)
+        info["timing/reward"] = done - self._started
+        info["timing/reward_wait"] = done - waiting
+        return scores, info
+
+
+class RewardPool:
+    """``workers`` spawned processes scoring with the run's settings (``score_responses``'s
+    keywords; ``function``: None or a spec string)."""
+
+    def __init__(
+        self,
+        workers: int,
+        *,
+        function: str | None = None,
+        on_error: str = "raise",
+        timeout_s: float | None = None,
+        math_backend: str = "verl",
+        sandbox: SandboxConfig | None = None,
+        batched: bool = False,
+    ):
+        if not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers: expected an int >= 1, got {workers!r}")
+        if function is not None and not isinstance(function, str):
+            raise TypeError(
+                f"function: a pool takes the reward's spec (a name or 'file.py:fn'), got "
+                f"{type(function).__name__}"
+            )
+        self.workers = workers
+        self.options = {
+            "function": function,
+            "on_error": on_error,
+            "timeout_s": timeout_s,
+            "math_backend": math_backend,
+            "sandbox": sandbox,
+            "batched": batched,
+        }
+        context = multiprocessing.get_context("spawn")
+        self._executor = ProcessPoolExecutor(max_workers=workers, mp_context=context)
+
+    def submit(self, responses: Sequence[str], rows: Sequence[dict]) -> Pending:
+        """Start scoring; returns at once."""
+        if len(responses) != len(rows):
+            raise ValueError(f"rows: expected {len(responses)} rows, got {len(rows)}")
+        started = time.perf_counter()
+        size = max(1, -(-len(responses) // self.workers))  # ceil: at most one chunk per worker
+        futures = [
+            self._executor.submit(
+                score_each,
+                list(responses[i : i + size]),
+                list(rows[i : i + size]),
+                offset=i,
+                **self.options,
+            )
+            for i in range(0, len(responses), size)
+        ]
+        return Pending(futures, started)
+
+    def close(self) -> None:
+        """Stop the workers (waits for running chunks)."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
