@@ -207,8 +207,8 @@ class OverlongBufferConfig:
     """DAPO's overlong reward shaping: the last ``len`` tokens of the response budget
     (``rollout.max_new_tokens``) cost linearly up to ``penalty`` (0 = off)."""
 
-    len: int = 0
-    penalty: float = 1.0
+    len: int = 0  # tokens before the budget's end where the penalty ramps up; 0 = off
+    penalty: float = 1.0  # the penalty at the budget's end (the reward loses up to this much)
 
 
 @dataclass
@@ -218,7 +218,7 @@ class RewardModelConfig:
     rule reward + ``weight`` × its score."""
 
     path: str | None = None  # None: no reward model
-    weight: float = 1.0
+    weight: float = 1.0  # the trained reward is the rule reward + weight x the model's score
     micro_batch_size: int = 16  # conversations per forward
 
 

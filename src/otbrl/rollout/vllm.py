@@ -39,6 +39,7 @@ import importlib.util
 import logging
 import os
 import random
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
@@ -60,6 +61,22 @@ _LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()
 # vLLM's own CPU default of tokens per engine step (LLM class); raised to the context length
 # when a whole prompt must fit in one step (see the chunked-prefill note in __init__)
 _CPU_STEP_TOKENS = 4096
+
+
+def quiet_vllm() -> None:
+    """vLLM's logging at ERROR unless the user set ``VLLM_LOGGING_LEVEL`` (it is read when vLLM
+    is first imported: call this before). A CPU start-up otherwise prints ~23 warning lines,
+    none of them actionable here: the global seed (our RNG state is restored), chunked prefill
+    off and eager mode (our settings), no Triton / tcmalloc / iomp (performance hints: set
+    ``VLLM_LOGGING_LEVEL=WARNING`` to see them), ``set_num_threads`` skipped (five times).
+    What stays: errors, and torch's C++ NUMA-binding note (printed below Python's logging)."""
+    if "VLLM_LOGGING_LEVEL" not in os.environ:
+        os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
+        # logged at import, before vLLM configures its loggers (no CPU backend in Triton)
+        logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
+    warnings.filterwarnings(
+        "ignore", message=r".*torch.distributed.reduce_op.*", category=FutureWarning
+    )
 
 
 def check_vllm_installed() -> None:
@@ -130,10 +147,10 @@ class VLLMRollout:
                 "VLLMRollout: another engine is alive in this process; close() it first "
                 "(one in-process engine per process / data-parallel rank)"
             )
-        # The engine must live in this process (weights are synced by reference), and its INFO
-        # lines would drown the trainer's console; both stay overridable from the environment.
+        # The engine must live in this process (weights are synced by reference), and its start-up
+        # warnings would drown the trainer's console (see quiet_vllm).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        quiet_vllm()
         import vllm
         from vllm.platforms import current_platform
 
@@ -150,6 +167,7 @@ class VLLMRollout:
             max_model_len=max_model_len,
             enable_sleep_mode=enable_sleep_mode,
             logprobs_mode="processed_logprobs",
+            use_tqdm_on_load=False,  # a bar per start for one safetensors file
         )
         if self.on_cpu:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)

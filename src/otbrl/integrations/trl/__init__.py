@@ -7,9 +7,12 @@ docs/integrations.md for what is covered.
 
 from __future__ import annotations
 
+import warnings
 from importlib.metadata import PackageNotFoundError, version
 
 from packaging.version import Version
+
+from otbrl.rollout.vllm import quiet_vllm
 
 TESTED_TRL = (Version("1.16.0"), Version("1.17"))
 
@@ -29,7 +32,17 @@ def _check_trl() -> None:
 
 _check_trl()
 
-from otbrl.integrations.trl.config import OTBGRPOConfig  # noqa: E402
-from otbrl.integrations.trl.trainer import OTBGRPOTrainer  # noqa: E402
+# TRL warns about an untested vLLM version from each of its modules that checks it (5 identical
+# warnings per import with vLLM 0.32, each with its source line): the first one says it all.
+quiet_vllm()  # TRL imports vLLM when it is installed
+with warnings.catch_warnings(record=True) as _caught:
+    warnings.simplefilter("always")
+    from otbrl.integrations.trl.config import OTBGRPOConfig
+    from otbrl.integrations.trl.trainer import OTBGRPOTrainer
+_seen: set[str] = set()
+for _w in _caught:
+    if str(_w.message) not in _seen:
+        _seen.add(str(_w.message))
+        warnings.warn_explicit(_w.message, _w.category, _w.filename, _w.lineno)
 
 __all__ = ["TESTED_TRL", "OTBGRPOConfig", "OTBGRPOTrainer"]
