@@ -115,6 +115,7 @@ def _tiny_setup(tmp_path, reward_body="return float(len(text))"):
     reward.write_text(f"def length(source, text, truth, extra):\n    {reward_body}\n")
     return [
         f"model.path={model}",
+        "data.task=arithmetic",  # a model directory of its own: the task is named
         f"reward.function={reward}:length",
         "data.max_response_length=4",
         "data.val_size=8",

@@ -42,6 +42,7 @@ def test_critic_follows_the_model_path_and_config(tiny_dir, tmp_path):
         None,
         [
             f"model.path={tiny_dir}",
+            "data.task=arithmetic",
             f"critic.model_path={other}",
             "critic.lr=0.01",
             "algorithm.adv_estimator=grpo",

@@ -35,6 +35,7 @@ def _train_worker(rank, world_size, port, overrides):
 def _common(model, run):
     return [
         f"model.path={model}",
+        "data.task=arithmetic",
         f"trainer.output_dir={run}",
         "data.train_batch_size=4",
         "rollout.n=2",

@@ -13,6 +13,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "otbrl"
 FLOORS = {
     "otbrl.config": 0,
     "otbrl.user_code": 0,
+    "otbrl.quiet": 0,
     "otbrl.ops": 1,
     "otbrl.algos": 1,
     "otbrl.data": 2,

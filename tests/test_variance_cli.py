@@ -159,6 +159,7 @@ def test_two_repeat_smoke_run(tiny_model, tmp_path, capsys):
     argv = [
         "variance",
         f"model.path={tiny_model}",
+        "data.task=arithmetic",
         f"reward.function={reward}:length",
         "data.max_response_length=4",
         "--estimators=grpo,rloo,otb",

@@ -39,7 +39,6 @@ import importlib.util
 import logging
 import os
 import random
-import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
@@ -49,6 +48,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from otbrl.quiet import quiet_vllm
 from otbrl.rollout.protocol import Completion, SamplingParams, check_generate_args
 
 INSTALL_HINT = (
@@ -61,22 +61,6 @@ _LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()
 # vLLM's own CPU default of tokens per engine step (LLM class); raised to the context length
 # when a whole prompt must fit in one step (see the chunked-prefill note in __init__)
 _CPU_STEP_TOKENS = 4096
-
-
-def quiet_vllm() -> None:
-    """vLLM's logging at ERROR unless the user set ``VLLM_LOGGING_LEVEL`` (it is read when vLLM
-    is first imported: call this before). A CPU start-up otherwise prints ~23 warning lines,
-    none of them actionable here: the global seed (our RNG state is restored), chunked prefill
-    off and eager mode (our settings), no Triton / tcmalloc / iomp (performance hints: set
-    ``VLLM_LOGGING_LEVEL=WARNING`` to see them), ``set_num_threads`` skipped (five times).
-    What stays: errors, and torch's C++ NUMA-binding note (printed below Python's logging)."""
-    if "VLLM_LOGGING_LEVEL" not in os.environ:
-        os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
-        # logged at import, before vLLM configures its loggers (no CPU backend in Triton)
-        logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
-    warnings.filterwarnings(
-        "ignore", message=r".*torch.distributed.reduce_op.*", category=FutureWarning
-    )
 
 
 def check_vllm_installed() -> None:

@@ -12,7 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from packaging.version import Version
 
-from otbrl.rollout.vllm import quiet_vllm
+from otbrl.quiet import quiet_vllm
 
 TESTED_TRL = (Version("1.16.0"), Version("1.17"))
 
