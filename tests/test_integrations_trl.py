@@ -194,3 +194,18 @@ def test_untested_trl_version_refused(monkeypatch):
     monkeypatch.setattr(otbrl_trl, "version", lambda name: "1.10.0")
     with pytest.raises(ImportError, match=r"trl>=1\.16\.0,<1\.17"):
         otbrl_trl._check_trl()
+
+
+def test_importing_the_integration_warns_about_an_untested_vllm_once():
+    """Each TRL import printed its vLLM-version warning 5 times (one per TRL module that checks
+    it); the first one stays, and vLLM's own start-up warnings are off (VLLM_LOGGING_LEVEL)."""
+    pytest.importorskip("vllm")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
+    done = subprocess.run(
+        [sys.executable, "-c", "import otbrl.integrations.trl"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    count = done.stderr.count("TRL currently supports vLLM versions")
+    assert count <= 1, done.stderr  # 0 once TRL supports the installed vLLM
+    assert "Triton is installed" not in done.stderr

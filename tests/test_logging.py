@@ -290,3 +290,68 @@ def test_tensorboard_and_wandb_receive_finite_scalars(tmp_path, monkeypatch):
     assert calls["wandb_init"]["config"] == {"seed": 1}
     assert calls["closed"] == ["tb", "wandb"]
     assert not (tmp_path / "metrics.jsonl").exists()  # jsonl not requested
+
+
+def test_generations_go_to_jsonl_tensorboard_and_wandb_tables(tmp_path, monkeypatch):
+    """No generations were logged: whether tools or rewards fire was invisible."""
+    texts, tables = [], []
+
+    class SummaryWriter:
+        def __init__(self, log_dir, purge_step=None):
+            pass
+
+        def add_text(self, key, text, global_step=None):
+            texts.append((key, text, global_step))
+
+        def add_scalar(self, *args, **kwargs):
+            pass
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    class Table:
+        def __init__(self, columns, data):
+            self.columns, self.data = columns, data
+
+    class Run:
+        def log(self, metrics, step):
+            tables.append((metrics, step))
+
+        def finish(self):
+            pass
+
+    monkeypatch.setitem(sys.modules, "tensorboard", fake_module("tensorboard"))
+    tb_module = fake_module("torch.utils.tensorboard", SummaryWriter=SummaryWriter)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", tb_module)
+    monkeypatch.setitem(
+        sys.modules, "wandb", fake_module("wandb", init=lambda **_: Run(), Table=Table)
+    )
+    rows = [{"prompt": "1+1=", "response": "2 | two\nok", "reward": 1.0}]
+    logger = MetricsLogger(tmp_path, backends=("jsonl", "tensorboard", "wandb"), total_steps=4)
+    logger.log_generations(2, rows)
+    logger.log_generations(4, [{**rows[0], "reward": 0.0}])
+    logger.close()
+    lines = [json.loads(x) for x in (tmp_path / "generations.jsonl").read_text().splitlines()]
+    assert lines == [{"step": 2, **rows[0]}, {"step": 4, **rows[0], "reward": 0.0}]
+    key, text, step = texts[0]
+    assert (key, step) == ("generations", 2) and "2 \\| two<br>ok" in text  # one table row
+    assert tables[0][1] == 2 and tables[0][0]["generations"].columns == [
+        "step",
+        "prompt",
+        "response",
+        "reward",
+    ]
+    # resuming at step 2 keeps step 2's rows and drops step 4's
+    MetricsLogger(tmp_path, backends=("jsonl",), total_steps=4, initial_step=2).close()
+    kept = [json.loads(x) for x in (tmp_path / "generations.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in kept] == [2]
+
+
+def test_the_bar_shows_the_tool_call_rate(tmp_path, capsys):
+    logger = MetricsLogger(tmp_path, backends=("console",), total_steps=2)
+    logger.log(1, {"train/reward_mean": 0.5, "tool/call_rate": 0.75})
+    logger.close()
+    assert "tool rate 0.75" in capsys.readouterr().err

@@ -55,6 +55,7 @@ def files(pair):
 def tiny_overrides(model_dir, out_dir, *extra):
     return [
         f"model.path={model_dir}",
+        "data.task=arithmetic",  # the data when no files are given
         f"trainer.output_dir={out_dir}",
         "trainer.total_steps=3",
         "trainer.val_every=2",
@@ -136,7 +137,7 @@ def test_sum_pi_squared_reaches_the_estimator(tiny_dir, arith_files, tmp_path, m
 
 
 def test_auto_skips_sum_pi_squared_when_nobody_needs_it(tiny_dir):
-    base = [f"model.path={tiny_dir}"]
+    base = [f"model.path={tiny_dir}", "data.task=arithmetic"]
     cfg = load_config(None, [*base, "algorithm.adv_estimator=grpo"])
     assert "sum_pi_squared" not in validate_config(cfg).needs
     cfg = load_config(
@@ -312,13 +313,15 @@ def test_batch_sizes_default_to_what_fits(tiny_dir, arith_files, tmp_path):
         "data.train_batch_size=4",
         "rollout.n=2",
         "actor.micro_batch_size=3",
+        "data.max_response_length=4",
         *files(arith_files),
     ]
     assert cli.main(["train", *overrides]) == 0
     records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
     # one optimizer step per RL step: warmup 20 -> lr 2/21 then 3/21 of actor.lr
-    assert records[-1]["policy/lr"] == pytest.approx(3e-4 * 3 / 21)
+    # (a model directory on its own files: the defaults for real models, lr 1e-6)
+    assert records[-1]["policy/lr"] == pytest.approx(1e-6 * 3 / 21)
 
 
 COUNTING_REWARD = """

@@ -212,7 +212,7 @@ def _single_turn_sample(self):
     return Sample(batch, rows, scores, metrics, texts)
 
 
-def _single_turn_validate(self):
+def _single_turn_validate(self, logger=None):
     cfg = self.cfg
     accuracy = evaluate_accuracy(
         self.rollout, self.tokenizer, self.plan.val_rows, stop_token_ids=self.eos_ids,

@@ -60,6 +60,7 @@ def overrides(model_dir, data, out, *extra):
         f"data.val_files=[{data[1]}]",
         f"reward.function={data[2]}:score",
         "rollout.name=vllm",
+        "data.max_response_length=4",
         "trainer.total_steps=3",
         "trainer.val_every=3",
         "trainer.logger=[jsonl]",
