@@ -19,7 +19,8 @@ LAYOUTS = {"padded": {}, "packed": {"packed": True}, "fused": {"fused": True}}
 
 
 def actor(**kw):
-    return ActorConfig(lr=1e-3, warmup_steps=0, micro_batch_size=3, grad_clip=1.0, **kw)
+    settings = dict(lr=1e-3, warmup_steps=0, micro_batch_size=3, grad_clip=1.0)
+    return ActorConfig(**{**settings, **kw})
 
 
 def float64_stats(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
