@@ -15,7 +15,7 @@ data-parallel group) and FSDP2 sums the gradients, so the update equals the one-
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -271,13 +271,17 @@ class Engine:
         )
 
     # -- weights and state ---------------------------------------------------------------------
-    def full_tensors(self) -> Iterator[tuple[str, Tensor]]:
-        """(name, full tensor) of every entry of the model's state dict, one at a time.
+    def full_tensors(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, Tensor]]:
+        """(name, full tensor) of every entry of the model's state dict (or of ``names``, in
+        that order), one at a time: only the tensor being yielded is gathered, so a consumer
+        that drops each one before the next never holds a second copy of the model.
 
         Collective on several processes (each sharded tensor is gathered with
-        ``full_tensor()``): every rank must consume the iterator to the end.
+        ``full_tensor()``): every rank must consume the iterator to the end, in the same order.
         """
-        for name, value in self.model.state_dict().items():
+        state = self.model.state_dict()
+        for name in state if names is None else names:
+            value = state[name]
             full = value.full_tensor() if isinstance(value, DTensor) else value
             yield name, full.detach()
 
