@@ -107,7 +107,4 @@ def _write_bytes(f, value: torch.Tensor) -> None:
     value = value.detach()
     if value.device.type != "cpu":
         value = value.cpu()
-    value = value.contiguous().reshape(-1)
-    if value.dtype == torch.bool:
-        value = value.to(torch.uint8)  # one byte each either way; bool has no byte view
-    f.write(memoryview(value.view(torch.uint8).numpy()))
+    f.write(memoryview(value.contiguous().reshape(-1).view(torch.uint8).numpy()))
