@@ -240,7 +240,10 @@ class Trainer:
         """``memory/params_gb`` (every model this process holds — policy, reference, critic —,
         a model two engines share counted once) and ``memory/optimizer_gb`` (their optimizers'
         state), this process's shards under FSDP2 / TP; logged with the first step's metrics."""
-        engines = [*self.engines.values(), *([self.reference] if self.reference is not None else [])]
+        engines = [
+            *self.engines.values(),
+            *([self.reference] if self.reference is not None else []),
+        ]
         return {
             "memory/params_gb": tensors_gb(p for e in engines for p in e.model.parameters()),
             "memory/optimizer_gb": sum(optimizer_gb(e.optimizer) for e in engines),
