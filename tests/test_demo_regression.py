@@ -43,7 +43,7 @@ RUNS = {
         f"reward.function={Path(__file__).parent / 'data' / 'partial_reward.py'}:digits_in_place",
     ],
 }
-WALL_CLOCK = ("timing/", "throughput/")
+WALL_CLOCK = ("timing/", "throughput/", "memory/")
 
 
 def _run(task: str, root: Path) -> dict[str, dict[str, float]]:

@@ -219,9 +219,7 @@ def test_bf16_mixed_sharded_step_matches_one_process(tmp_path, engine, sp, tp, p
     too), and the statistics and gradients of the one-process bf16-mixed engine to bf16
     tolerance (FSDP2 casts the gathered shards, one process runs under autocast)."""
     mixed = {"precision": "bf16-mixed"}
-    results = check_ok(
-        launch(_engine_worker, 2, tmp_path, engine, sp, tp, packed, 0, None, mixed)
-    )
+    results = check_ok(launch(_engine_worker, 2, tmp_path, engine, sp, tp, packed, 0, None, mixed))
     batch = ppo_batch()
     ref_stats, ref_tally, ref_grads, _ = single_process_reference(batch, None, mixed)
     fp32_stats, *_ = single_process_reference(batch)

@@ -18,7 +18,6 @@ from otbrl.models.lora import (
     adapter_tensors,
     add_lora,
     linear_module_names,
-    merged_tensors,
     save_adapter,
     unload_lora,
 )
@@ -191,5 +190,5 @@ def test_lora_keys_need_a_rank():
 
     with pytest.raises(ConfigError, match=r"'model\.lora\.alpha' is set but 'model\.lora\.rank'"):
         load_config(None, ["model.lora.alpha=16"])
-    with pytest.raises(ConfigError, match="adapter_config.json"):
+    with pytest.raises(ConfigError, match=r"adapter_config\.json"):
         load_config(None, ["model.lora.rank=4", "model.lora.adapter_path=/nonexistent"])

@@ -29,6 +29,7 @@ REQUIRED = (
     "timing/old_stats",
     "timing/adv",
     "timing/update",
+    "memory/peak_gb",
 )
 
 
@@ -88,6 +89,16 @@ def test_smoke_run_metrics_and_outputs(tiny_dir, tmp_path):
             assert value is not None and math.isfinite(value), key
     assert "val/accuracy" in steps[1] and "val/accuracy" in steps[2]
     assert records[0]["step"] == 0 and "val/accuracy" in records[0]
+    # the state's size once, with the first step: fp32 weights and AdamW's two fp32 moments
+    # (+ a step counter per tensor); the peak is at least the process's weights
+    weights = 4 * sum(
+        p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_dir).parameters()
+    )
+    assert steps[0]["memory/params_gb"] * 1e9 == pytest.approx(weights)
+    assert steps[0]["memory/optimizer_gb"] * 1e9 >= 2 * weights
+    assert steps[0]["memory/optimizer_gb"] * 1e9 <= 2 * weights + 4 * 1000
+    assert not any("memory/params_gb" in r for r in steps[1:])
+    assert all(r["memory/peak_gb"] * 1e9 > weights for r in steps)
     on_disk = json.loads((tmp_path / "run" / "summary.json").read_text())
     for key in ("initial_val_accuracy", "final_val_accuracy", "steps", "wall_seconds"):
         assert key in on_disk

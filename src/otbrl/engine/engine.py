@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -69,8 +69,8 @@ class Engine:
         seed: seeds the mini-batch shuffling generator (kept in ``state_dict``).
         precision: ``"32-true"`` | ``"bf16-mixed"`` | ``"bf16-true"``
             (``otbrl.engine.precision``); the model comes loaded in its storage dtype
-            (``bf16-mixed`` checks that the trained parameters are float32 master weights). ``bf16-mixed`` computes
-            under autocast on one process (or TP alone) and through FSDP2's
+            (``bf16-mixed`` checks that the trained parameters are float32 master weights).
+            ``bf16-mixed`` computes under autocast on one process (or TP alone) and through FSDP2's
             ``MixedPrecisionPolicy`` when sharded.
         gradient_checkpointing: recompute each decoder block's activations in the backward
             (non-reentrant; HF's per-layer checkpointing) instead of keeping them.
@@ -312,17 +312,25 @@ class Engine:
         (what a rollout backend loads). A LoRA model's adapters come merged into their base
         weights (``otbrl.models.lora.merged_tensors``: one module held at a time).
 
-        Collective on several processes (each sharded tensor is gathered with
-        ``full_tensor()``): every rank must consume the iterator to the end.
+        Collective on several processes: every rank must consume the iterator to the end.
         """
         lora = lora_settings(self.model)
         if lora is not None:
-            yield from merged_tensors(self._raw_tensors(), scaling=lora["alpha"] / lora["rank"])
+            yield from merged_tensors(self.state_tensors(), scaling=lora["alpha"] / lora["rank"])
         else:
-            yield from self._raw_tensors()
+            yield from self.state_tensors()
 
-    def _raw_tensors(self) -> Iterator[tuple[str, Tensor]]:
-        for name, value in self.model.state_dict().items():
+    def state_tensors(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, Tensor]]:
+        """(name, full tensor) of every entry of the model's own state dict (or of ``names``,
+        in that order), one at a time: only the tensor being yielded is gathered, so a consumer
+        that drops each one before the next never holds a second copy of the model.
+
+        Collective on several processes (each sharded tensor is gathered with
+        ``full_tensor()``): every rank must consume the iterator to the end, in the same order.
+        """
+        state = self.model.state_dict()
+        for name in state if names is None else names:
+            value = state[name]
             full = value.full_tensor() if isinstance(value, DTensor) else value
             yield name, full.detach()
 

@@ -209,8 +209,9 @@ class World:
 
     def mean_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """Metrics reduced over the ranks that report them: averaged, except ``throughput/*``
-        (summed) and maxima / minima (keys ending in ``_max``, ``/max``, ``_min``, ``/min``:
-        the extreme over ranks)."""
+        (summed), ``memory/*`` (the largest rank's: the one that runs out first) and maxima /
+        minima (keys ending in ``_max``, ``/max``, ``_min``, ``/min``: the extreme over
+        ranks)."""
         if self.mesh is None:
             return dict(metrics)
         gathered: list[dict] = [{} for _ in range(self.size)]
@@ -220,7 +221,7 @@ class World:
             values = [float(g[key]) for g in gathered if key in g]
             if key.startswith("throughput/"):
                 out[key] = sum(values)
-            elif key.endswith(("_max", "/max")):
+            elif key.startswith("memory/") or key.endswith(("_max", "/max")):
                 out[key] = max(values)
             elif key.endswith(("_min", "/min")):
                 out[key] = min(values)

@@ -37,6 +37,7 @@ from otbrl.algos.reductions import masked_mean
 from otbrl.algos.rollout_correction import rollout_is_weights, rollout_mismatch_metrics
 from otbrl.config import Config, to_dict
 from otbrl.engine.engine import NumericsError
+from otbrl.engine.memory import optimizer_gb, peak_memory_gb, reset_peak_memory, tensors_gb
 from otbrl.engine.world import collective_guard, start_world, teardown_distributed
 from otbrl.report.metrics_log import MetricsLogger
 from otbrl.report.plots import plot_run
@@ -108,6 +109,7 @@ class Trainer:
         self.policy_loss, self.critic_loss = parts.policy_loss, parts.critic_loss
         self.scoring = scoring(cfg, plan, parts.reward_model, pool=True)
         self.step = 0
+        self._memory_logged = False  # memory/params_gb and optimizer_gb: with the first step
         self.initial_val: dict[str, float] = {}  # val/* at step 0 (not resumed)
         self.last_val: dict[str, float] = {}
         self.initial_val_accuracy: float | None = None
@@ -207,6 +209,7 @@ class Trainer:
         """One full RL step on every rank; returns its metrics (reduced over ranks)."""
         with collective_guard(f"training step {self.step}"):
             timing: dict[str, float] = {}
+            reset_peak_memory(self.world.device)
             start = time.perf_counter()
             sample = self.sample()  # its scores may still be on their way
             batch = sample.batch
@@ -227,7 +230,24 @@ class Trainer:
                 float(batch["attention_mask"].sum()) / timing["timing/step"]
             )
             metrics.update(timing)
+            metrics["memory/peak_gb"] = peak_memory_gb(self.world.device)
+            if not self._memory_logged:  # the optimizer state exists after the first update
+                metrics.update(self.state_memory())
+                self._memory_logged = True
             return self.world.mean_metrics(metrics)
+
+    def state_memory(self) -> dict[str, float]:
+        """``memory/params_gb`` (every model this process holds — policy, reference, critic —,
+        a model two engines share counted once) and ``memory/optimizer_gb`` (their optimizers'
+        state), this process's shards under FSDP2 / TP; logged with the first step's metrics."""
+        engines = [
+            *self.engines.values(),
+            *([self.reference] if self.reference is not None else []),
+        ]
+        return {
+            "memory/params_gb": tensors_gb(p for e in engines for p in e.model.parameters()),
+            "memory/optimizer_gb": sum(optimizer_gb(e.optimizer) for e in engines),
+        }
 
     def _sync_rollout_weights(self) -> None:
         """Stream the trained weights into the rollout backend (collective on several

@@ -38,20 +38,22 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from safetensors.torch import load_file
+from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from otbrl.store.files import apply_umask, fsync_dir, fsync_tree, make_temp_dir
 from otbrl.store.integrity import IntegrityError, file_manifest, verify_manifest
 from otbrl.store.plain import to_plain_dict
 from otbrl.store.state_codec import capture_rng_state, decode_state, encode_state, restore_rng_state
+from otbrl.store.tensor_file import safetensors_order, write_safetensors
 
 __all__ = [
     "IntegrityError",
@@ -77,37 +79,88 @@ STATE_DIR = "state"
 _TRAINING_ENTRIES = {STATE_DIR, "critic", "config.yaml", _MARKER}
 
 
-def _full_state_dict(engine) -> dict[str, torch.Tensor]:
-    """The model's full tensors on rank 0 (collective; {} on other ranks)."""
-    if engine.world.mesh is None:
-        return {k: v.detach().cpu() for k, v in engine.model.state_dict().items()}
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(engine.model, options=options)
-
-
-def _write_hf_model(model: torch.nn.Module, state: dict[str, torch.Tensor], out: Path) -> None:
-    """config.json (+ generation_config.json) and model.safetensors from full tensors."""
-    out.mkdir(parents=True, exist_ok=True)
-    model.config.save_pretrained(out)
-    if getattr(model, "generation_config", None) is not None and model.can_generate():
-        model.generation_config.save_pretrained(out)
-    seen: set[int] = set()
-    tensors = {}
-    for name, value in state.items():
-        value = value.contiguous()
-        ptr = value.untyped_storage().data_ptr()
-        # tied weights share storage, which safetensors refuses: store each name's own copy
-        tensors[name] = value.clone() if ptr in seen else value
-        seen.add(ptr)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+def _write_hf_model(engine, out: Path, is_main: bool) -> None:
+    """config.json (+ generation_config.json) and model.safetensors, streamed: one full tensor
+    at a time is gathered (collective under a mesh: every rank drains the iterator), written by
+    the main rank and dropped — no rank ever holds a second copy of the model."""
+    model = engine.model
+    if is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        model.config.save_pretrained(out)
+        if getattr(model, "generation_config", None) is not None and model.can_generate():
+            model.generation_config.save_pretrained(out)
+    # a DTensor reports its global shape and dtype: the header needs no gather
+    specs = safetensors_order((k, v.dtype, v.shape) for k, v in model.state_dict().items())
+    tensors = engine.state_tensors([name for name, _, _ in specs])
+    if is_main:
+        write_safetensors(out / "model.safetensors", specs, tensors, metadata={"format": "pt"})
+    else:
+        for _ in tensors:
+            pass
 
 
 def _optimizer_tensors(engine) -> tuple[dict[str, torch.Tensor], list]:
     """The optimizer state flattened to ``state.<param>.<key>`` tensors (sharded like the
-    parameters) and its param groups (plain values)."""
+    parameters, references to the optimizer's own tensors) and its param groups (plain
+    values)."""
     osd = get_optimizer_state_dict(engine.model, engine.optimizer)
     flat = {f"state.{p}.{k}": v for p, d in osd["state"].items() for k, v in d.items()}
+    for key, value in flat.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"optimizer state {key}: expected a tensor, got {type(value).__name__}")
     return flat, osd["param_groups"]
+
+
+def _local_chunks(
+    flat: Mapping[str, torch.Tensor], is_main: bool
+) -> dict[str, tuple[torch.Tensor, list[int]]]:
+    """key -> (this rank's chunk, its offset in the global tensor) for the chunks this rank
+    writes: a sharded tensor's local shard, written by one rank per replica group (coordinate 0
+    on every mesh dimension it is not sharded over); a plain (replicated) tensor by the main
+    rank alone."""
+    chunks = {}
+    for key, value in flat.items():
+        if isinstance(value, DTensor):
+            coordinate = value.device_mesh.get_coordinate()
+            if coordinate is None:  # this rank is not in the tensor's mesh
+                continue
+            if any(
+                not p.is_shard() and c != 0
+                for p, c in zip(value.placements, coordinate, strict=True)
+            ):
+                continue
+            local = value.to_local()
+            if local.numel() == 0 and value.numel() != 0:
+                continue  # an uneven shard left this rank empty
+            _, offsets = compute_local_shape_and_global_offset(
+                value.shape, value.device_mesh, value.placements
+            )
+            chunks[key] = (local, [int(o) for o in offsets])
+        elif is_main:
+            chunks[key] = (value, [0] * value.dim())
+    return chunks
+
+
+def _write_optimizer_shard(engine, flat: Mapping[str, torch.Tensor], directory: Path) -> None:
+    """This rank's optimizer chunks -> ``<directory>/shard-<rank+1>-model-00001-of-00001
+    .safetensors``, streamed from the optimizer's own tensors, with the chunks' global offsets
+    in the header (DCP's sharding record, which ``HuggingFaceStorageReader`` reads: any world
+    size loads it back). A rank with nothing to write writes no file."""
+    world = engine.world
+    chunks = _local_chunks(flat, world.is_main)
+    if not chunks:
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    specs = safetensors_order((k, v.dtype, v.shape) for k, (v, _) in chunks.items())
+    sharding = {k: {"saved_offsets": offsets} for k, (_, offsets) in chunks.items()}
+    metadata = {"DCP_SHARDING_INFO": json.dumps(sharding), "DCP_VERSION": "1.0", "format": "pt"}
+    name = f"shard-{world.rank + 1:05d}-model-00001-of-00001.safetensors"
+    write_safetensors(
+        directory / name,
+        specs,
+        ((k, chunks[k][0]) for k, _, _ in specs),
+        metadata=metadata,
+    )
 
 
 def _dcp(method, state: dict, engine, **kwargs) -> None:
@@ -166,21 +219,20 @@ def save_checkpoint(
     world.barrier()
     try:
         for name, engine in engines.items():
-            full = _full_state_dict(engine)
-            if world.is_main:
-                _write_hf_model(engine.model, full, tmp if name == "policy" else tmp / name)
-            del full
+            _write_hf_model(engine, tmp if name == "policy" else tmp / name, world.is_main)
             if name in optimizers:
-                writer = HuggingFaceStorageWriter(
-                    str(tmp / STATE_DIR / name), save_distributed=True
-                )
-                _dcp(dcp.save, optimizers[name], engine, storage_writer=writer)
+                _write_optimizer_shard(engine, optimizers[name], tmp / STATE_DIR / name)
         world.barrier()
         if world.is_main:
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
             (tmp / STATE_DIR / "trainer_state.json").write_text(state_json)
-            save_file(tensors, str(tmp / STATE_DIR / "trainer_state.safetensors"))
+            specs = safetensors_order((k, v.dtype, v.shape) for k, v in tensors.items())
+            write_safetensors(
+                tmp / STATE_DIR / "trainer_state.safetensors",
+                specs,
+                ((k, tensors[k]) for k, _, _ in specs),
+            )
             if config is not None:
                 import yaml  # a dependency of omegaconf
 
