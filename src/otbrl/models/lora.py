@@ -182,6 +182,17 @@ def adapter_tensors(named_tensors: Iterable[tuple[str, Tensor]]) -> dict[str, Te
     return out
 
 
+def model_names(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """PEFT file names (``adapter_tensors``) -> the LoRA model's own parameter names."""
+    out = {}
+    for name, value in tensors.items():
+        plain = name.removeprefix(_PEFT_PREFIX)
+        for kind in ("lora_A", "lora_B"):
+            plain = plain.replace(f".{kind}.", f".{kind}.{_ADAPTER}.")
+        out[plain] = value
+    return out
+
+
 def adapter_config(model: nn.Module, base_model: str = "") -> dict:
     """PEFT's ``adapter_config.json`` content for a model ``add_lora`` changed."""
     from peft import LoraConfig
