@@ -242,3 +242,61 @@ def test_bf16_mixed_sharded_step_matches_one_process(tmp_path, engine, sp, tp, p
         got = results[0]["grads"][name]
         scale = g.abs().max().clamp_min(1e-3)
         assert (got - g).abs().max() / scale < 0.1, name
+
+
+def _lora_worker(rank, world_size, port):
+    from otbrl.engine.engine import Engine
+    from otbrl.models.lora import add_lora
+
+    world = start_test_world(rank, world_size)
+    batch = ppo_batch()
+    local = {
+        k: v[split_by_groups(batch["uid"], world.dp_rank, world.dp_size)] for k, v in batch.items()
+    }
+    model = add_lora(tiny_llama(), rank=4, alpha=8.0)
+    actor = Engine(model, actor_config(lr=5e-2), world=world, mini_batch_size=8)
+    reference = actor.without_adapters(micro_batch_size=4)
+    for _ in range(2):
+        stats = actor.compute(local, OUTPUTS)
+        actor.update({**local, "old_log_probs": stats["log_probs"]}, policy_loss())
+    return {
+        "rows": split_by_groups(batch["uid"], world.dp_rank, world.dp_size),
+        "policy": actor.compute(local, OUTPUTS)["log_probs"],
+        "reference": reference.compute(local, OUTPUTS)["log_probs"],
+        "merged": dict(actor.full_tensors()),
+        "trainable": sorted(n for n, p in actor.model.named_parameters() if p.requires_grad),
+    }
+
+
+def test_lora_under_fsdp2_matches_one_process(tmp_path):
+    """Two FSDP2 ranks train the adapters as one process does; the reference view (adapters
+    disabled) gives the base model's log-probs; the merged stream is the one-process one."""
+    from otbrl.engine.engine import Engine
+    from otbrl.models.lora import add_lora
+
+    results = check_ok(launch(_lora_worker, 2, tmp_path))
+    batch = ppo_batch()
+    actor = Engine(
+        add_lora(tiny_llama(), rank=4, alpha=8.0), actor_config(lr=5e-2), mini_batch_size=8
+    )
+    for _ in range(2):
+        stats = actor.compute(batch, OUTPUTS)
+        actor.update({**batch, "old_log_probs": stats["log_probs"]}, policy_loss())
+    want = actor.compute(batch, OUTPUTS)["log_probs"]
+    base = Engine(tiny_llama(), None, micro_batch_size=4).compute(batch, OUTPUTS)["log_probs"]
+    merged = dict(actor.full_tensors())
+    mask = batch["response_mask"].bool()
+    for rank in range(2):
+        got = results[rank]
+        rows = got["rows"]
+        assert got["trainable"] and all(".lora_" in n for n in got["trainable"])
+        torch.testing.assert_close(
+            got["policy"][mask[rows]], want[rows][mask[rows]], atol=1e-5, rtol=0
+        )
+        torch.testing.assert_close(
+            got["reference"][mask[rows]], base[rows][mask[rows]], atol=1e-6, rtol=0
+        )
+        assert (want - base)[mask].abs().max() > 1e-3
+        assert set(got["merged"]) == set(merged)
+        for name, value in merged.items():
+            torch.testing.assert_close(got["merged"][name], value, atol=1e-5, rtol=1e-5, msg=name)

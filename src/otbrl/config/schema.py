@@ -58,9 +58,6 @@ class LoraConfig:
     target_modules: Any = "all-linear"
     # a saved PEFT adapter directory to start from (adapter_config.json); None: fresh adapters
     adapter_path: str | None = None
-    # how vLLM gets the trained weights: "merged" (base + B·A pushed as plain weights) |
-    # "adapter" (the adapter alone, served through vLLM's LoRA support)
-    sync: str = "merged"
 
 
 @dataclass

@@ -52,6 +52,7 @@ def add_lora(
     target_modules: str | list[str] = "all-linear",
     adapter_path: str | Path | None = None,
     adapter_dtype: torch.dtype = torch.float32,
+    seed: int = 0,
 ) -> nn.Module:
     """Inject LoRA adapters into ``model`` in place and return it; only they require grad.
 
@@ -63,6 +64,8 @@ def add_lora(
             are used (``rank`` / ``alpha`` / ``target_modules`` are then ignored).
         adapter_dtype: dtype of the adapter weights (float32: the trained master copy, also
             over a bf16 frozen base).
+        seed: seeds the adapters' initialisation (the global RNG is left untouched), so every
+            rank of a sharded run starts from the same adapters.
 
     Raises ``ValueError`` naming ``target_modules`` (with the model's linear module names)
     when it matches nothing, or ``adapter_path`` when its tensors do not fit the model.
@@ -77,7 +80,9 @@ def add_lora(
     targets = target_modules if isinstance(target_modules, str) else sorted(target_modules)
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets)
     try:
-        inject_adapter_in_model(config, model, adapter_name=_ADAPTER)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            inject_adapter_in_model(config, model, adapter_name=_ADAPTER)
     except ValueError as err:
         if "not found in the base model" not in str(err) and "No modules were targeted" not in str(
             err

@@ -80,6 +80,7 @@ def load_policy(cfg: Config, path: Path):
             target_modules=lora.target_modules,
             adapter_path=lora.adapter_path,
             adapter_dtype=get_precision(cfg.model.precision).storage,
+            seed=cfg.trainer.seed,
         )
     set_prompt_template(tokenizer, cfg.data.apply_chat_template, str(path))
     return model, tokenizer
