@@ -94,13 +94,14 @@ def check_synced(lines):
         ["algorithm.rollout_correction=token_tis"],
         ["algorithm.rollout_correction=seq_mis"],
         ["model.lora.rank=4", "model.lora.alpha=8", "actor.lr=5e-2"],
+        ["model.lora.rank=4", "model.lora.alpha=8", "actor.lr=5e-2", "model.lora.sync=adapter"],
     ],
-    ids=["plain", "token_tis", "seq_mis", "lora-merged"],
+    ids=["plain", "token_tis", "seq_mis", "lora-merged", "lora-adapter"],
 )
 def test_three_steps_with_otb_and_corrections(model_dir, data, tmp_path, extra):
     """OTB (Σπ² from the trainer's forward) on vLLM samples; each step's samples come from the
     weights of the step before (mismatch at fp32 rounding after lr 1e-2 updates). With LoRA
-    the adapters reach vLLM merged into the base weights."""
+    the adapters reach vLLM merged into the base weights, or as the adapter vLLM serves."""
     out = tmp_path / "run"
     assert cli.main(["train", *overrides(model_dir, data, out, *extra)]) == 0
     steps = check_synced(records(out))

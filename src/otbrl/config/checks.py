@@ -22,6 +22,7 @@ from otbrl.config.schema import (
 
 _CHOICES = {
     "model.precision": ("32-true", "bf16-mixed", "bf16-true"),
+    "model.lora.sync": ("merged", "adapter"),
     "rollout.name": ("hf", "vllm"),
     "rollout.vllm.dtype": ("float32", "bfloat16", "float16"),
     "rollout.multi_turn.format": ("auto", "hermes", "compact"),

@@ -58,6 +58,9 @@ class LoraConfig:
     target_modules: Any = "all-linear"
     # a saved PEFT adapter directory to start from (adapter_config.json); None: fresh adapters
     adapter_path: str | None = None
+    # how vLLM gets the trained adapters: "merged" (W0 + B·A pushed as plain weights through
+    # reload_weights) | "adapter" (the adapter alone, served by vLLM's LoRA support)
+    sync: str = "merged"
 
 
 @dataclass

@@ -30,7 +30,7 @@ from otbrl.engine import parallel
 from otbrl.engine.layout import Layout, forward_outputs
 from otbrl.engine.precision import get_precision
 from otbrl.engine.world import World
-from otbrl.models.lora import adapters_disabled, lora_settings, merged_tensors
+from otbrl.models.lora import adapter_tensors, adapters_disabled, lora_settings, merged_tensors
 
 
 class NumericsError(RuntimeError):
@@ -307,15 +307,22 @@ class Engine:
         )
 
     # -- weights and state ---------------------------------------------------------------------
-    def full_tensors(self) -> Iterator[tuple[str, Tensor]]:
+    def full_tensors(self, *, adapter_only: bool = False) -> Iterator[tuple[str, Tensor]]:
         """(HF name, full tensor) of every entry of the plain model's state dict, one at a time
         (what a rollout backend loads). A LoRA model's adapters come merged into their base
-        weights (``otbrl.models.lora.merged_tensors``: one module held at a time).
+        weights (``otbrl.models.lora.merged_tensors``: one module held at a time);
+        ``adapter_only=True``: its adapter tensors alone, in PEFT's names (a backend that
+        serves the adapter).
 
         Collective on several processes: every rank must consume the iterator to the end.
         """
         lora = lora_settings(self.model)
-        if lora is not None:
+        if adapter_only:
+            if lora is None:
+                raise ValueError("adapter_only: the model has no LoRA adapters")
+            names = [k for k in self.model.state_dict() if ".lora_" in k]
+            yield from adapter_tensors(self.state_tensors(names)).items()
+        elif lora is not None:
             yield from merged_tensors(self.state_tensors(), scaling=lora["alpha"] / lora["rank"])
         else:
             yield from self.state_tensors()

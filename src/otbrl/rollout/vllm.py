@@ -89,6 +89,11 @@ class VLLMRollout:
             vLLM's CPU backend has none, so ``True`` there is a ``ValueError``.
         max_model_len: context length (prompt + completion); None = the model's own.
         seed: the engine's seed; also seeds the draws of unseeded ``generate`` calls.
+        lora: a LoRA policy's ``adapter_config.json`` content (``otbrl.models.lora.adapter_config``)
+            to serve the adapter alone through vLLM's LoRA support: ``sync_weights`` then takes
+            the adapter tensors (PEFT names), writes them as a new adapter version and every
+            later request runs with it over the engine's unchanged base weights. None: plain
+            weights (a LoRA policy's merged ones).
         **engine_kwargs: passed to ``vllm.LLM`` as they are.
     """
 
@@ -106,6 +111,7 @@ class VLLMRollout:
         enable_sleep_mode: bool = False,
         max_model_len: int | None = None,
         seed: int = 0,
+        lora: Mapping | None = None,
         **engine_kwargs,
     ) -> None:
         model_dir = Path(model_dir)
@@ -168,6 +174,15 @@ class VLLMRollout:
             )
         else:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        if lora is not None:
+            # vLLM allocates adapter slots of one of its supported ranks, at least the adapter's
+            ranks = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+            rank = int(lora["r"])
+            kwargs.update(
+                enable_lora=True,
+                max_loras=1,
+                max_lora_rank=next((r for r in ranks if r >= rank), rank),
+            )
         kwargs.update(engine_kwargs)
         set_num_threads = torch.set_num_threads
         # Under torchrun the trainer's process group exists already: vLLM then builds its own
@@ -197,6 +212,14 @@ class VLLMRollout:
         self.sleep_mode = enable_sleep_mode
         self._asleep = False
         self._draws = np.random.default_rng(seed)
+        self.lora = dict(lora) if lora is not None else None
+        self._lora_request = None  # the adapter version requests run with (adapter sync)
+        self._lora_dir = None
+
+    @property
+    def serves_adapter(self) -> bool:
+        """``sync_weights`` takes a LoRA adapter's tensors (PEFT names), not plain weights."""
+        return self.lora is not None
 
     def close(self) -> None:
         """Shut the engine down and free it (idempotent; also runs at exit).
@@ -235,7 +258,9 @@ class VLLMRollout:
             self._sampling_params(params, b, base + i * params.n) for i, b in enumerate(budgets)
         ]
         with _saved_rng_state():
-            outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+            outputs = self.llm.generate(
+                requests, sampling, use_tqdm=False, lora_request=self._lora_request
+            )
         groups = [
             [_completion(o) for o in sorted(out.outputs, key=lambda o: o.index)] for out in outputs
         ]
@@ -252,6 +277,9 @@ class VLLMRollout:
         prefix cache (KV blocks of the old weights) is dropped.
         """
         self._check_awake("sync_weights")
+        if self.lora is not None:
+            self._load_adapter(named_tensors)
+            return
         noise = _RELOAD_NOISE + (_TIED_HEAD_NOISE if self._tied_head else ())
         with _quiet(noise):
             self.llm.collective_rpc(
@@ -264,6 +292,31 @@ class VLLMRollout:
                 "sync_weights: vLLM could not drop its prefix cache (requests still running); "
                 "later completions could reuse KV blocks of the old weights"
             )
+
+    def _load_adapter(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """The adapter tensors as a new adapter version on disk (PEFT format); the next requests
+        load it (a new LoRA id: vLLM never serves a stale cached copy). The previous version's
+        files are removed."""
+        import tempfile
+
+        from vllm.lora.request import LoRARequest
+
+        from otbrl.models.lora import save_adapter
+
+        tensors = {name: t.detach().contiguous().cpu() for name, t in named_tensors}
+        if not tensors or not all(".lora_" in name for name in tensors):
+            raise ValueError(
+                "named_tensors: adapter sync expects the adapter's tensors only (PEFT names)"
+            )
+        version = 1 if self._lora_request is None else self._lora_request.lora_int_id + 1
+        old = self._lora_dir
+        self._lora_dir = tempfile.mkdtemp(prefix=f"otbrl-adapter-v{version}-")
+        save_adapter(tensors, self.lora, self._lora_dir)
+        self._lora_request = LoRARequest(f"policy-v{version}", version, self._lora_dir)
+        if old is not None:
+            import shutil
+
+            shutil.rmtree(old, ignore_errors=True)
 
     def sleep(self) -> None:
         """Free weights (offloaded to CPU) and KV cache between rollouts (GPU sleep mode).

@@ -26,7 +26,7 @@ from otbrl.models import (
     resolve_model_dir,
     set_prompt_template,
 )
-from otbrl.models.lora import add_lora, unload_lora
+from otbrl.models.lora import adapter_config, add_lora, unload_lora
 from otbrl.rewards import SandboxConfig
 from otbrl.rewards.pool import RewardPool
 from otbrl.rewards.reward_model import RewardModel
@@ -179,6 +179,7 @@ def build_backend(
         copy_ = unload_lora(copy.deepcopy(model)).eval().requires_grad_(False).to(world.device)
         return HFRollout(copy_, tokenizer, owns_copy=True, autocast=autocast)
     v = cfg.rollout.vllm
+    serve_adapter = bool(cfg.model.lora.rank) and cfg.model.lora.sync == "adapter"
     return VLLMRollout(
         model_dir,
         dtype=v.dtype,
@@ -188,7 +189,16 @@ def build_backend(
         enable_sleep_mode=v.enable_sleep_mode,
         max_model_len=context,
         seed=step_seed(cfg.trainer.seed, 0, world.dp_rank),
+        lora=adapter_config(model, str(model_dir)) if serve_adapter else None,
     )
+
+
+def sync_rollout(backend: RolloutBackend, policy: Engine) -> None:
+    """Stream the policy's weights into ``backend``: its adapters alone when the backend serves
+    them (``model.lora.sync=adapter``), else the plain (LoRA: merged) weights. Collective on
+    several processes."""
+    adapter = bool(getattr(backend, "serves_adapter", False))
+    backend.sync_weights(policy.full_tensors(adapter_only=adapter))
 
 
 def build_sampler(
@@ -301,6 +311,9 @@ def build_run(cfg: Config, plan: Plan, world: World, path: Path) -> RunParts:
         reference = Engine(
             ref_model, None, name="reference", micro_batch_size=a.micro_batch_size, **common
         )
+    if cfg.model.lora.adapter_path is not None and cfg.rollout.name == "vllm":
+        # the engine started from the base model: it must sample with the saved adapter
+        sync_rollout(backend, engines["policy"])
     reward_model = None
     if plan.use_reward_model:
         reward_model = build_reward_model(cfg, world)

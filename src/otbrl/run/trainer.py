@@ -42,7 +42,7 @@ from otbrl.engine.world import collective_guard, start_world, teardown_distribut
 from otbrl.report.metrics_log import MetricsLogger
 from otbrl.report.plots import plot_run
 from otbrl.rollout import SamplingParams
-from otbrl.run.build import build_run, model_path, scoring
+from otbrl.run.build import build_run, model_path, scoring, sync_rollout
 from otbrl.run.evaluate import validate
 from otbrl.run.plan import Plan, estimator_options, overlong_mode, validate_config
 from otbrl.run.sampling import sample_batch
@@ -253,7 +253,7 @@ class Trainer:
         """Stream the trained weights into the rollout backend (collective on several
         processes; nothing to do when it samples with the training model itself)."""
         self.rollout.wake_up()
-        self.rollout.sync_weights(self.policy.full_tensors())
+        sync_rollout(self.rollout, self.policy)
 
     def validate(self, with_tools: bool = True, logger=None) -> dict[str, float]:
         """``val/*`` on the validation rows (greedy unless ``trainer.val_greedy=false``), sampled
