@@ -2,4 +2,5 @@
 (``rundir``: lock, manifest, resume choice), checkpoints (``checkpoint``: one format for every
 engine and world size), the trainer state codec (``state_codec``: JSON + safetensors, no
 pickle), integrity manifests (``integrity``), JSON-ready values (``plain``), atomic, durable
-file writes (``files``) and safetensors files written tensor by tensor (``tensor_file``). Import from the modules directly."""
+file writes (``files``) and safetensors files written tensor by tensor (``tensor_file``).
+Import from the modules directly."""
