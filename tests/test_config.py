@@ -14,7 +14,7 @@ ISSUE_KEYS = {
         "max_response_length",
         "seed",
     ],
-    "model": ["path", "dtype", "use_remove_padding"],
+    "model": ["path", "precision", "gradient_checkpointing", "use_remove_padding"],
     "rollout": ["name", "n", "temperature", "top_p", "top_k"],
     "actor": [
         "lr",

@@ -30,13 +30,15 @@ def full_grads(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def single_process_reference(batch, model_kwargs=None):
+def single_process_reference(batch, model_kwargs=None, engine_kwargs=None):
     """Stats and mini-batch gradients of the one-process engine on the whole batch."""
     from otbrl.engine.engine import Engine
     from otbrl.engine.parallel import clip_grad_norm
 
     model = tiny_llama(**(model_kwargs or {}))
-    engine = Engine(model, actor_config(), mini_batch_size=batch["uid"].numel())
+    engine = Engine(
+        model, actor_config(), mini_batch_size=batch["uid"].numel(), **(engine_kwargs or {})
+    )
     stats = engine.compute(batch, OUTPUTS)
     mini = {**batch, "old_log_probs": stats["log_probs"]}
     tally = engine.accumulate_gradients(mini, policy_loss())
@@ -49,7 +51,16 @@ def _gloo_ops(prof) -> list[str]:
 
 
 def _engine_worker(
-    rank, world_size, port, engine, sp, tp, packed, extra_steps=0, model_kwargs=None
+    rank,
+    world_size,
+    port,
+    engine,
+    sp,
+    tp,
+    packed,
+    extra_steps=0,
+    model_kwargs=None,
+    engine_kwargs=None,
 ):
     from otbrl.engine.engine import Engine
     from otbrl.engine.parallel import clip_grad_norm
@@ -69,6 +80,7 @@ def _engine_worker(
         parallelism=engine,
         mini_batch_size=batch["uid"].numel(),
         packed=packed,
+        **(engine_kwargs or {}),
     )
     from torch.profiler import ProfilerActivity, profile
 
@@ -81,6 +93,21 @@ def _engine_worker(
     grads = full_grads(actor.model)
     norm = float(clip_grad_norm(actor.model.parameters(), 0.5))
     metrics = actor.update(mini, policy_loss())  # a real PPO step: AdamW
+    from torch.distributed.tensor import DTensor
+
+    dtypes = {  # what the optimizer steps: the local shards and AdamW's moments
+        "params": {str(p.dtype) for p in actor.model.parameters()},
+        "local": {
+            str((p.to_local() if isinstance(p, DTensor) else p).dtype)
+            for p in actor.model.parameters()
+        },
+        "state": {
+            str(v.dtype)
+            for s in actor.optimizer.state.values()
+            for k, v in s.items()
+            if k != "step"
+        },
+    }
     for _ in range(extra_steps):
         later = actor.update(mini, policy_loss())
         assert all(torch.isfinite(torch.tensor(v)) for v in later.values()), later
@@ -100,10 +127,13 @@ def _engine_worker(
         "synced": synced,
         "logits_shape": logits_shape,
         "collectives": collectives,
+        "dtypes": dtypes,
     }
 
 
 def check_against_reference(results, world_size, model_kwargs=None):
+    """Every rank's stats, metrics and gradients equal the one-process fp32 engine's (no
+    gradient checkpointing there: a checkpointing worker must give the same gradients)."""
     batch = ppo_batch()
     ref_stats, ref_tally, ref_grads, ref_norm = single_process_reference(batch, model_kwargs)
     mask = batch["response_mask"].bool()
@@ -156,3 +186,117 @@ def test_ulysses_engine_matches_actor(tmp_path):
     # compute_stats (rows 4..7), rounded up: one pad token when nnz is odd
     nnz = int(ppo_batch()["attention_mask"][4:].sum())
     assert results[0]["logits_shape"][0] == -(-nnz // 2)
+
+
+CHECKPOINTING = {"gradient_checkpointing": True}
+
+
+@pytest.mark.parametrize(
+    ("engine", "sp", "tp", "packed"),
+    [("fsdp", 1, 1, False), ("fsdp", 2, 1, True), ("tp", 1, 2, False)],
+    ids=["fsdp", "ulysses", "tp"],
+)
+def test_gradient_checkpointing_gives_the_same_gradients(tmp_path, engine, sp, tp, packed):
+    """Recomputed activations (non-reentrant, per block) give the fp32 gradients of the
+    one-process engine without checkpointing, to 1e-6, in each sharded layout."""
+    worker_args = (engine, sp, tp, packed, 0, None, CHECKPOINTING)
+    results = check_ok(launch(_engine_worker, 2, tmp_path, *worker_args))
+    check_against_reference(results, 2)
+
+
+def _close_bf16(got, want, what):
+    """Agreement at bf16 resolution (8 bits of mantissa, a few roundings deep)."""
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2, msg=what)
+
+
+@pytest.mark.parametrize(
+    ("engine", "sp", "tp", "packed"),
+    [("fsdp", 1, 1, False), ("fsdp", 2, 1, True), ("tp", 1, 2, False)],
+    ids=["fsdp", "ulysses", "tp"],
+)
+def test_bf16_mixed_sharded_step_matches_one_process(tmp_path, engine, sp, tp, packed):
+    """bf16-mixed on two ranks: fp32 master weights and AdamW moments (the local shards
+    too), and the statistics and gradients of the one-process bf16-mixed engine to bf16
+    tolerance (FSDP2 casts the gathered shards, one process runs under autocast)."""
+    mixed = {"precision": "bf16-mixed"}
+    results = check_ok(launch(_engine_worker, 2, tmp_path, engine, sp, tp, packed, 0, None, mixed))
+    batch = ppo_batch()
+    ref_stats, ref_tally, ref_grads, _ = single_process_reference(batch, None, mixed)
+    fp32_stats, *_ = single_process_reference(batch)
+    mask = batch["response_mask"].bool()
+    for rank in range(2):
+        got = results[rank]
+        assert got["dtypes"] == {
+            "params": {"torch.float32"},
+            "local": {"torch.float32"},
+            "state": {"torch.float32"},
+        }
+        rows = got["rows"]
+        for key in sorted(OUTPUTS):
+            _close_bf16(got["stats"][key][mask[rows]], ref_stats[key][rows][mask[rows]], key)
+        assert got["metrics"]["policy/loss"] == pytest.approx(ref_tally["policy/loss"], abs=2e-2)
+    # the compute really was bf16: the log-probs moved off the fp32 ones by bf16 rounding
+    gap = (results[0]["stats"]["log_probs"] - fp32_stats["log_probs"][results[0]["rows"]]).abs()
+    assert gap.max() > 1e-4
+    for name, g in ref_grads.items():
+        got = results[0]["grads"][name]
+        scale = g.abs().max().clamp_min(1e-3)
+        assert (got - g).abs().max() / scale < 0.1, name
+
+
+def _lora_worker(rank, world_size, port):
+    from otbrl.engine.engine import Engine
+    from otbrl.models.lora import add_lora
+
+    world = start_test_world(rank, world_size)
+    batch = ppo_batch()
+    local = {
+        k: v[split_by_groups(batch["uid"], world.dp_rank, world.dp_size)] for k, v in batch.items()
+    }
+    model = add_lora(tiny_llama(), rank=4, alpha=8.0)
+    actor = Engine(model, actor_config(lr=5e-2), world=world, mini_batch_size=8)
+    reference = actor.without_adapters(micro_batch_size=4)
+    for _ in range(2):
+        stats = actor.compute(local, OUTPUTS)
+        actor.update({**local, "old_log_probs": stats["log_probs"]}, policy_loss())
+    return {
+        "rows": split_by_groups(batch["uid"], world.dp_rank, world.dp_size),
+        "policy": actor.compute(local, OUTPUTS)["log_probs"],
+        "reference": reference.compute(local, OUTPUTS)["log_probs"],
+        "merged": dict(actor.full_tensors()),
+        "trainable": sorted(n for n, p in actor.model.named_parameters() if p.requires_grad),
+    }
+
+
+def test_lora_under_fsdp2_matches_one_process(tmp_path):
+    """Two FSDP2 ranks train the adapters as one process does; the reference view (adapters
+    disabled) gives the base model's log-probs; the merged stream is the one-process one."""
+    from otbrl.engine.engine import Engine
+    from otbrl.models.lora import add_lora
+
+    results = check_ok(launch(_lora_worker, 2, tmp_path))
+    batch = ppo_batch()
+    actor = Engine(
+        add_lora(tiny_llama(), rank=4, alpha=8.0), actor_config(lr=5e-2), mini_batch_size=8
+    )
+    for _ in range(2):
+        stats = actor.compute(batch, OUTPUTS)
+        actor.update({**batch, "old_log_probs": stats["log_probs"]}, policy_loss())
+    want = actor.compute(batch, OUTPUTS)["log_probs"]
+    base = Engine(tiny_llama(), None, micro_batch_size=4).compute(batch, OUTPUTS)["log_probs"]
+    merged = dict(actor.full_tensors())
+    mask = batch["response_mask"].bool()
+    for rank in range(2):
+        got = results[rank]
+        rows = got["rows"]
+        assert got["trainable"] and all(".lora_" in n for n in got["trainable"])
+        torch.testing.assert_close(
+            got["policy"][mask[rows]], want[rows][mask[rows]], atol=1e-5, rtol=0
+        )
+        torch.testing.assert_close(
+            got["reference"][mask[rows]], base[rows][mask[rows]], atol=1e-6, rtol=0
+        )
+        assert (want - base)[mask].abs().max() > 1e-3
+        assert set(got["merged"]) == set(merged)
+        for name, value in merged.items():
+            torch.testing.assert_close(got["merged"][name], value, atol=1e-5, rtol=1e-5, msg=name)

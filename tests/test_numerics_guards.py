@@ -86,14 +86,15 @@ def test_values_out_of_range_are_refused(override, fragment):
         ("actor.lr=inf", "actor.lr"),
         ("rollout.temperature=inf", "rollout.temperature"),
         ("model.dtype=float16", "model.dtype"),
+        ("model.precision=16-mixed", "model.precision"),
     ],
 )
 def test_the_issue_numbers_exit_2_before_loading(override, key, capsys, no_model_loading):
     assert cli.main(["train", override]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"'{key}'" in err and "Traceback" not in err
-    if key == "model.dtype":  # the fix is in the message
-        assert "model.dtype=bfloat16" in err and "float32" in err
+    if key == "model.dtype":  # the key was replaced: the message names its successor
+        assert "removed" in err and "model.precision" in err and "bf16-mixed" in err
 
 
 def _update(engine):

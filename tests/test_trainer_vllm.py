@@ -89,19 +89,44 @@ def check_synced(lines):
 
 @pytest.mark.parametrize(
     "extra",
-    [[], ["algorithm.rollout_correction=token_tis"], ["algorithm.rollout_correction=seq_mis"]],
+    [
+        [],
+        ["algorithm.rollout_correction=token_tis"],
+        ["algorithm.rollout_correction=seq_mis"],
+        ["model.lora.rank=4", "model.lora.alpha=8", "actor.lr=5e-2"],
+    ],
+    ids=["plain", "token_tis", "seq_mis", "lora-merged"],
 )
 def test_three_steps_with_otb_and_corrections(model_dir, data, tmp_path, extra):
     """OTB (Σπ² from the trainer's forward) on vLLM samples; each step's samples come from the
-    weights of the step before (mismatch at fp32 rounding after lr 1e-2 updates)."""
+    weights of the step before (mismatch at fp32 rounding after lr 1e-2 updates). With LoRA
+    the adapters reach vLLM merged into the base weights."""
     out = tmp_path / "run"
     assert cli.main(["train", *overrides(model_dir, data, out, *extra)]) == 0
     steps = check_synced(records(out))
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(r["policy/sum_pi_squared_mean"] > 0 for r in steps)
-    if extra:
+    if extra and "correction" in extra[0]:
         assert all(r["rollout/is_weight_mean"] == pytest.approx(1.0, abs=1e-5) for r in steps)
     assert "val/accuracy" in steps[-1]
+
+
+def test_bf16_mismatch_is_measured_and_corrected(model_dir, data, tmp_path):
+    """bf16 on both sides (vLLM's engine, the trainer's bf16-mixed compute): the mismatch is
+    bf16 rounding, orders above fp32's 1e-7, and token_tis weights act on it (≠ 1) while the
+    training stays finite."""
+    out = tmp_path / "run"
+    extra = (
+        "rollout.vllm.dtype=bfloat16",
+        "model.precision=bf16-mixed",
+        "algorithm.rollout_correction=token_tis",
+    )
+    assert cli.main(["train", *overrides(model_dir, data, out, *extra)]) == 0
+    steps = [r for r in records(out) if r["step"] > 0]
+    for r in steps:
+        assert 1e-4 < r["rollout/logprob_abs_diff_mean"] < 0.1, r
+        assert r["rollout/is_weight_mean"] != 1.0
+        assert r["policy/skipped_steps"] == 0 and math.isfinite(r["policy/grad_norm"])
 
 
 def test_a_skipped_sync_shows_in_the_mismatch(model_dir, data, tmp_path, monkeypatch):

@@ -73,6 +73,11 @@ def _build_parser() -> argparse.ArgumentParser:
         help="a run directory (its newest verified checkpoint) or a checkpoints/step_<k> directory",
     )
     p.add_argument("out_dir", help="directory to write")
+    p.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="a LoRA run: write the PEFT adapter alone (default: merged into its base model)",
+    )
     p = sub.add_parser("plot", help="overlay the curves of one or more runs")
     p.add_argument("run_dirs", nargs="+", help="run output directories")
     p.add_argument("--out", default=None, help="PNG to write (default: <run>/curves.png)")
@@ -252,7 +257,8 @@ def _export(args: argparse.Namespace) -> int:
 
     try:
         ckpt = resolve_checkpoint(args.checkpoint)
-        print(f"exported {ckpt}: {export_checkpoint(ckpt, args.out_dir)}")
+        out = export_checkpoint(ckpt, args.out_dir, adapter_only=args.adapter_only)
+        print(f"exported {ckpt}: {out}")
     except ValueError as err:  # a wrong path or a non-empty target: the user's to fix
         return _usage_error(err)
     return 0

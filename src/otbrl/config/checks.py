@@ -14,13 +14,14 @@ from typing import Any
 from otbrl.config.schema import (
     Config,
     ConfigError,
+    LoraConfig,
     MultiTurnConfig,
     RewardModelConfig,
     VLLMConfig,
 )
 
 _CHOICES = {
-    "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.precision": ("32-true", "bf16-mixed", "bf16-true"),
     "rollout.name": ("hf", "vllm"),
     "rollout.vllm.dtype": ("float32", "bfloat16", "float16"),
     "rollout.multi_turn.format": ("auto", "hermes", "compact"),
@@ -126,14 +127,6 @@ def check_config(cfg: Config) -> None:
         # NaN passes every comparison check below and inf overflows at step 1
         if not math.isfinite(value):
             raise ConfigError(f"'{key}' must be a finite number, got {value}", key)
-    if cfg.model.dtype == "float16":
-        raise ConfigError(
-            "'model.dtype' float16 is refused for training: otbrl keeps the weights and AdamW "
-            "state in the model dtype, with no fp32 master weights nor loss scaling, and pure "
-            "fp16 overflows on the first optimizer step; use model.dtype=bfloat16 (same memory) "
-            "or float32",
-            "model.dtype",
-        )
     for key, choices in _CHOICES.items():
         value = _get(cfg, key)
         if value not in choices:
@@ -189,6 +182,7 @@ def check_config(cfg: Config) -> None:
             f"'rollout.vllm.kv_cache_gib' must be > 0, got {vllm.kv_cache_gib}",
             "rollout.vllm.kv_cache_gib",
         )
+    _check_lora(cfg)
     if cfg.actor.clip_ratio_c <= 1.0:
         raise ConfigError(
             f"'actor.clip_ratio_c' must be > 1.0, got {cfg.actor.clip_ratio_c}",
@@ -278,3 +272,42 @@ def check_config(cfg: Config) -> None:
         file = cfg.reward.function.rsplit(":", 1)[0]
         if not Path(file).is_file():
             raise ConfigError(f"'reward.function' file not found: '{file}'", "reward.function")
+
+
+def _check_lora(cfg: Config) -> None:
+    """``model.lora``: its keys only with rank > 0, and of the right form."""
+    lora, defaults = cfg.model.lora, LoraConfig()
+    if lora.rank < 0:
+        raise ConfigError(
+            f"'model.lora.rank' must be >= 0 (0 = off), got {lora.rank}", "model.lora.rank"
+        )
+    if lora.rank == 0:
+        for key in vars(defaults):
+            if key != "rank" and getattr(lora, key) != getattr(defaults, key):
+                raise ConfigError(
+                    f"'model.lora.{key}' is set but 'model.lora.rank' is 0 (LoRA off); set "
+                    "model.lora.rank (e.g. 16) or drop the key",
+                    f"model.lora.{key}",
+                )
+        return
+    if not lora.alpha > 0:
+        raise ConfigError(f"'model.lora.alpha' must be > 0, got {lora.alpha}", "model.lora.alpha")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ConfigError(
+            f"'model.lora.dropout' must be in [0, 1), got {lora.dropout}", "model.lora.dropout"
+        )
+    target = lora.target_modules
+    names = [target] if isinstance(target, str) else list(target or [])
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(
+            "'model.lora.target_modules' must be \"all-linear\" or a list of module names, "
+            f"got {target!r}",
+            "model.lora.target_modules",
+        )
+    adapter = lora.adapter_path
+    if adapter is not None and not (Path(adapter) / "adapter_config.json").is_file():
+        raise ConfigError(
+            f"'model.lora.adapter_path' {lora.adapter_path!r} holds no adapter_config.json "
+            "(expected a directory saved by PEFT or `otbrl export --adapter-only`)",
+            "model.lora.adapter_path",
+        )

@@ -16,6 +16,27 @@ from otbrl.config.schema import Config, ConfigError, all_keys
 _LIST_KEYS = ("data.train_files", "data.val_files", "trainer.logger", "rollout.multi_turn.tools")
 
 
+# keys an earlier version had -> what replaces them (said instead of "unknown key")
+REMOVED_KEYS = {
+    "model.dtype": (
+        "use model.precision (32-true | bf16-mixed | bf16-true; float32 -> 32-true, "
+        "bfloat16 -> bf16-true, or bf16-mixed for fp32 master weights)"
+    ),
+}
+# what a saved configuration of an earlier version (a checkpoint's config.yaml) meant
+_SAVED_DTYPE = {"float32": "32-true", "bfloat16": "bf16-true", "float16": "32-true"}
+
+
+def _upgrade_saved(base: dict) -> dict:
+    """A saved resolved configuration with ``model.dtype`` read as ``model.precision``."""
+    model = base.get("model")
+    if not isinstance(model, dict) or "dtype" not in model:
+        return base
+    model = {k: v for k, v in model.items() if k != "dtype"}
+    model.setdefault("precision", _SAVED_DTYPE.get(base["model"]["dtype"], "32-true"))
+    return {**base, "model": model}
+
+
 def _did_you_mean(key: str) -> str:
     candidates = all_keys()
     group, dot, rest = key.partition(".")
@@ -49,6 +70,9 @@ def _merge(
         if key_hint.startswith(f"{key}."):  # OmegaConf names only the unknown group
             key = key_hint
         if type(err).__name__ in ("ConfigKeyError", "ConfigAttributeError"):
+            if key in REMOVED_KEYS:
+                msg = f"'{key}' in {source} was removed: {REMOVED_KEYS[key]}"
+                raise ConfigError(msg, key) from None
             raise ConfigError(
                 f"unknown config key '{key}' in {source}{_did_you_mean(key)}", key
             ) from None
@@ -75,7 +99,7 @@ def load_config(
     user = _user_layers(config_file, overrides or [])
     cfg = OmegaConf.structured(Config)
     if base is not None:
-        cfg = _merge(cfg, OmegaConf.create(base), "the saved configuration")
+        cfg = _merge(cfg, OmegaConf.create(_upgrade_saved(base)), "the saved configuration")
     else:
         probe = cfg
         for layer, source, key in user:

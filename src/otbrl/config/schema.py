@@ -46,13 +46,34 @@ class DataConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters through ``peft`` (``model.lora.rank`` > 0): only they are trained, the
+    reference policy is the same model with its adapters disabled."""
+
+    rank: int = 0  # adapter rank r; 0 = off (full fine-tuning)
+    alpha: float = 32.0  # the adapter's output is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapter's input while training
+    # "all-linear" (every linear layer of the decoder blocks, not the lm_head) or a list of
+    # module names, e.g. [q_proj, v_proj]
+    target_modules: Any = "all-linear"
+    # a saved PEFT adapter directory to start from (adapter_config.json); None: fresh adapters
+    adapter_path: str | None = None
+
+
+@dataclass
 class ModelConfig:
     # a local HF model directory, a hub id in the local HF cache, or "builtin" (the tiny
     # model, warm-started by SFT on its task)
     path: str = "builtin"
-    # weights and optimizer state: float32 | bfloat16 (no fp32 master copy)
-    dtype: str = "float32"
+    # 32-true (fp32 weights, state and compute) | bf16-mixed (fp32 master weights and AdamW
+    # state, bf16 forward/backward, fp32 gradient reduction) | bf16-true (bf16 weights and
+    # state); 32-true by default: measured faster on CPUs without bf16 instructions (README)
+    precision: str = "32-true"
+    # recompute each decoder block's activations in the backward instead of keeping them
+    # (less memory, one more forward); off by default: it did not pay at the demo's size
+    gradient_checkpointing: bool = False
     use_remove_padding: bool = False  # packed [1, nnz] forward instead of padded [B, L]
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass

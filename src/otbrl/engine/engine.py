@@ -14,6 +14,8 @@ data-parallel group) and FSDP2 sums the gradients, so the update equals the one-
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -26,7 +28,9 @@ from otbrl.algos.loss_math import Normalizers, loss_normalizers
 from otbrl.algos.loss_terms import Loss
 from otbrl.engine import parallel
 from otbrl.engine.layout import Layout, forward_outputs
+from otbrl.engine.precision import get_precision
 from otbrl.engine.world import World
+from otbrl.models.lora import adapters_disabled, lora_settings, merged_tensors
 
 
 class NumericsError(RuntimeError):
@@ -63,6 +67,13 @@ class Engine:
         mini_batch_size: *global* sequences per optimizer step (None: the whole batch).
         micro_batch_size: cap on sequences per forward of a frozen engine.
         seed: seeds the mini-batch shuffling generator (kept in ``state_dict``).
+        precision: ``"32-true"`` | ``"bf16-mixed"`` | ``"bf16-true"``
+            (``otbrl.engine.precision``); the model comes loaded in its storage dtype
+            (``bf16-mixed`` checks that the trained parameters are float32 master weights).
+            ``bf16-mixed`` computes under autocast on one process (or TP alone) and through FSDP2's
+            ``MixedPrecisionPolicy`` when sharded.
+        gradient_checkpointing: recompute each decoder block's activations in the backward
+            (non-reentrant; HF's per-layer checkpointing) instead of keeping them.
     """
 
     def __init__(
@@ -80,6 +91,8 @@ class Engine:
         mini_batch_size: int | None = None,
         micro_batch_size: int | None = None,
         seed: int = 0,
+        precision: str = "32-true",
+        gradient_checkpointing: bool = False,
     ):
         self.world = world or World()
         self.name = name
@@ -97,7 +110,25 @@ class Engine:
                 f"got {mini_batch_size}"
             )
         self.mini_batch_size = None if mini_batch_size is None else mini_batch_size // dp
+        self.precision = get_precision(precision)
+        if optim is not None and self.precision.mixed:  # the master weights' promise
+            wrong = sorted(
+                {str(p.dtype) for p in model.parameters() if p.requires_grad}
+                - {str(self.precision.storage)}
+            )
+            if wrong:
+                raise ValueError(
+                    f"model: {precision} trains {self.precision.storage} parameters, got "
+                    f"{', '.join(wrong)} (load the model in the precision's storage dtype)"
+                )
         model.to(self.world.device)
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        # an unsharded mixed model computes under autocast; FSDP2 casts the shards itself
+        self._autocast = True
+        self._context = contextlib.nullcontext  # the reference view: adapters disabled
         head = "value" if value else ("fused" if fused else "logits")
         sp_group = tp_group = None
         vocab_start = 0
@@ -106,7 +137,10 @@ class Engine:
                 # FSDP2 unshards the root parameters in the root's forward, which the fused
                 # path bypasses (it calls the decoder, then the head weight directly).
                 raise ValueError("fused: the fused lm_head is not supported on several processes")
-            parallel.parallelize(model, mesh, engine=parallelism, device=self.world.device)
+            parallel.parallelize(
+                model, mesh, engine=parallelism, mp_policy=self.precision.fsdp_policy()
+            )
+            self._autocast = not parallel.uses_fsdp(mesh, parallelism)
             if mesh["sp"].size() > 1:
                 sp_group, packed = mesh["sp"].get_group(), True
             if mesh["tp"].size() > 1 and not value:
@@ -142,9 +176,10 @@ class Engine:
         home = micro["input_ids"].device
         device = self.world.device
         micro = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in micro.items()}
-        out = forward_outputs(
-            self.model, micro, self.layout, outputs=outputs, temperature=self.temperature
-        )
+        with self._context(), self.precision.autocast(device, enabled=self._autocast):
+            out = forward_outputs(
+                self.model, micro, self.layout, outputs=outputs, temperature=self.temperature
+            )
         return {k: v.to(home) for k, v in out.items()}
 
     @torch.no_grad()
@@ -256,8 +291,9 @@ class Engine:
         raise NumericsError(
             f"{self.name}: an optimizer step left non-finite values in the parameters "
             f"({', '.join(names) or 'on another rank'}) although the gradient was finite: the "
-            "update overflowed the weights (learning rate too high, or a low-precision model "
-            "dtype); stopping before anything more is trained or saved"
+            "update overflowed the weights (learning rate too high, or bf16-true weights: "
+            "model.precision=bf16-mixed keeps fp32 master weights); stopping before anything "
+            "more is trained or saved"
         )
 
     def normalizers(self, response_mask: Tensor) -> Normalizers:
@@ -271,9 +307,22 @@ class Engine:
         )
 
     # -- weights and state ---------------------------------------------------------------------
-    def full_tensors(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, Tensor]]:
-        """(name, full tensor) of every entry of the model's state dict (or of ``names``, in
-        that order), one at a time: only the tensor being yielded is gathered, so a consumer
+    def full_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """(HF name, full tensor) of every entry of the plain model's state dict, one at a time
+        (what a rollout backend loads). A LoRA model's adapters come merged into their base
+        weights (``otbrl.models.lora.merged_tensors``: one module held at a time).
+
+        Collective on several processes: every rank must consume the iterator to the end.
+        """
+        lora = lora_settings(self.model)
+        if lora is not None:
+            yield from merged_tensors(self.state_tensors(), scaling=lora["alpha"] / lora["rank"])
+        else:
+            yield from self.state_tensors()
+
+    def state_tensors(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, Tensor]]:
+        """(name, full tensor) of every entry of the model's own state dict (or of ``names``,
+        in that order), one at a time: only the tensor being yielded is gathered, so a consumer
         that drops each one before the next never holds a second copy of the model.
 
         Collective on several processes (each sharded tensor is gathered with
@@ -284,6 +333,21 @@ class Engine:
             value = state[name]
             full = value.full_tensor() if isinstance(value, DTensor) else value
             yield name, full.detach()
+
+    def without_adapters(self, *, name: str = "reference", micro_batch_size: int) -> Engine:
+        """A frozen engine over this LoRA engine's own (sharded) model with its adapters
+        disabled: the reference policy, without a second copy of the weights.
+
+        Raises ``ValueError`` when the model has no LoRA adapters.
+        """
+        if lora_settings(self.model) is None:
+            raise ValueError("without_adapters: the model has no LoRA adapters")
+        view = copy.copy(self)
+        view.name, view.optim, view.optimizer, view.scheduler = name, None, None, None
+        view.micro_batch_size = micro_batch_size
+        view.generator = torch.Generator().manual_seed(0)
+        view._context = lambda: adapters_disabled(self.model)
+        return view
 
     def state_dict(self) -> dict:
         """Scheduler and shuffling-generator state (weights and optimizer:

@@ -245,9 +245,23 @@ def _identity(values: Tensor) -> Tensor:
 
 
 def _head_stats(model, features, labels, layout: Layout, outputs, temperature) -> dict:
-    """The statistics op of ``layout.head`` on the picked rows -> {name: [M]}."""
+    """The statistics op of ``layout.head`` on the picked rows -> {name: [M]}.
+
+    The ops run outside autocast on the features as they come (bf16 logits under bf16 compute)
+    and accumulate in float32 themselves; under a mixed-precision autocast the fused head casts
+    the hidden states and the head weight to the compute dtype, as the lm_head matmul would be.
+    """
     if layout.head == "value":
         return {"values": features[..., 0]}
+    device_type = features.device.type
+    compute = None
+    if torch.is_autocast_enabled(device_type):
+        compute = torch.get_autocast_dtype(device_type)
+    with torch.autocast(device_type, enabled=False):
+        return _stats_of(model, features, labels, layout, outputs, temperature, compute)
+
+
+def _stats_of(model, features, labels, layout, outputs, temperature, compute) -> dict:
     kwargs = {
         "temperature": temperature,
         "entropy": "entropy" in outputs,
@@ -255,7 +269,11 @@ def _head_stats(model, features, labels, layout: Layout, outputs, temperature) -
     }
     if layout.head == "fused":
         head = model.get_output_embeddings()
-        stats = fused_linear_token_stats(features, head.weight, labels, bias=head.bias, **kwargs)
+        weight, bias = head.weight, head.bias
+        if compute is not None:
+            features, weight = features.to(compute), weight.to(compute)
+            bias = None if bias is None else bias.to(compute)
+        stats = fused_linear_token_stats(features, weight, labels, bias=bias, **kwargs)
     elif layout.head == "vocab_parallel":
         stats = vocab_parallel_token_stats(
             features, labels, vocab_start=layout.vocab_start, group=layout.tp_group, **kwargs

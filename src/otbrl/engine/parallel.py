@@ -2,7 +2,7 @@
 
     mesh = build_mesh(dp=2, tp=2, device_type="cpu")
     apply_tp(model, mesh["tp"])                      # DTensor TP, logits left vocab-sharded
-    apply_fsdp(model, fsdp_mesh(mesh), mixed_precision_policy(device))  # FSDP2 per block
+    apply_fsdp(model, fsdp_mesh(mesh), get_precision("bf16-mixed").fsdp_policy())  # per block
     parallelize(model, mesh, engine="tp")            # the two above (and Ulysses) in order
 
 The order is fixed: tensor parallel first (it rewrites parameters into DTensors on the "tp"
@@ -170,13 +170,6 @@ def vocab_shard_range(model: nn.Module, tp_mesh: DeviceMesh) -> tuple[int, int]:
     return start, min(vocab, start + per_rank)
 
 
-def mixed_precision_policy(device: torch.device | str) -> MixedPrecisionPolicy:
-    """bf16 compute with fp32 gradient reduction on CUDA; plain fp32 on CPU."""
-    if torch.device(device).type == "cuda":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
-
-
 def apply_fsdp(
     model: nn.Module,
     dp_mesh: DeviceMesh,
@@ -243,13 +236,23 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> torch
 ENGINES = ("fsdp", "tp")
 
 
+def uses_fsdp(mesh: DeviceMesh, engine: str) -> bool:
+    """Whether ``parallelize(model, mesh, engine=engine)`` wraps the model in FSDP2."""
+    return engine == "fsdp" or mesh["dp"].size() > 1
+
+
 def parallelize(
-    model: nn.Module, mesh: DeviceMesh, *, engine: str, device: torch.device | str = "cpu"
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    engine: str,
+    mp_policy: MixedPrecisionPolicy | None = None,
 ) -> nn.Module:
     """Apply the parallel layout of `engine` to `model` in place (TP, then Ulysses, then FSDP2).
 
     engine "tp" needs mesh["tp"] > 1 and wraps FSDP2 around it only when dp > 1; engine
-    "fsdp" always shards parameters over dp × sp.
+    "fsdp" always shards parameters over dp × sp. ``mp_policy``: FSDP2's mixed precision
+    (``Precision.fsdp_policy()``; None: compute in the parameters' dtype).
     """
     if engine not in ENGINES:
         raise ValueError(f"engine: expected one of {ENGINES}, got {engine!r}")
@@ -257,6 +260,6 @@ def parallelize(
         apply_tp(model, mesh["tp"])
     if mesh["sp"].size() > 1:
         ulysses.apply_ulysses(model, mesh["sp"].get_group())
-    if engine == "fsdp" or mesh["dp"].size() > 1:
-        apply_fsdp(model, fsdp_mesh(mesh), mixed_precision_policy(device))
+    if uses_fsdp(mesh, engine):
+        apply_fsdp(model, fsdp_mesh(mesh), mp_policy)
     return model

@@ -18,12 +18,12 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from otbrl.models import eos_token_ids, load_model_and_tokenizer
+from otbrl.models import eos_token_ids
 from otbrl.research.gradient_probe import EstimatorSpec, GradientProbe, parse_estimators
 from otbrl.research.gradient_variance import GradientVarianceAccumulator, variance_summary
 from otbrl.rewards import resolve_reward_function
 from otbrl.rollout import HFRollout
-from otbrl.run.build import build_sampler, model_path, policy_loss
+from otbrl.run.build import build_sampler, load_policy, model_path, policy_loss
 from otbrl.run.plan import estimator_options, load_rows
 from otbrl.run.seeds import seed_everything, step_seed
 from otbrl.store.files import atomic_write_text
@@ -304,7 +304,7 @@ def run_variance(
     start = time.perf_counter()
     seed_everything(seed)
     path = model_path(cfg)
-    model, tokenizer = load_model_and_tokenizer(path, dtype=cfg.model.dtype)
+    model, tokenizer = load_policy(cfg, path)
     train_rows, _ = load_rows(cfg)
     if len(train_rows) < prompts:
         raise ValueError(f"prompts: expected <= {len(train_rows)} (the data size), got {prompts}")

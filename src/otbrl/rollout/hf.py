@@ -31,6 +31,9 @@ class HFRollout:
             ``sync_weights`` is then a no-op and does not consume its argument. ``True`` when
             ``model`` is a separate inference copy (e.g. the unsharded copy of a distributed
             run): ``sync_weights`` copies the named tensors into it.
+        autocast: the compute dtype of a mixed-precision model (``torch.bfloat16`` under
+            ``bf16-mixed``): sampling runs under ``torch.autocast`` as the trainer's forwards do;
+            None: in the weights' dtype.
     """
 
     name = "hf"
@@ -42,6 +45,7 @@ class HFRollout:
         tokenizer: PreTrainedTokenizerBase,
         *,
         owns_copy: bool = False,
+        autocast: torch.dtype | None = None,
     ) -> None:
         if not isinstance(owns_copy, bool):
             raise TypeError(f"owns_copy: expected a bool, got {type(owns_copy).__name__}")
@@ -52,6 +56,7 @@ class HFRollout:
         self.model = model
         self.tokenizer = tokenizer
         self.owns_copy = owns_copy
+        self.autocast = autocast
         self.pad_id = int(pad)
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         # like vLLM's max_model_len: past its positions a model samples garbage, silently
@@ -96,11 +101,15 @@ class HFRollout:
             ):
                 if params.seed is not None:
                     torch.manual_seed(params.seed)
-                tokens, logprobs = shared_prefix_sample(
-                    self.model, ids, mask, n, max(budgets), stops, self.pad_id,
-                    not params.greedy, sampling, budgets=rows if max_tokens is not None else None,
-                    with_logprobs=True,
-                )  # fmt: skip
+                compute = torch.autocast(
+                    device.type, dtype=self.autocast, enabled=self.autocast is not None
+                )
+                with compute:
+                    tokens, logprobs = shared_prefix_sample(
+                        self.model, ids, mask, n, max(budgets), stops, self.pad_id,
+                        not params.greedy, sampling,
+                        budgets=rows if max_tokens is not None else None, with_logprobs=True,
+                    )  # fmt: skip
         finally:
             self.model.train(was_training)
         return _completions(tokens.cpu(), logprobs.cpu(), rows.cpu(), stops, n)

@@ -17,6 +17,7 @@ from otbrl.config import Config, ConfigError
 from otbrl.data import PromptDataset
 from otbrl.engine import parallel
 from otbrl.engine.engine import Engine
+from otbrl.engine.precision import get_precision
 from otbrl.engine.world import World
 from otbrl.models import (
     eos_token_ids,
@@ -25,6 +26,7 @@ from otbrl.models import (
     resolve_model_dir,
     set_prompt_template,
 )
+from otbrl.models.lora import add_lora, unload_lora
 from otbrl.rewards import SandboxConfig
 from otbrl.rewards.pool import RewardPool
 from otbrl.rewards.reward_model import RewardModel
@@ -55,10 +57,31 @@ def model_path(cfg: Config) -> Path:
     return warm_start(cfg) if cfg.model.path == "builtin" else resolve_model_dir(cfg.model.path)
 
 
+def policy_dtype(cfg: Config) -> str:
+    """The dtype the policy's weights load in: the precision's storage (float32 master weights
+    for bf16-mixed), except a LoRA model's frozen base under bf16-mixed, which needs no master
+    copy and stays bf16 (its adapters are the float32 master weights)."""
+    p = get_precision(cfg.model.precision)
+    return "bfloat16" if cfg.model.lora.rank and p.mixed else p.storage_name
+
+
 def load_policy(cfg: Config, path: Path):
-    """(model, tokenizer) of the policy at ``path`` in ``model.dtype``, the tokenizer rendering
-    prompts as ``data.apply_chat_template`` asks (the plan checked that it can)."""
-    model, tokenizer = load_model_and_tokenizer(path, dtype=cfg.model.dtype)
+    """(model, tokenizer) of the policy at ``path`` in ``policy_dtype(cfg)``, with the LoRA
+    adapters of ``model.lora`` injected (rank > 0), the tokenizer rendering prompts as
+    ``data.apply_chat_template`` asks (the plan checked that it can)."""
+    model, tokenizer = load_model_and_tokenizer(path, dtype=policy_dtype(cfg))
+    lora = cfg.model.lora
+    if lora.rank:
+        add_lora(
+            model,
+            rank=lora.rank,
+            alpha=lora.alpha,
+            dropout=lora.dropout,
+            target_modules=lora.target_modules,
+            adapter_path=lora.adapter_path,
+            adapter_dtype=get_precision(cfg.model.precision).storage,
+            seed=cfg.trainer.seed,
+        )
     set_prompt_template(tokenizer, cfg.data.apply_chat_template, str(path))
     return model, tokenizer
 
@@ -147,11 +170,14 @@ def build_backend(
             f"{model.config.vocab_size}: they do not belong together",
             "model.path",
         )
+    compute = get_precision(cfg.model.precision)
+    autocast = compute.compute if compute.mixed else None
     if cfg.rollout.name == "hf":
         if world.mesh is None:
-            return HFRollout(model, tokenizer)
-        copy_ = copy.deepcopy(model).eval().requires_grad_(False).to(world.device)
-        return HFRollout(copy_, tokenizer, owns_copy=True)
+            return HFRollout(model, tokenizer, autocast=autocast)
+        # a plain copy (adapters merged): the sync streams plain HF names
+        copy_ = unload_lora(copy.deepcopy(model)).eval().requires_grad_(False).to(world.device)
+        return HFRollout(copy_, tokenizer, owns_copy=True, autocast=autocast)
     v = cfg.rollout.vllm
     return VLLMRollout(
         model_dir,
@@ -193,13 +219,13 @@ def build_reward_model(cfg: Config, world: World) -> RewardModel:
     tensor parallelism each rank keeps a full copy (its TP plan is the causal LM's)."""
     model = RewardModel(
         cfg.reward.model.path,
-        dtype=cfg.model.dtype,
+        dtype=get_precision(cfg.model.precision).storage_name,
         device=world.device,
         micro_batch_size=cfg.reward.model.micro_batch_size,
     )
     mesh = world.mesh
     if mesh is not None and mesh["tp"].size() == 1:
-        policy = parallel.mixed_precision_policy(world.device)
+        policy = get_precision(cfg.model.precision).fsdp_policy()
         parallel.apply_fsdp(model.model, parallel.fsdp_mesh(mesh), policy)
     return model
 
@@ -248,6 +274,8 @@ def build_run(cfg: Config, plan: Plan, world: World, path: Path) -> RunParts:
         "packed": cfg.model.use_remove_padding,
         "temperature": cfg.rollout.temperature,
         "seed": cfg.trainer.seed,
+        "precision": cfg.model.precision,
+        "gradient_checkpointing": cfg.model.gradient_checkpointing,
     }
     sequences = plan.mini_batch_size * cfg.rollout.n
     engines = {
@@ -256,13 +284,20 @@ def build_run(cfg: Config, plan: Plan, world: World, path: Path) -> RunParts:
         )
     }
     if plan.use_critic:
-        value_model = load_value_model(cfg.critic.model_path or path, dtype=cfg.model.dtype)
+        # the critic stays full-parameter (a fresh value head has nothing to adapt from)
+        value_model = load_value_model(
+            cfg.critic.model_path or path, dtype=get_precision(cfg.model.precision).storage_name
+        )
         engines["critic"] = Engine(
             value_model, cfg.critic, name="critic", value=True, mini_batch_size=sequences, **common
         )
     reference = None
-    if plan.use_reference:
-        ref_model, _ = load_model_and_tokenizer(path, dtype=cfg.model.dtype)
+    if plan.use_reference and cfg.model.lora.rank:
+        # the base model is the policy with its adapters disabled: no second copy
+        reference = engines["policy"].without_adapters(micro_batch_size=a.micro_batch_size)
+    elif plan.use_reference:
+        # the policy's precision, so that KL = 0 before the first update
+        ref_model, _ = load_model_and_tokenizer(path, dtype=policy_dtype(cfg))
         reference = Engine(
             ref_model, None, name="reference", micro_batch_size=a.micro_batch_size, **common
         )

@@ -27,7 +27,15 @@ from otbrl.algos.loss_math import KL_KINDS
 from otbrl.config import Config, ConfigError
 from otbrl.data import get_task, read_parquet_rows, tokenize_prompts
 from otbrl.engine.dims import ParallelDims
-from otbrl.models import DEFAULT_SIZE, build_tokenizer, resolve_model_dir, set_prompt_template
+from otbrl.engine.precision import check_precision_device
+from otbrl.models import (
+    DEFAULT_SIZE,
+    build_tokenizer,
+    random_causal_lm,
+    resolve_model_dir,
+    set_prompt_template,
+)
+from otbrl.models.lora import check_adapter_fits, linear_module_names
 from otbrl.report.metrics_log import check_backends
 from otbrl.rewards import (
     BUILTIN_REWARDS,
@@ -272,6 +280,7 @@ def validate_config(cfg: Config, world_size: int | None = None, *, train: bool =
     train_rows, longest, notes = check_prompt_lengths(cfg, train_rows, tokenizer, tools, "train")
     val_rows, longest_val, val_notes = check_prompt_lengths(cfg, val_rows, tokenizer, tools, "val")
     _check_context(cfg, max(longest, longest_val))
+    notes = [*notes, *check_model_settings(cfg, dims)]
     if train and len(train_rows) < cfg.data.train_batch_size:
         raise ConfigError(
             f"'data.train_batch_size' ({cfg.data.train_batch_size}) is larger than the training "
@@ -510,3 +519,51 @@ def _read_rows(cfg: Config, key: str) -> list[dict]:
         return read_parquet_rows(files)
     except ValueError as err:
         raise ConfigError(f"'data.{key}': {err}", f"data.{key}") from None
+
+
+def check_model_settings(cfg: Config, dims: ParallelDims) -> list[str]:
+    """``model.precision`` on this device and ``model.lora`` against the model's modules, on a
+    meta-device copy of the architecture (no weights load). Returns the notes to print at
+    start (bf16 emulated on this CPU); raises ``ConfigError`` naming the key."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    note = check_precision_device(cfg.model.precision, device)
+    lora = cfg.model.lora
+    if lora.rank:
+        if dims.tp > 1:
+            raise ConfigError(
+                "'model.lora.rank': LoRA does not compose with tensor parallelism here (the TP "
+                "plan shards the plain linear layers peft replaces); use FSDP2 "
+                "(actor.engine=fsdp) or Ulysses sequence parallelism",
+                "model.lora.rank",
+            )
+        model = _meta_model(cfg)
+        names = linear_module_names(model)
+        targets = lora.target_modules
+        if not isinstance(targets, str) and not set(targets) & set(names):
+            raise ConfigError(
+                f"'model.lora.target_modules' {list(targets)} names no linear layer of the "
+                f"model; its linear layers are {names}",
+                "model.lora.target_modules",
+            )
+        if lora.adapter_path is not None:
+            try:
+                check_adapter_fits(model, lora.adapter_path)
+            except (ValueError, OSError) as err:
+                key = "model.lora.adapter_path"
+                why = str(err).removeprefix("adapter_path: ")
+                raise ConfigError(f"'{key}': {why}", key) from None
+    return [note] if note else []
+
+
+def _meta_model(cfg: Config):
+    """The policy's architecture on the meta device (module names and shapes, no memory)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        if cfg.model.path == "builtin":  # its vocabulary does not change a linear layer
+            return random_causal_lm("llama", vocab_size=64, **DEFAULT_SIZE)
+        config = AutoConfig.from_pretrained(resolve_model_dir(cfg.model.path))
+        return AutoModelForCausalLM.from_config(config)

@@ -54,6 +54,17 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from otbrl.models.lora import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    adapter_config,
+    adapter_tensors,
+    add_lora,
+    lora_settings,
+    model_names,
+    save_adapter,
+    unload_lora,
+)
 from otbrl.store.files import apply_umask, fsync_dir, fsync_tree, make_temp_dir
 from otbrl.store.integrity import IntegrityError, file_manifest, verify_manifest
 from otbrl.store.plain import to_plain_dict
@@ -82,6 +93,8 @@ _MARKER = "checkpoint.json"
 STATE_DIR = "state"
 # What `otbrl export` leaves out of a step directory: everything but the policy's HF files.
 _TRAINING_ENTRIES = {STATE_DIR, "critic", "config.yaml", _MARKER}
+# A LoRA policy is stored as its adapter alone, in PEFT's format (the frozen base is model.path)
+ADAPTER_DIR = "adapter"
 
 
 def _write_hf_model(engine, out: Path, is_main: bool) -> None:
@@ -94,14 +107,44 @@ def _write_hf_model(engine, out: Path, is_main: bool) -> None:
         model.config.save_pretrained(out)
         if getattr(model, "generation_config", None) is not None and model.can_generate():
             model.generation_config.save_pretrained(out)
+    if lora_settings(model) is not None:
+        _write_adapter(engine, out / ADAPTER_DIR, is_main)
+        return
     # a DTensor reports its global shape and dtype: the header needs no gather
     specs = safetensors_order((k, v.dtype, v.shape) for k, v in model.state_dict().items())
-    tensors = engine.full_tensors([name for name, _, _ in specs])
+    tensors = engine.state_tensors([name for name, _, _ in specs])
     if is_main:
         write_safetensors(out / "model.safetensors", specs, tensors, metadata={"format": "pt"})
     else:
         for _ in tensors:
             pass
+
+
+def _write_adapter(engine, out: Path, is_main: bool) -> None:
+    """A LoRA model's adapter in PEFT's format (the frozen base is not written: it is the
+    model the run started from, ``adapter_config.json``'s ``base_model_name_or_path``)."""
+    names = [k for k in engine.model.state_dict() if ".lora_" in k]
+    tensors = adapter_tensors(engine.state_tensors(names))  # collective; the adapters only
+    if is_main:
+        base = str(getattr(engine.model.config, "_name_or_path", "") or "")
+        save_adapter(tensors, adapter_config(engine.model, base), out)
+
+
+def _load_adapter_weights(engine, directory: Path) -> None:
+    """A saved adapter -> the engine's LoRA parameters, in its own layout (sharded or not)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    saved = load_file(directory / ADAPTER_WEIGHTS)
+    params = {k for k in engine.model.state_dict() if ".lora_" in k}
+    named = model_names(saved)
+    missing, unexpected = sorted(params - set(named)), sorted(set(named) - params)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint: {directory} does not match the model's adapters (missing "
+            f"{missing[:3]}, unexpected {unexpected[:3]})"
+        )
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(engine.model, named, options=options)
 
 
 def _optimizer_tensors(engine) -> tuple[dict[str, torch.Tensor], list]:
@@ -371,6 +414,14 @@ def verify_checkpoint(path: str | Path) -> int:
 
 def _load_weights(engine, directory: Path) -> None:
     """Full HF tensors -> the engine's model, in its own layout (sharded or not)."""
+    has_adapter = (directory / ADAPTER_DIR / ADAPTER_CONFIG).is_file()
+    if (lora_settings(engine.model) is not None) != has_adapter:
+        held = "a LoRA adapter" if has_adapter else "full weights"
+        wants = "LoRA (model.lora.rank > 0)" if not has_adapter else "full fine-tuning"
+        raise ValueError(f"checkpoint: {directory} holds {held}, the run trains {wants}")
+    if has_adapter:
+        _load_adapter_weights(engine, directory / ADAPTER_DIR)
+        return
     if not (directory / "model.safetensors").is_file():
         raise ValueError(f"checkpoint: {directory} holds no model.safetensors")
     state = get_model_state_dict(engine.model)
@@ -455,19 +506,27 @@ def load_checkpoint(
     return state["trainer"]
 
 
-def export_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
-    """Copy the policy's model and tokenizer files of a verified checkpoint to ``out_dir``
-    (``path``: a checkpoint, or a run directory for its newest verified one).
+def export_checkpoint(path: str | Path, out_dir: str | Path, *, adapter_only: bool = False) -> Path:
+    """Write the policy of a verified checkpoint to ``out_dir`` as a plain Hugging Face
+    directory with its tokenizer (``path``: a checkpoint, or a run directory for its newest
+    verified one).
 
-    The checkpoint is verified first, the copies are checked against its manifest, and the
-    result is loaded back with ``AutoModelForCausalLM`` (its tensors compared with the file's)
-    and ``AutoTokenizer`` before it appears, atomically, at ``out_dir`` (which must not exist
-    or be empty). Raises ``ValueError`` naming the problem; nothing is left behind then.
+    A full fine-tuning checkpoint's files are copied. A LoRA checkpoint's adapter is merged
+    into its base model (``adapter_config.json``'s ``base_model_name_or_path``: the model the
+    run started from); ``adapter_only=True`` writes the PEFT adapter instead (its two files and
+    the tokenizer), loadable with ``peft.PeftModel.from_pretrained``. The checkpoint is verified
+    first, the copies are checked against its manifest, and the result is loaded back with the
+    HF Auto classes (a merged or copied model: its tensors compared with the file's) before it
+    appears, atomically, at ``out_dir`` (which must not exist or be empty). Raises
+    ``ValueError`` naming the problem; nothing is left behind then.
     """
     ckpt = resolve_checkpoint(path)
     verify_checkpoint(ckpt)
     if not (ckpt / "config.json").is_file():
         raise ValueError(f"path: {ckpt} holds no Hugging Face model (no config.json)")
+    lora = (ckpt / ADAPTER_DIR / ADAPTER_CONFIG).is_file()
+    if adapter_only and not lora:
+        raise ValueError(f"--adapter-only: {ckpt} was trained without LoRA (no adapter/)")
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"out_dir: expected a new or empty directory, got {out} (not empty)")
@@ -475,16 +534,30 @@ def export_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
     tmp = make_temp_dir(out.parent, f".tmp-{out.name}-")
     try:
         for item in ckpt.iterdir():
-            if item.name in _TRAINING_ENTRIES:
+            if item.name in _TRAINING_ENTRIES or item.name == ADAPTER_DIR:
+                continue
+            if lora and (adapter_only and item.name.startswith(("config", "generation"))):
                 continue
             if item.is_dir():
                 shutil.copytree(item, tmp / item.name)
             else:
                 shutil.copy2(item, tmp / item.name)
         files = _read_marker(ckpt)["files"]
-        copied = {k: v for k, v in files.items() if k.split("/")[0] not in _TRAINING_ENTRIES}
+        copied = {
+            k: v
+            for k, v in files.items()
+            if k.split("/")[0] not in _TRAINING_ENTRIES and (tmp / k).exists()
+        }
         verify_manifest(tmp, copied)
-        _check_loads(tmp)
+        if adapter_only:
+            for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+                shutil.copy2(ckpt / ADAPTER_DIR / name, tmp / name)
+            _check_adapter_loads(tmp)
+        elif lora:
+            _write_merged(ckpt / ADAPTER_DIR, tmp)
+            _check_loads(tmp)
+        else:
+            _check_loads(tmp)
         apply_umask(tmp)  # copy2 keeps the source modes; the export gets this user's umask
         fsync_tree(tmp)
         if out.exists():
@@ -514,3 +587,34 @@ def _check_loads(directory: Path) -> None:
     for name, value in load_file(directory / "model.safetensors").items():
         if name not in loaded or not torch.equal(loaded[name].to(value.dtype), value):
             raise ValueError(f"out_dir: {name} loads back different from the exported file")
+
+
+def _write_merged(adapter_dir: Path, out: Path) -> None:
+    """The base model with the adapter merged in, saved as a plain HF model into ``out``."""
+    from transformers import AutoModelForCausalLM
+
+    base = json.loads((adapter_dir / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    if not base or not Path(base).is_dir():
+        raise ValueError(
+            f"path: the adapter's base model {base!r} (the directory the run started from) is "
+            "not there: the merged export needs it; --adapter-only exports the adapter alone"
+        )
+    model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
+    add_lora(model, rank=1, alpha=1.0, adapter_path=adapter_dir, adapter_dtype=torch.float32)
+    unload_lora(model)
+    model.save_pretrained(out)
+
+
+def _check_adapter_loads(directory: Path) -> None:
+    """The exported adapter's config and tensors read back with peft."""
+    from peft import LoraConfig
+    from safetensors import safe_open
+
+    try:
+        LoraConfig.from_pretrained(str(directory))
+        with safe_open(str(directory / ADAPTER_WEIGHTS), framework="pt") as f:
+            if not list(f.keys()):
+                raise ValueError("no tensors")
+    except Exception as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"out_dir: the exported adapter does not load with peft: {first}") from err
