@@ -29,6 +29,10 @@ from otbrl.engine.engine import Engine
 from otbrl.engine.memory import peak_memory_gb, reset_peak_memory
 from otbrl.store.checkpoint import save_checkpoint
 
+def trim():  # free heap pages back to the OS: memory the save reuses counts as growth
+    import ctypes
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
 def rss_gb():
     for line in open("/proc/self/status"):
         if line.startswith("VmRSS:"):
@@ -46,12 +50,13 @@ weights = sum(t.numel() * t.element_size() for t in engine.model.state_dict().va
 moments = sum(v.numel() * v.element_size() for s in engine.optimizer.state.values()
               for v in s.values())
 del batch, stats
-
+trim()
 reset_peak_memory()
 before = rss_gb()
 save_checkpoint(sys.argv[1], 1, engines={"policy": engine}, trainer_state={"step": 1})
 save = peak_memory_gb() - before
 
+trim()
 reset_peak_memory()
 before = rss_gb()
 copy = {k: v.clone() for k, v in engine.model.state_dict().items()}
@@ -101,6 +106,8 @@ def _rss_gb() -> float:
 
 
 def _fsdp_worker(rank, world_size, port, ckpt_root):
+    import ctypes
+
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -137,6 +144,7 @@ def _fsdp_worker(rank, world_size, port, ckpt_root):
     engine.update({**local, "old_log_probs": stats["log_probs"]}, policy_loss())
     del batch, local, stats
     world.barrier()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # memory the save reuses counts as growth
     reset_peak_memory()
     before = _rss_gb()
     save_checkpoint(ckpt_root, 1, engines={"policy": engine}, trainer_state={"step": 1})
@@ -147,16 +155,37 @@ def _fsdp_worker(rank, world_size, port, ckpt_root):
     }
 
 
+def _fsdp_main(out: str) -> None:
+    """Run the 2-rank save and print each rank's figures as JSON (in a fresh interpreter)."""
+    from dist_utils import check_ok, launch
+
+    got = check_ok(launch(_fsdp_worker, 2, Path(out) / "out", Path(out) / "ckpt"))
+    print(json.dumps({str(rank): result for rank, result in got.items()}))
+
+
 @pytest.mark.distributed
 @pytest.mark.skipif(not _can_reset_peak(), reason="needs Linux's /proc/self/clear_refs")
 def test_fsdp_ranks_gather_one_tensor_at_a_time_during_a_save(tmp_path):
-    """2 FSDP2 ranks of a 20 M model: the HF export gathers one full tensor at a time (the
-    largest, the embedding, is 13 % of a rank's shard of the state), never the model, and each
-    rank writes its optimizer shard from its own tensors: no rank's peak grows by more than 15 %
-    of the state it holds (+138 % when every rank gathered the full state dict)."""
-    from dist_utils import check_ok, launch
+    """2 FSDP2 ranks of a 20 M model: the HF export gathers one full tensor at a time, never the
+    model (which every rank gathered before: +218 MB each here), and each rank writes its
+    optimizer shard from its own tensors. A gather holds the full tensor and one more copy of
+    it (gloo's padded all-gather, then the unpadded result): a rank's peak grows by ~2x the
+    largest tensor (the embedding, 16 MB; measured +34 MB), whatever the model's depth.
 
-    got = check_ok(launch(_fsdp_worker, 2, tmp_path / "out", tmp_path / "ckpt"))
+    glibc's dynamic mmap threshold lets freed tensors of this size linger in the heap and the
+    RSS creep up over many gathers; a fixed threshold measures what the save itself holds."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MALLOC_MMAP_THRESHOLD_": "131072",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])),
+    }
+    code = f"from test_checkpoint_memory import _fsdp_main; _fsdp_main({str(tmp_path)!r})"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
     for rank, result in got.items():
-        assert result["save"] <= 0.15 * result["shard_state"], (rank, result)
+        assert result["save"] <= 2.5 * result["largest"], (rank, result)
     assert (tmp_path / "ckpt" / "step_1" / "checkpoint.json").is_file()

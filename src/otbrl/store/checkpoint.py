@@ -16,13 +16,18 @@ Layout of ``<ckpt_root>/step_<k>/``::
 
 Weights are written once, as full tensors by rank 0, and loaded back with
 ``HuggingFaceStorageReader`` into whatever layout the resuming run has (one process, FSDP2, TP,
-another world size). Nothing is ever unpickled: safetensors and JSON only (DCP's pickled
-``.metadata`` is never written nor read: ``HuggingFaceStorageReader`` takes the shard offsets
-from the safetensors headers). Everything is written into ``.tmp-step_<k>`` in the same folder,
-fsynced, then renamed to ``step_<k>``; a kill at any point leaves either the previous
-checkpoints or the new complete one. Loading verifies every file against ``checkpoint.json``
-first (``verify_checkpoint``), so flipped bits or a truncated file are an error naming the file,
-and ``latest_verified_checkpoint`` falls back to the newest checkpoint that is intact.
+another world size). A save costs no second copy of the state: every file is streamed tensor by
+tensor (``otbrl.store.tensor_file``) — the weights gathered one full tensor at a time (under a
+mesh every rank takes part in each gather, rank 0 writes), each rank's optimizer shard straight
+from the optimizer's own tensors, with the global offsets of its chunks in the header as
+``torch.distributed.checkpoint`` records them. Nothing is ever unpickled: safetensors and JSON
+only (DCP's pickled ``.metadata`` is never written nor read: ``HuggingFaceStorageReader`` takes
+the shard offsets from the safetensors headers). Everything is written into ``.tmp-step_<k>``
+in the same folder, fsynced, then renamed to ``step_<k>``; a kill at any point leaves either the
+previous checkpoints or the new complete one. Loading verifies every file against
+``checkpoint.json`` first (``verify_checkpoint``), so flipped bits or a truncated file are an
+error naming the file, and ``latest_verified_checkpoint`` falls back to the newest checkpoint
+that is intact.
 """
 
 from __future__ import annotations
