@@ -25,6 +25,7 @@ _CHOICES = {
     "rollout.vllm.dtype": ("float32", "bfloat16", "float16"),
     "rollout.multi_turn.format": ("auto", "hermes", "compact"),
     "algorithm.rollout_correction": ("none", "token_tis", "seq_mis"),
+    "algorithm.off_policy": ("none", "tis", "decoupled"),
     "actor.loss_agg_mode": (
         "token-mean",
         "seq-mean-token-sum",
@@ -159,6 +160,13 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(
             f"'algorithm.rollout_is_cap' must be >= 1, got {cfg.algorithm.rollout_is_cap}",
             "algorithm.rollout_is_cap",
+        )
+    if cfg.algorithm.off_policy != "none" and cfg.algorithm.rollout_correction != "none":
+        raise ConfigError(
+            f"'algorithm.off_policy={cfg.algorithm.off_policy}' and "
+            f"'algorithm.rollout_correction={cfg.algorithm.rollout_correction}' both weight the "
+            "rollout's samples: set one of them (off_policy=tis is rollout_correction=token_tis)",
+            "algorithm.off_policy",
         )
     vllm, defaults = cfg.rollout.vllm, VLLMConfig()
     if cfg.rollout.name != "vllm":

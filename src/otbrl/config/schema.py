@@ -183,8 +183,14 @@ class AlgorithmConfig:
     # "none" | "token_tis" (w = min(exp(old − rollout), C)) | "seq_mis" (drop sequences whose
     # ratio exp(Σ(old − rollout)) leaves [1/C, C]); C = rollout_is_cap
     rollout_correction: str = "none"
-    # C of rollout_correction (>= 1)
+    # C of rollout_correction and off_policy (>= 1)
     rollout_is_cap: float = 2.0
+    # the objective for samples drawn by an older policy (trainer.max_staleness > 0):
+    # "none" (PPO ratio against the trainer's log-probs, no behaviour weight) | "tis"
+    # (× min(π_prox/π_behave, C): rollout_correction=token_tis) | "decoupled" (AReaL: PPO ratio
+    # against π_prox, × π_prox/π_behave where ≤ C, else 0); π_prox = the trainer's log-probs at
+    # the start of the update, π_behave = the rollout's; OTB's W takes the weights squared
+    off_policy: str = "none"
     otb: OTBConfig = field(default_factory=OTBConfig)
 
 

@@ -469,6 +469,18 @@ def check_prompt_lengths(
     return rows, limit, [f"{what}: their beginning is cut (data.overlong_prompts=truncate_left)"]
 
 
+# algorithm.off_policy -> the rollout_is_weights mode that implements it
+_OFF_POLICY_MODES = {"tis": "token_tis", "decoupled": "decoupled"}
+
+
+def correction_mode(cfg: Config) -> str:
+    """The ``rollout_is_weights`` mode of the run: ``algorithm.off_policy`` when set
+    (``tis`` -> ``token_tis``, ``decoupled``), else ``algorithm.rollout_correction`` (the
+    schema checks refuse both at once)."""
+    off_policy = cfg.algorithm.off_policy
+    return _OFF_POLICY_MODES.get(off_policy, cfg.algorithm.rollout_correction)
+
+
 def overlong_mode(cfg: Config) -> str:
     """The sampling step's mode for prompts over ``data.max_prompt_length``: the plan dropped
     them under ``filter`` (any left would be a bug: ``error``); ``truncate_left`` cuts them."""

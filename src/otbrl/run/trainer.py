@@ -43,7 +43,13 @@ from otbrl.report.plots import plot_run
 from otbrl.rollout import SamplingParams
 from otbrl.run.build import build_run, model_path, scoring
 from otbrl.run.evaluate import validate
-from otbrl.run.plan import Plan, estimator_options, overlong_mode, validate_config
+from otbrl.run.plan import (
+    Plan,
+    correction_mode,
+    estimator_options,
+    overlong_mode,
+    validate_config,
+)
 from otbrl.run.sampling import sample_batch
 from otbrl.run.seeds import seed_everything, step_seed
 from otbrl.store import checkpoint
@@ -161,19 +167,21 @@ class Trainer:
 
     def rollout_correction(self, batch: dict[str, Tensor]) -> dict[str, float]:
         """How far the rollout engine's log-probs are from the trainer's, and (with
-        ``algorithm.rollout_correction``) the importance weights that correct for it: they reach
-        the policy loss and OTB's energy W as ``rollout_is_weights``; ``seq_mis`` drops the
-        sequences outside the band from ``response_mask``."""
+        ``algorithm.rollout_correction`` or ``algorithm.off_policy``) the importance weights
+        that correct for it: they reach the policy loss and OTB's energy W as
+        ``rollout_is_weights``; ``seq_mis`` drops the sequences outside the band from
+        ``response_mask``. ``old_log_probs`` is π_prox: computed once before the update."""
         cfg = self.cfg.algorithm
+        mode = correction_mode(self.cfg)
         old, rollout, mask = (
             batch["old_log_probs"],
             batch["rollout_log_probs"],
             batch["response_mask"],
         )
         metrics = rollout_mismatch_metrics(old, rollout, mask)
-        if cfg.rollout_correction != "none":
+        if mode != "none":
             weights, keep, extra = rollout_is_weights(
-                old, rollout, mask, mode=cfg.rollout_correction, cap=cfg.rollout_is_cap
+                old, rollout, mask, mode=mode, cap=cfg.rollout_is_cap
             )
             batch["rollout_is_weights"] = weights
             batch["response_mask"] = mask * keep
