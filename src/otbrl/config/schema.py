@@ -78,8 +78,33 @@ class MultiTurnConfig:
 
 
 @dataclass
+class ServerConfig:
+    """vLLM OpenAI servers (``rollout.mode=server``, ``otbrl.rollout.server``)."""
+
+    # servers the user started (e.g. on other hosts: see the README's launch recipes); empty:
+    # otbrl starts num_servers on 127.0.0.1 and stops them at the end
+    urls: list[str] = field(default_factory=list)
+    num_servers: int = 1  # servers otbrl starts when urls is empty
+    # the name the servers serve the policy under (--served-model-name); urls are checked
+    served_model_name: str = "policy"
+    startup_timeout_s: float = 300.0  # a started server must answer within this
+    request_timeout_s: float = 300.0  # the longest one HTTP request may take
+    max_restarts: int = 2  # restarts of a started server that died before the run fails
+    # where the trainer writes weight buckets for the servers to load (every server must see
+    # it); null: a fresh directory in /dev/shm, removed at the end
+    weights_dir: str | None = None
+    bucket_mb: float = 64.0  # one weight bucket: the trainer holds one at a time
+
+
+@dataclass
 class RolloutConfig:
     name: str = "hf"  # "hf" (the training model's own sampler) | "vllm"
+    # "colocated": the engine of rollout.name in the trainer's process | "server": vLLM
+    # OpenAI servers (rollout.server; needs rollout.name=vllm)
+    mode: str = "colocated"
+    # trainer.max_staleness > 0: a batch sampled by weights older than current − k is
+    # "drop"ped (and counted) or the producer "wait"s before sampling ahead that far
+    stale_samples: str = "wait"
     n: int = 8  # responses per prompt
     # sampling temperature (the trainer's log-probs use the same one)
     temperature: float = 1.0
@@ -89,6 +114,7 @@ class RolloutConfig:
     # the response budget: model and (multi-turn) observation tokens together
     max_new_tokens: int = "${data.max_response_length}"  # type: ignore[assignment]
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
@@ -284,6 +310,9 @@ class TrainerConfig:
     # how long a rank waits for the others in a collective, e.g. while rank 0 alone writes a
     # checkpoint's full model (a dead peer usually fails sooner: its sockets close)
     dist_timeout_s: float = 1800.0
+    # asynchronous RL (rollout.mode=server): the producer samples and scores up to k batches
+    # ahead of the update, so a sample's weights may be up to k updates old; 0 = synchronous
+    max_staleness: int = 0
 
 
 @dataclass

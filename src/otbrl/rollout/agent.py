@@ -182,6 +182,7 @@ class _Row:
         self.num_turns = self.tool_calls = self.tool_errors = 0
         self.finish_reason = "stop"
         self.last: Completion | None = None
+        self.version: int | None = None  # the oldest turn's weight version
 
     def room(self) -> int:
         return self.budget - len(self.tokens)
@@ -195,6 +196,9 @@ class _Row:
         self.mask += [1] * len(completion.token_ids)
         self.num_turns += 1
         self.last = completion
+        if completion.version is not None:
+            old = self.version
+            self.version = completion.version if old is None else min(old, completion.version)
 
     def add_observation(self, ids: list[int]) -> None:
         self.tokens += ids
@@ -206,6 +210,7 @@ class _Row:
             token_ids=self.tokens,
             logprobs=self.logprobs,
             finish_reason=self.finish_reason,
+            version=self.version,
             mask=self.mask,
             num_turns=self.num_turns,
             tool_calls=self.tool_calls,

@@ -28,7 +28,14 @@ from otbrl.models import (
 from otbrl.rewards import SandboxConfig
 from otbrl.rewards.pool import RewardPool
 from otbrl.rewards.reward_model import RewardModel
-from otbrl.rollout import HFRollout, RolloutBackend, Sampler, VLLMRollout, make_agent
+from otbrl.rollout import (
+    HFRollout,
+    RolloutBackend,
+    Sampler,
+    ServerRollout,
+    VLLMRollout,
+    make_agent,
+)
 from otbrl.run.plan import Plan
 from otbrl.run.sampling import Scoring
 from otbrl.run.seeds import step_seed
@@ -153,6 +160,28 @@ def build_backend(
         copy_ = copy.deepcopy(model).eval().requires_grad_(False).to(world.device)
         return HFRollout(copy_, tokenizer, owns_copy=True)
     v = cfg.rollout.vllm
+    if cfg.rollout.mode == "server":
+        server = cfg.rollout.server
+        # several data-parallel ranks: each its share of the urls (or servers of its own)
+        urls = list(server.urls)[world.dp_rank :: world.dp_size] if server.urls else []
+        return ServerRollout(
+            model_dir,
+            urls=urls,
+            num_servers=server.num_servers,
+            dtype=v.dtype,
+            max_model_len=context,
+            kv_cache_gib=v.kv_cache_gib,
+            seed=step_seed(cfg.trainer.seed, 0, world.dp_rank),
+            served_model_name=server.served_model_name,
+            startup_timeout_s=server.startup_timeout_s,
+            request_timeout_s=server.request_timeout_s,
+            max_restarts=server.max_restarts,
+            weights_dir=None
+            if server.weights_dir is None
+            else f"{server.weights_dir}/rank-{world.dp_rank}",
+            bucket_mb=server.bucket_mb,
+            log_dir=Path(cfg.trainer.output_dir) / "servers",
+        )
     return VLLMRollout(
         model_dir,
         dtype=v.dtype,
