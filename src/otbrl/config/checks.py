@@ -16,6 +16,7 @@ from otbrl.config.schema import (
     ConfigError,
     MultiTurnConfig,
     RewardModelConfig,
+    RolloutConfig,
     ServerConfig,
     VLLMConfig,
 )
@@ -76,6 +77,7 @@ _POSITIVE = (
     "reward.code.max_workers",
     "reward.model.micro_batch_size",
     "rollout.server.num_servers",
+    "rollout.max_concurrent_trajectories",
     "rollout.server.startup_timeout_s",
     "rollout.server.request_timeout_s",
     "rollout.server.bucket_mb",
@@ -129,6 +131,13 @@ def _check_async(cfg: Config) -> None:
                     "rollout.mode=server or drop the key",
                     f"rollout.server.{key}",
                 )
+        if r.max_concurrent_trajectories != RolloutConfig().max_concurrent_trajectories:
+            raise ConfigError(
+                "'rollout.max_concurrent_trajectories' is set but 'rollout.mode' is "
+                f"'{r.mode}' (the colocated engine's agent loop is turn-synchronous); set "
+                "rollout.mode=server or drop the key",
+                "rollout.max_concurrent_trajectories",
+            )
         if cfg.trainer.max_staleness > 0:
             raise ConfigError(
                 f"'trainer.max_staleness={cfg.trainer.max_staleness}' samples ahead of training, "

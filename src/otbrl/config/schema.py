@@ -105,6 +105,9 @@ class RolloutConfig:
     # trainer.max_staleness > 0: a batch sampled by weights older than current − k is
     # "drop"ped (and counted) or the producer "wait"s before sampling ahead that far
     stale_samples: str = "wait"
+    # rollout.mode=server with tools: the most samples whose agent loops (one per sample) are
+    # in flight at once — the load on the tools and the servers
+    max_concurrent_trajectories: int = 64
     n: int = 8  # responses per prompt
     # sampling temperature (the trainer's log-probs use the same one)
     temperature: float = 1.0

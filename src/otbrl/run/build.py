@@ -198,7 +198,8 @@ def build_sampler(
     cfg: Config, tools, backend: RolloutBackend, tokenizer, eos_ids, model_name: str
 ) -> Sampler:
     """What the run samples with: the agent loop of ``rollout.multi_turn`` over ``backend``
-    when ``tools`` (the plan's) are set, else the backend itself."""
+    when ``tools`` (the plan's) are set (with ``rollout.mode=server`` one loop per sample,
+    the colocated engine's loop turn-synchronous), else the backend itself."""
     if not tools:
         return backend
     multi = cfg.rollout.multi_turn
@@ -212,6 +213,8 @@ def build_sampler(
         max_tool_response_tokens=multi.max_tool_response_tokens,
         timeout_s=multi.tool_timeout_s,
         model=model_name,
+        per_trajectory=cfg.rollout.mode == "server",  # one agent loop per sample
+        max_concurrent_trajectories=cfg.rollout.max_concurrent_trajectories,
     )
 
 
