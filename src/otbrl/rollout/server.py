@@ -380,21 +380,6 @@ class ServerRollout:
             groups = [job.result() for job in jobs]
         return repeat_greedy(groups, params)
 
-    async def agenerate(
-        self, prompt: Sequence[int], params: SamplingParams, *, max_tokens: int | None = None
-    ) -> list[Completion]:
-        """One prompt's ``params.n`` samples, awaitable (the per-trajectory agent loop's call);
-        the same request ``generate`` sends, on this backend's thread pool."""
-        import asyncio
-
-        loop = asyncio.get_running_loop()
-        budgets = None if max_tokens is None else [max_tokens]
-        return (
-            await loop.run_in_executor(
-                None, lambda: self.generate([prompt], params, max_tokens=budgets)
-            )
-        )[0]
-
     @contextlib.contextmanager
     def _generating(self):
         with self._gate:
