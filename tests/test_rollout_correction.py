@@ -119,7 +119,7 @@ def test_none_mode_keeps_everything():
     weights, keep, metrics = rollout_is_weights(old, rollout, mask, mode="none", cap=2.0)
     assert torch.equal(weights, mask) and torch.equal(keep, mask)
     assert metrics["rollout/is_weight_mean"] == 1.0
-    assert set(ROLLOUT_CORRECTIONS) == {"none", "token_tis", "seq_mis"}
+    assert set(ROLLOUT_CORRECTIONS) == {"none", "token_tis", "seq_mis", "decoupled"}
 
 
 @pytest.mark.parametrize("mode", ROLLOUT_CORRECTIONS)

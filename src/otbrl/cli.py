@@ -351,10 +351,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except RuntimeError as err:
         from otbrl.engine.engine import NumericsError  # torch is loaded: a trainer ran
+        from otbrl.rollout.server import ServerError
 
-        if not isinstance(err, NumericsError):
+        if not isinstance(err, NumericsError | ServerError):
             raise
-        print(f"otbrl: error: {err}", file=sys.stderr)  # weights or steps went non-finite
+        # weights or steps went non-finite, or a vLLM server failed past its restarts
+        print(f"otbrl: error: {err}", file=sys.stderr)
         return 1
     except FileNotFoundError as err:
         print(f"otbrl: error: {err}", file=sys.stderr)

@@ -17,6 +17,12 @@ Corrections, with cap C ≥ 1 and per-token log-ratio δ_t = ℓ_t − ρ_t:
     token_tis  (truncated importance sampling): w_t = min(exp(δ_t), C); keep = m.
     seq_mis    (sequence masking): r_i = exp(Σ_t m δ_t); a sequence with r_i outside
                [1/C, C] is dropped (keep = 0 on all its tokens); w = keep.
+    decoupled  (AReaL's behaviour weight, for off-policy samples): with ℓ = log π_prox (the
+               trainer's log-probs at the start of the update) and ρ = log π_behave (the
+               policy that sampled the token, possibly several versions old),
+               w_t = exp(δ_t) · 1[exp(δ_t) ≤ C]: a token whose weight exceeds the cap is
+               not truncated but weighted 0 (it still counts in the token normalizer);
+               keep = m. The PPO ratio of the loss is taken against π_prox (``old_log_probs``).
     none       w = m, keep = m.
 Weights are 0 wherever keep is 0 (padding, dropped sequences), never NaN. They are constants
 (no gradient): they multiply the per-token policy loss, and OTB's energy W takes them as
@@ -30,7 +36,7 @@ import math
 import torch
 from torch import Tensor
 
-ROLLOUT_CORRECTIONS = ("none", "token_tis", "seq_mis")
+ROLLOUT_CORRECTIONS = ("none", "token_tis", "seq_mis", "decoupled")
 
 
 def rollout_mismatch_metrics(
@@ -71,14 +77,17 @@ def rollout_is_weights(
 
     Args:
         old_log_probs, rollout_log_probs, response_mask: ``[B, L]``.
-        mode: ``"token_tis"``, ``"seq_mis"`` or ``"none"`` (formulas in the module docstring).
-        cap: C ≥ 1: the truncation of token weights, or the sequence ratio band [1/C, C].
+        mode: ``"token_tis"``, ``"seq_mis"``, ``"decoupled"`` or ``"none"`` (formulas in the
+            module docstring).
+        cap: C ≥ 1: the truncation of token weights (token_tis), the largest weight kept
+            (decoupled), or the sequence ratio band [1/C, C] (seq_mis).
 
     Returns:
         ``(weights, keep_mask, metrics)``: weights and keep_mask ``[B, L]`` float32 without
         gradient, weights 0 wherever keep_mask is 0; metrics ``rollout/is_weight_mean`` (mean
         weight over kept tokens), ``rollout/is_truncated_frac`` (token_tis: share of valid
-        tokens whose ratio exceeded C), ``rollout/seq_masked_frac`` (seq_mis: share of
+        tokens whose ratio exceeded C), ``rollout/is_masked_frac`` (decoupled: share of valid
+        tokens weighted 0 for exceeding C), ``rollout/seq_masked_frac`` (seq_mis: share of
         sequences with valid tokens that were dropped).
     """
     if mode not in ROLLOUT_CORRECTIONS:
@@ -98,6 +107,12 @@ def rollout_is_weights(
             keep = valid
             truncated = valid & (delta > log_cap)
             metrics["rollout/is_truncated_frac"] = _frac(truncated.sum(), valid.sum())
+        elif mode == "decoupled":
+            within = valid & (delta <= log_cap)
+            # exp of the clamped log-ratio: finite; the tokens above the cap are zeroed.
+            weights = torch.where(within, delta.clamp(max=log_cap).exp(), 0.0)
+            keep = valid
+            metrics["rollout/is_masked_frac"] = _frac((valid & ~within).sum(), valid.sum())
         else:
             keep = valid
             if mode == "seq_mis":

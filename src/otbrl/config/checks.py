@@ -17,6 +17,8 @@ from otbrl.config.schema import (
     LoraConfig,
     MultiTurnConfig,
     RewardModelConfig,
+    RolloutConfig,
+    ServerConfig,
     VLLMConfig,
 )
 
@@ -24,9 +26,12 @@ _CHOICES = {
     "model.precision": ("32-true", "bf16-mixed", "bf16-true"),
     "model.lora.sync": ("merged", "adapter"),
     "rollout.name": ("hf", "vllm"),
+    "rollout.mode": ("colocated", "server"),
+    "rollout.stale_samples": ("drop", "wait"),
     "rollout.vllm.dtype": ("float32", "bfloat16", "float16"),
     "rollout.multi_turn.format": ("auto", "hermes", "compact"),
     "algorithm.rollout_correction": ("none", "token_tis", "seq_mis"),
+    "algorithm.off_policy": ("none", "tis", "decoupled"),
     "actor.loss_agg_mode": (
         "token-mean",
         "seq-mean-token-sum",
@@ -73,6 +78,11 @@ _POSITIVE = (
     "reward.code.memory_mb",
     "reward.code.max_workers",
     "reward.model.micro_batch_size",
+    "rollout.server.num_servers",
+    "rollout.max_concurrent_trajectories",
+    "rollout.server.startup_timeout_s",
+    "rollout.server.request_timeout_s",
+    "rollout.server.bucket_mb",
 )
 
 _NON_NEGATIVE = (
@@ -100,7 +110,55 @@ _NON_NEGATIVE = (
     "reward.overlong_buffer.penalty",
     "sft.max_steps",
     "sft.eval_every",
+    "trainer.max_staleness",
+    "rollout.server.max_restarts",
 )
+
+
+def _check_async(cfg: Config) -> None:
+    """rollout.mode=server needs vLLM; its keys and a staleness > 0 need the server mode."""
+    r = cfg.rollout
+    if r.mode == "server" and r.name != "vllm":
+        raise ConfigError(
+            f"'rollout.mode=server' serves the policy with vLLM servers but 'rollout.name' is "
+            f"'{r.name}'; set rollout.name=vllm",
+            "rollout.mode",
+        )
+    if r.mode != "server":
+        server, defaults = r.server, ServerConfig()
+        for key in vars(defaults):
+            if getattr(server, key) != getattr(defaults, key):
+                raise ConfigError(
+                    f"'rollout.server.{key}' is set but 'rollout.mode' is '{r.mode}'; set "
+                    "rollout.mode=server or drop the key",
+                    f"rollout.server.{key}",
+                )
+        if r.max_concurrent_trajectories != RolloutConfig().max_concurrent_trajectories:
+            raise ConfigError(
+                "'rollout.max_concurrent_trajectories' is set but 'rollout.mode' is "
+                f"'{r.mode}' (the colocated engine's agent loop is turn-synchronous); set "
+                "rollout.mode=server or drop the key",
+                "rollout.max_concurrent_trajectories",
+            )
+        if cfg.trainer.max_staleness > 0:
+            raise ConfigError(
+                f"'trainer.max_staleness={cfg.trainer.max_staleness}' samples ahead of training, "
+                f"which the colocated engine cannot (it shares the trainer's process and "
+                "weights); set rollout.mode=server (with rollout.name=vllm) or "
+                "trainer.max_staleness=0",
+                "trainer.max_staleness",
+            )
+        if r.stale_samples != "wait":
+            raise ConfigError(
+                "'rollout.stale_samples' is set but 'trainer.max_staleness' is 0; drop the key",
+                "rollout.stale_samples",
+            )
+    for i, url in enumerate(r.server.urls):
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ConfigError(
+                f"'rollout.server.urls[{i}]' must be an http:// url, got {url!r}",
+                "rollout.server.urls",
+            )
 
 
 def _get(cfg: Config, dotted: str) -> Any:
@@ -154,6 +212,13 @@ def check_config(cfg: Config) -> None:
             f"'algorithm.rollout_is_cap' must be >= 1, got {cfg.algorithm.rollout_is_cap}",
             "algorithm.rollout_is_cap",
         )
+    if cfg.algorithm.off_policy != "none" and cfg.algorithm.rollout_correction != "none":
+        raise ConfigError(
+            f"'algorithm.off_policy={cfg.algorithm.off_policy}' and "
+            f"'algorithm.rollout_correction={cfg.algorithm.rollout_correction}' both weight the "
+            "rollout's samples: set one of them (off_policy=tis is rollout_correction=token_tis)",
+            "algorithm.off_policy",
+        )
     vllm, defaults = cfg.rollout.vllm, VLLMConfig()
     if cfg.rollout.name != "vllm":
         for key in vars(defaults):
@@ -163,6 +228,7 @@ def check_config(cfg: Config) -> None:
                     f"'{cfg.rollout.name}'; set rollout.name=vllm or drop the key",
                     f"rollout.vllm.{key}",
                 )
+    _check_async(cfg)
     multi, multi_defaults = cfg.rollout.multi_turn, MultiTurnConfig()
     if not multi.tools:
         for key in ("format", "max_turns", "max_tool_response_tokens", "tool_timeout_s"):

@@ -102,8 +102,36 @@ class MultiTurnConfig:
 
 
 @dataclass
+class ServerConfig:
+    """vLLM OpenAI servers (``rollout.mode=server``, ``otbrl.rollout.server``)."""
+
+    # servers the user started (e.g. on other hosts: see the README's launch recipes); empty:
+    # otbrl starts num_servers on 127.0.0.1 and stops them at the end
+    urls: list[str] = field(default_factory=list)
+    num_servers: int = 1  # servers otbrl starts when urls is empty
+    # the name the servers serve the policy under (--served-model-name); urls are checked
+    served_model_name: str = "policy"
+    startup_timeout_s: float = 300.0  # a started server must answer within this
+    request_timeout_s: float = 300.0  # the longest one HTTP request may take
+    max_restarts: int = 2  # restarts of a started server that died before the run fails
+    # where the trainer writes weight buckets for the servers to load (every server must see
+    # it); null: a fresh directory in /dev/shm, removed at the end
+    weights_dir: str | None = None
+    bucket_mb: float = 64.0  # one weight bucket: the trainer holds one at a time
+
+
+@dataclass
 class RolloutConfig:
     name: str = "hf"  # "hf" (the training model's own sampler) | "vllm"
+    # "colocated": the engine of rollout.name in the trainer's process | "server": vLLM
+    # OpenAI servers (rollout.server; needs rollout.name=vllm)
+    mode: str = "colocated"
+    # trainer.max_staleness > 0: a batch sampled by weights older than current − k is
+    # "drop"ped (and counted) or the producer "wait"s before sampling ahead that far
+    stale_samples: str = "wait"
+    # rollout.mode=server with tools: the most samples whose agent loops (one per sample) are
+    # in flight at once — the load on the tools and the servers
+    max_concurrent_trajectories: int = 64
     n: int = 8  # responses per prompt
     # sampling temperature (the trainer's log-probs use the same one)
     temperature: float = 1.0
@@ -113,6 +141,7 @@ class RolloutConfig:
     # the response budget: model and (multi-turn) observation tokens together
     max_new_tokens: int = "${data.max_response_length}"  # type: ignore[assignment]
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
@@ -207,8 +236,14 @@ class AlgorithmConfig:
     # "none" | "token_tis" (w = min(exp(old − rollout), C)) | "seq_mis" (drop sequences whose
     # ratio exp(Σ(old − rollout)) leaves [1/C, C]); C = rollout_is_cap
     rollout_correction: str = "none"
-    # C of rollout_correction (>= 1)
+    # C of rollout_correction and off_policy (>= 1)
     rollout_is_cap: float = 2.0
+    # the objective for samples drawn by an older policy (trainer.max_staleness > 0):
+    # "none" (PPO ratio against the trainer's log-probs, no behaviour weight) | "tis"
+    # (× min(π_prox/π_behave, C): rollout_correction=token_tis) | "decoupled" (AReaL: PPO ratio
+    # against π_prox, × π_prox/π_behave where ≤ C, else 0); π_prox = the trainer's log-probs at
+    # the start of the update, π_behave = the rollout's; OTB's W takes the weights squared
+    off_policy: str = "none"
     otb: OTBConfig = field(default_factory=OTBConfig)
 
 
@@ -302,6 +337,9 @@ class TrainerConfig:
     # how long a rank waits for the others in a collective, e.g. while rank 0 alone writes a
     # checkpoint's full model (a dead peer usually fails sooner: its sockets close)
     dist_timeout_s: float = 1800.0
+    # asynchronous RL (rollout.mode=server): the producer samples and scores up to k batches
+    # ahead of the update, so a sample's weights may be up to k updates old; 0 = synchronous
+    max_staleness: int = 0
 
 
 @dataclass

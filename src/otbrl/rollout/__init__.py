@@ -1,7 +1,7 @@
 """otbrl.rollout (floor 3): the protocol (``protocol``: ``SamplingParams``, ``Completion``,
-``Sampler`` / ``RolloutBackend``), batch building and decoding (``batch``), two backends (``hf``:
-in-process HF sampler; ``vllm``: in-process vLLM) with weight sync, and the agent loop
-(``agent``: multi-turn tool use) over either.
+``Sampler`` / ``RolloutBackend``), batch building and decoding (``batch``), three backends (``hf``:
+in-process HF sampler; ``vllm``: in-process vLLM; ``server``: vLLM OpenAI servers) with weight
+sync, and the agent loop (``agent``: multi-turn tool use) over any of them.
 
 ``VLLMRollout`` imports vLLM only when an engine is built; ``check_vllm_installed`` imports
 nothing, so config validation can call it cheaply.
@@ -24,6 +24,7 @@ from otbrl.rollout.protocol import (
     Sampler,
     SamplingParams,
 )
+from otbrl.rollout.server import ServerError, ServerRollout
 from otbrl.rollout.vllm import INSTALL_HINT, VLLMRollout, check_vllm_installed
 
 __all__ = [
@@ -35,6 +36,8 @@ __all__ = [
     "RolloutBackend",
     "Sampler",
     "SamplingParams",
+    "ServerError",
+    "ServerRollout",
     "Trajectory",
     "VLLMRollout",
     "check_vllm_installed",

@@ -20,7 +20,10 @@ prompt i). A model that never calls a tool gets exactly the single-turn completi
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from torch import Tensor
@@ -33,6 +36,8 @@ from otbrl.tools.formats import ChatTurns, get_format
 
 # later turns draw with seed + turn * stride: far from the next steps' seeds (step_seed + 1...)
 TURN_SEED_STRIDE = 7_919_000_003
+# per-trajectory loop: each row's later turns draw with a seed of its own as well
+TRAJECTORY_SEED_STRIDE = 104_729
 
 
 @dataclass
@@ -57,6 +62,10 @@ class AgentLoop:
         executor: runs the parsed calls (timeouts, errors).
         max_turns: model turns per row (≥ 1; 1 never runs a tool).
         max_tool_response_tokens: each tool result is cut to this many tokens (≥ 1).
+        per_trajectory: after the first turn, every sample runs its own loop (asyncio; its
+            tool calls and next turns wait for nothing but itself), for a backend that takes
+            concurrent ``generate`` calls (the server backend); False: turn-synchronous.
+        max_concurrent_trajectories: per_trajectory: the most samples in flight at once.
     """
 
     name = "agent"
@@ -69,10 +78,13 @@ class AgentLoop:
         *,
         max_turns: int = 4,
         max_tool_response_tokens: int = 64,
+        per_trajectory: bool = False,
+        max_concurrent_trajectories: int = 64,
     ):
         for key, value in (
             ("max_turns", max_turns),
             ("max_tool_response_tokens", max_tool_response_tokens),
+            ("max_concurrent_trajectories", max_concurrent_trajectories),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key}: expected an int ≥ 1, got {value!r}")
@@ -81,6 +93,8 @@ class AgentLoop:
         self.tools = executor.tools
         self.max_turns = max_turns
         self.max_tool_response_tokens = max_tool_response_tokens
+        self.per_trajectory = per_trajectory
+        self.max_concurrent_trajectories = max_concurrent_trajectories
 
     def generate(
         self,
@@ -113,62 +127,109 @@ class AgentLoop:
                 row = _Row(list(prompts[i]), budgets[i], allowed[i] if allowed else None)
                 row.add_model(completion)
                 rows.append(row)
-        live, turn = rows, 1
-        while live:
-            live = self._answer_calls(live)
-            if not live:
-                break
-            seed = None if params.seed is None else params.seed + turn * TURN_SEED_STRIDE
-            later = replace(params, n=1, seed=seed, stop_token_ids=stops)
-            outs = self.backend.generate(
-                [row.context() for row in live], later, max_tokens=[row.room() for row in live]
-            )
-            for row, group in zip(live, outs):
-                row.add_model(group[0])
-            turn += 1
+        if self.per_trajectory:
+            asyncio.run(self._each_on_its_own(rows, replace(params, stop_token_ids=stops)))
+        else:
+            live, turn = rows, 1
+            while live:
+                live = self._answer_calls(live)
+                if not live:
+                    break
+                seed = None if params.seed is None else params.seed + turn * TURN_SEED_STRIDE
+                later = replace(params, n=1, seed=seed, stop_token_ids=stops)
+                outs = self.backend.generate(
+                    [row.context() for row in live], later, max_tokens=[row.room() for row in live]
+                )
+                for row, group in zip(live, outs):
+                    row.add_model(group[0])
+                turn += 1
         n = params.n
         return [[row.trajectory() for row in rows[i * n : (i + 1) * n]] for i in range(len(groups))]
+
+    async def _each_on_its_own(self, rows: list[_Row], params: SamplingParams) -> None:
+        """Every row's later turns as its own asyncio task: its tool calls, then its next turn
+        (``n`` = 1, a seed of its own), until it ends; ``max_concurrent_trajectories`` at once.
+        The blocking backend and tool calls run on a thread pool of that size."""
+        loop = asyncio.get_running_loop()
+        limit = asyncio.Semaphore(self.max_concurrent_trajectories)
+        pool = ThreadPoolExecutor(self.max_concurrent_trajectories, "otbrl-trajectory")
+
+        async def run(index: int, row: _Row) -> None:
+            async with limit:
+                turn = 1
+                while True:
+                    calls = self._calls(row)
+                    if calls is None:
+                        return
+                    allowed = [row.allowed] * len(calls)
+                    answers = await loop.run_in_executor(pool, self.executor.run, calls, allowed)
+                    if not self._observe(row, answers):
+                        return
+                    seed = None
+                    if params.seed is not None:
+                        seed = params.seed + turn * TURN_SEED_STRIDE
+                        seed += index * TRAJECTORY_SEED_STRIDE
+                    later = replace(params, n=1, seed=seed)
+                    generate = functools.partial(
+                        self.backend.generate, [row.context()], later, max_tokens=[row.room()]
+                    )
+                    outs = await loop.run_in_executor(pool, generate)
+                    row.add_model(outs[0][0])
+                    turn += 1
+
+        try:
+            await asyncio.gather(*(run(i, row) for i, row in enumerate(rows)))
+        finally:
+            pool.shutdown(wait=False)
+
+    def _calls(self, row: _Row):
+        """The calls of the row's last turn, or None when the row ends here (its
+        ``finish_reason`` set)."""
+        last = row.last
+        if last.finish_reason == "length" or row.room() <= 0:
+            row.finish_reason = "length"
+            return None
+        calls = self.fmt.parse(self.turns.turn_text(last.token_ids)[0])
+        if not calls or row.num_turns >= self.max_turns:
+            row.finish_reason = "stop"
+            return None
+        return calls
 
     def _answer_calls(self, rows: list[_Row]) -> list[_Row]:
         """Parse the last turn of every row, run all calls at once, append the observations;
         returns the rows that continue."""
         pending = []
         for row in rows:
-            last = row.last
-            if last.finish_reason == "length" or row.room() <= 0:
-                row.finish_reason = "length"
-                continue
-            calls = self.fmt.parse(self.turns.turn_text(last.token_ids)[0])
-            if not calls or row.num_turns >= self.max_turns:
-                row.finish_reason = "stop"
-                continue
-            pending.append((row, calls))
+            calls = self._calls(row)
+            if calls is not None:
+                pending.append((row, calls))
         if not pending:
             return []
         calls = [call for _, cs in pending for call in cs]
         allowed = [row.allowed for row, cs in pending for _ in cs]
         results = iter(self.executor.run(calls, allowed))
-        live = []
-        for row, cs in pending:
-            answers = [next(results) for _ in cs]
-            row.tool_calls += len(answers)
-            row.tool_errors += sum(a.error for a in answers)
-            messages = [
-                {
-                    "role": "tool",
-                    "name": a.name,
-                    "content": self.turns.truncate(a.text, self.max_tool_response_tokens),
-                }
-                for a in answers
-            ]
-            observation = self.turns.observation_ids(row.last.token_ids, messages)
-            if len(observation) >= row.room():
-                row.add_observation(observation[: row.room()])
-                row.finish_reason = "length"
-                continue
-            row.add_observation(observation)
-            live.append(row)
-        return live
+        return [row for row, cs in pending if self._observe(row, [next(results) for _ in cs])]
+
+    def _observe(self, row: _Row, answers) -> bool:
+        """Append the observation of ``answers`` (the row's calls' results); False when the
+        row ends here (no room left for a next turn)."""
+        row.tool_calls += len(answers)
+        row.tool_errors += sum(a.error for a in answers)
+        messages = [
+            {
+                "role": "tool",
+                "name": a.name,
+                "content": self.turns.truncate(a.text, self.max_tool_response_tokens),
+            }
+            for a in answers
+        ]
+        observation = self.turns.observation_ids(row.last.token_ids, messages)
+        if len(observation) >= row.room():
+            row.add_observation(observation[: row.room()])
+            row.finish_reason = "length"
+            return False
+        row.add_observation(observation)
+        return True
 
 
 class _Row:
@@ -182,6 +243,7 @@ class _Row:
         self.num_turns = self.tool_calls = self.tool_errors = 0
         self.finish_reason = "stop"
         self.last: Completion | None = None
+        self.version: int | None = None  # the oldest turn's weight version
 
     def room(self) -> int:
         return self.budget - len(self.tokens)
@@ -195,6 +257,9 @@ class _Row:
         self.mask += [1] * len(completion.token_ids)
         self.num_turns += 1
         self.last = completion
+        if completion.version is not None:
+            old = self.version
+            self.version = completion.version if old is None else min(old, completion.version)
 
     def add_observation(self, ids: list[int]) -> None:
         self.tokens += ids
@@ -206,6 +271,7 @@ class _Row:
             token_ids=self.tokens,
             logprobs=self.logprobs,
             finish_reason=self.finish_reason,
+            version=self.version,
             mask=self.mask,
             num_turns=self.num_turns,
             tool_calls=self.tool_calls,
@@ -243,9 +309,12 @@ def make_agent(
     max_tool_response_tokens: int = 64,
     timeout_s: float = 5.0,
     model: str = "",
+    per_trajectory: bool = False,
+    max_concurrent_trajectories: int = 64,
 ) -> AgentLoop:
     """An ``AgentLoop`` over ``backend`` with ``tools`` (``{name: Tool}``, see
-    ``otbrl.tools.resolve_tools``) in format ``fmt`` (``auto``/``hermes``/``compact``).
+    ``otbrl.tools.resolve_tools``) in format ``fmt`` (``auto``/``hermes``/``compact``);
+    ``per_trajectory`` / ``max_concurrent_trajectories`` as in :class:`AgentLoop`.
     Raises ``ValueError`` naming ``model`` when its chat template cannot carry tool turns."""
     turns = ChatTurns(tokenizer, get_format(fmt, tools, tokenizer), eos_token_ids, model=model)
     return AgentLoop(
@@ -254,6 +323,8 @@ def make_agent(
         ToolExecutor(tools, timeout_s=timeout_s),
         max_turns=max_turns,
         max_tool_response_tokens=max_tool_response_tokens,
+        per_trajectory=per_trajectory,
+        max_concurrent_trajectories=max_concurrent_trajectories,
     )
 
 

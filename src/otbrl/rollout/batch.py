@@ -68,6 +68,8 @@ def completions_to_batch(
     Multi-turn completions (``otbrl.rollout.agent.Trajectory``, with a ``mask``): the response
     mask is that mask (0 on observation tokens: holes), the attention mask stays 1 on every real
     token, and ``num_turns`` / ``tool_calls`` / ``tool_errors`` [B] int64 are added.
+    Completions that carry a weight ``version`` (the server backend) add ``policy_version`` [B]
+    int64 (a multi-turn row: its oldest turn's).
     """
     _check_prompts(prompt_ids, prompt_mask)
     if not isinstance(completions, Sequence) or len(completions) != prompt_ids.shape[0]:
@@ -119,6 +121,9 @@ def completions_to_batch(
         "uid": torch.arange(len(counts), device=device).repeat_interleave(repeats),
         "truncated": truncated.to(device),
     }
+    if flat and all(c.version is not None for c in flat):
+        versions = [int(c.version) for c in flat]
+        batch["policy_version"] = torch.tensor(versions, dtype=torch.int64, device=device)
     if multi_turn:
         for key, default in (("num_turns", 1), ("tool_calls", 0), ("tool_errors", 0)):
             values = [int(getattr(c, key, default)) for c in flat]

@@ -77,12 +77,14 @@ class Completion:
     """One sampled completion: its tokens, their log-probs (one each) and why it ended.
 
     ``finish_reason`` is ``"stop"`` (the last token is a stop token) or ``"length"`` (the token
-    budget ran out).
+    budget ran out). ``version``: the weight version that sampled it, where the backend counts
+    versions (the server backend; None elsewhere).
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    version: int | None = None
 
 
 @runtime_checkable

@@ -251,11 +251,11 @@ class VLLMRollout:
             prompts, params, max_tokens, vocab_size=self.vocab_size,
             max_model_len=self.max_model_len,
         )  # fmt: skip
-        base = params.seed if params.seed is not None else int(self._draws.integers(2**62))
-        base = (base * _SEED_MIX) & _SEED_MASK
+        seeds = request_seeds(params, len(prompts), self._draws)
         requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
         sampling = [
-            self._sampling_params(params, b, base + i * params.n) for i, b in enumerate(budgets)
+            self._vllm.SamplingParams(**sampling_fields(params, b, s), detokenize=False)
+            for b, s in zip(budgets, seeds)
         ]
         with _saved_rng_state():
             outputs = self.llm.generate(
@@ -264,11 +264,7 @@ class VLLMRollout:
         groups = [
             [_completion(o) for o in sorted(out.outputs, key=lambda o: o.index)] for out in outputs
         ]
-        if params.greedy and params.n > 1:
-            # vLLM refuses n > 1 with greedy decoding; the n argmax samples are all the same.
-            groups = [[replace(g[0], token_ids=list(g[0].token_ids), logprobs=list(g[0].logprobs))
-                       for _ in range(params.n)] for g in groups]  # fmt: skip
-        return groups
+        return repeat_greedy(groups, params)
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Load HF-named tensors into the engine, streamed: the engine consumes the iterable
@@ -339,20 +335,41 @@ class VLLMRollout:
         if self._asleep:
             raise RuntimeError(f"{what}: the vLLM engine is asleep; call wake_up() first")
 
-    def _sampling_params(self, params: SamplingParams, budget: int, seed: int):
-        greedy = params.greedy
-        return self._vllm.SamplingParams(
-            n=1 if greedy else params.n,
-            temperature=0.0 if greedy else float(params.temperature),
-            top_p=1.0 if greedy else float(params.top_p),
-            top_k=0 if greedy else int(params.top_k),
-            max_tokens=budget,
-            stop_token_ids=list(params.stop_token_ids),
-            ignore_eos=True,
-            logprobs=0,
-            seed=None if greedy else seed,
-            detokenize=False,
-        )
+
+def request_seeds(params: SamplingParams, count: int, draws: np.random.Generator) -> list[int]:
+    """The seed of each of ``count`` requests of one call (vLLM derives seed + j for a request's
+    j-th sample): ``params.seed`` (else one draw of ``draws``) spread by a multiplicative
+    hash, then request i takes base + i·n. Shared by the in-process and the server backends."""
+    base = params.seed if params.seed is not None else int(draws.integers(2**62))
+    base = (base * _SEED_MIX) & _SEED_MASK
+    return [base + i * params.n for i in range(count)]
+
+
+def sampling_fields(params: SamplingParams, budget: int, seed: int) -> dict:
+    """vLLM's sampling settings of one request (``vllm.SamplingParams`` keywords, and the same
+    fields of the OpenAI server's ``/v1/completions`` body): exactly the caller's stop ids
+    end a completion (``ignore_eos``), one log-prob per sampled token, greedy as temperature 0
+    with n = 1 (:func:`repeat_greedy` makes the n copies)."""
+    greedy = params.greedy
+    return dict(
+        n=1 if greedy else params.n,
+        temperature=0.0 if greedy else float(params.temperature),
+        top_p=1.0 if greedy else float(params.top_p),
+        top_k=0 if greedy else int(params.top_k),
+        max_tokens=budget,
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=True,
+        logprobs=0,
+        seed=None if greedy else seed,
+    )
+
+
+def repeat_greedy(groups: list[list[Completion]], params: SamplingParams) -> list[list[Completion]]:
+    """vLLM refuses n > 1 with greedy decoding; the n argmax samples are all the same: copy."""
+    if not (params.greedy and params.n > 1):
+        return groups
+    return [[replace(g[0], token_ids=list(g[0].token_ids), logprobs=list(g[0].logprobs))
+             for _ in range(params.n)] for g in groups]  # fmt: skip
 
 
 def _shutdown(llm, caller_owns_dist: bool) -> None:

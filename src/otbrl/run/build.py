@@ -30,7 +30,14 @@ from otbrl.models.lora import adapter_config, add_lora, unload_lora
 from otbrl.rewards import SandboxConfig
 from otbrl.rewards.pool import RewardPool
 from otbrl.rewards.reward_model import RewardModel
-from otbrl.rollout import HFRollout, RolloutBackend, Sampler, VLLMRollout, make_agent
+from otbrl.rollout import (
+    HFRollout,
+    RolloutBackend,
+    Sampler,
+    ServerRollout,
+    VLLMRollout,
+    make_agent,
+)
 from otbrl.run.plan import Plan
 from otbrl.run.sampling import Scoring
 from otbrl.run.seeds import step_seed
@@ -179,6 +186,28 @@ def build_backend(
         copy_ = unload_lora(copy.deepcopy(model)).eval().requires_grad_(False).to(world.device)
         return HFRollout(copy_, tokenizer, owns_copy=True, autocast=autocast)
     v = cfg.rollout.vllm
+    if cfg.rollout.mode == "server":
+        server = cfg.rollout.server
+        # several data-parallel ranks: each its share of the urls (or servers of its own)
+        urls = list(server.urls)[world.dp_rank :: world.dp_size] if server.urls else []
+        return ServerRollout(
+            model_dir,
+            urls=urls,
+            num_servers=server.num_servers,
+            dtype=v.dtype,
+            max_model_len=context,
+            kv_cache_gib=v.kv_cache_gib,
+            seed=step_seed(cfg.trainer.seed, 0, world.dp_rank),
+            served_model_name=server.served_model_name,
+            startup_timeout_s=server.startup_timeout_s,
+            request_timeout_s=server.request_timeout_s,
+            max_restarts=server.max_restarts,
+            weights_dir=None
+            if server.weights_dir is None
+            else f"{server.weights_dir}/rank-{world.dp_rank}",
+            bucket_mb=server.bucket_mb,
+            log_dir=Path(cfg.trainer.output_dir) / "servers",
+        )
     serve_adapter = bool(cfg.model.lora.rank) and cfg.model.lora.sync == "adapter"
     return VLLMRollout(
         model_dir,
@@ -205,7 +234,8 @@ def build_sampler(
     cfg: Config, tools, backend: RolloutBackend, tokenizer, eos_ids, model_name: str
 ) -> Sampler:
     """What the run samples with: the agent loop of ``rollout.multi_turn`` over ``backend``
-    when ``tools`` (the plan's) are set, else the backend itself."""
+    when ``tools`` (the plan's) are set (with ``rollout.mode=server`` one loop per sample,
+    the colocated engine's loop turn-synchronous), else the backend itself."""
     if not tools:
         return backend
     multi = cfg.rollout.multi_turn
@@ -219,6 +249,8 @@ def build_sampler(
         max_tool_response_tokens=multi.max_tool_response_tokens,
         timeout_s=multi.tool_timeout_s,
         model=model_name,
+        per_trajectory=cfg.rollout.mode == "server",  # one agent loop per sample
+        max_concurrent_trajectories=cfg.rollout.max_concurrent_trajectories,
     )
 
 

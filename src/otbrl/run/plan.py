@@ -48,6 +48,7 @@ from otbrl.rewards import (
 )
 from otbrl.rewards.reward_model import check_reward_model_dir
 from otbrl.rollout import check_vllm_installed, make_agent
+from otbrl.rollout.server import ServerError, check_cpu_head_dim, check_server_url
 from otbrl.tools import resolve_tools, tools_for_row
 
 TASK_VAL_SIZE = 500  # validation prompts of a built-in task when data.val_size is unset
@@ -262,6 +263,7 @@ def validate_config(cfg: Config, world_size: int | None = None, *, train: bool =
             check_vllm_installed()
         except ImportError as err:
             raise ConfigError(f"'rollout.name': {err}", "rollout.name") from None
+        _check_vllm_serves(cfg)
     needs = stat_needs(cfg)
     use_critic = cfg.critic.enable == "true" or (cfg.critic.enable == "auto" and "values" in needs)
     _check_providers(cfg, needs, use_critic)
@@ -478,10 +480,40 @@ def check_prompt_lengths(
     return rows, limit, [f"{what}: their beginning is cut (data.overlong_prompts=truncate_left)"]
 
 
+# algorithm.off_policy -> the rollout_is_weights mode that implements it
+_OFF_POLICY_MODES = {"tis": "token_tis", "decoupled": "decoupled"}
+
+
+def correction_mode(cfg: Config) -> str:
+    """The ``rollout_is_weights`` mode of the run: ``algorithm.off_policy`` when set
+    (``tis`` -> ``token_tis``, ``decoupled``), else ``algorithm.rollout_correction`` (the
+    schema checks refuse both at once)."""
+    off_policy = cfg.algorithm.off_policy
+    return _OFF_POLICY_MODES.get(off_policy, cfg.algorithm.rollout_correction)
+
+
 def overlong_mode(cfg: Config) -> str:
     """The sampling step's mode for prompts over ``data.max_prompt_length``: the plan dropped
     them under ``filter`` (any left would be a bug: ``error``); ``truncate_left`` cuts them."""
     return "truncate_left" if cfg.data.overlong_prompts == "truncate_left" else "error"
+
+
+def _check_vllm_serves(cfg: Config) -> None:
+    """Before any model loads: vLLM's CPU attention supports the model's head size, and every
+    ``rollout.server.urls`` entry answers and serves ``rollout.server.served_model_name``."""
+    if cfg.model.path != "builtin":  # the built-in model's head size is a supported 32
+        try:
+            check_cpu_head_dim(resolve_model_dir(cfg.model.path))
+        except (ValueError, OSError) as err:
+            raise ConfigError(f"'model.path': {err}", "model.path") from None
+    if cfg.rollout.mode == "server":
+        server = cfg.rollout.server
+        for i, url in enumerate(server.urls):
+            key = f"rollout.server.urls[{i}]"
+            try:
+                check_server_url(url, server.served_model_name, key=key, timeout_s=10.0)
+            except ServerError as err:
+                raise ConfigError(str(err), "rollout.server.urls") from None
 
 
 def _check_context(cfg: Config, longest_prompt: int) -> None:

@@ -44,7 +44,14 @@ from otbrl.report.plots import plot_run
 from otbrl.rollout import SamplingParams
 from otbrl.run.build import build_run, model_path, scoring, sync_rollout
 from otbrl.run.evaluate import validate
-from otbrl.run.plan import Plan, estimator_options, overlong_mode, validate_config
+from otbrl.run.plan import (
+    Plan,
+    correction_mode,
+    estimator_options,
+    overlong_mode,
+    validate_config,
+)
+from otbrl.run.producer import Produced, Producer, staleness
 from otbrl.run.sampling import sample_batch
 from otbrl.run.seeds import seed_everything, step_seed
 from otbrl.store import checkpoint
@@ -110,6 +117,8 @@ class Trainer:
         self.scoring = scoring(cfg, plan, parts.reward_model, pool=True)
         self.step = 0
         self._memory_logged = False  # memory/params_gb and optimizer_gb: with the first step
+        self.producer: Producer | None = None  # trainer.max_staleness > 0: started by fit()
+        self._data_state = None  # the data state after the last batch trained on (producer)
         self.initial_val: dict[str, float] = {}  # val/* at step 0 (not resumed)
         self.last_val: dict[str, float] = {}
         self.initial_val_accuracy: float | None = None
@@ -123,10 +132,12 @@ class Trainer:
         return self.engines["policy"]
 
     # -- one step ---------------------------------------------------------------------------------
-    def sample(self):
-        """This rank's share of the next prompts, ``rollout.n`` responses each; its scores may
-        still be on their way (``sample.resolve()`` waits for them)."""
+    def sample(self, step: int | None = None):
+        """This rank's share of the next prompts, ``rollout.n`` responses each, seeded by
+        ``step`` (default: the current one); its scores may still be on their way
+        (``sample.resolve()`` waits for them)."""
         r = self.cfg.rollout
+        step = self.step if step is None else step
         rows = self.world.shard(self.dataset.next_batch())
         params = SamplingParams(
             n=r.n,
@@ -135,7 +146,7 @@ class Trainer:
             top_k=r.top_k,
             max_tokens=r.max_new_tokens,
             stop_token_ids=tuple(self.eos_ids),
-            seed=step_seed(self.cfg.trainer.seed, self.step, self.world.dp_rank),
+            seed=step_seed(self.cfg.trainer.seed, step, self.world.dp_rank),
         )
         sample = sample_batch(
             self.sampler,
@@ -151,6 +162,23 @@ class Trainer:
         self.rollout.sleep()  # frees the backend's memory for training, where supported
         return sample
 
+    def _produce(self, index: int) -> Produced:
+        """Batch ``index`` of the producer (its thread): sampled, scored, with the data
+        stream's state after its rows were drawn."""
+        sample = self.sample(step=index)
+        state = self.dataset.state_dict()
+        return Produced(index, state, sample.resolve())
+
+    def _take_sample(self, metrics: dict) -> object:
+        """The step's sample: sampled now (synchronous), or the producer's next fresh batch
+        (``trainer.max_staleness`` > 0, its ``async/*`` and wait timings into ``metrics``)."""
+        if self.producer is None:
+            return self.sample()
+        item, extra = self.producer.take()
+        metrics.update(extra)
+        self._data_state = item.data_state
+        return item.sample
+
     def statistics(self, batch: dict[str, Tensor], timing: dict) -> None:
         """Each engine's share of the plan's needs, from one forward of the sampled batch."""
         engines = {**self.engines, "reference": self.reference}
@@ -163,19 +191,21 @@ class Trainer:
 
     def rollout_correction(self, batch: dict[str, Tensor]) -> dict[str, float]:
         """How far the rollout engine's log-probs are from the trainer's, and (with
-        ``algorithm.rollout_correction``) the importance weights that correct for it: they reach
-        the policy loss and OTB's energy W as ``rollout_is_weights``; ``seq_mis`` drops the
-        sequences outside the band from ``response_mask``."""
+        ``algorithm.rollout_correction`` or ``algorithm.off_policy``) the importance weights
+        that correct for it: they reach the policy loss and OTB's energy W as
+        ``rollout_is_weights``; ``seq_mis`` drops the sequences outside the band from
+        ``response_mask``. ``old_log_probs`` is π_prox: computed once before the update."""
         cfg = self.cfg.algorithm
+        mode = correction_mode(self.cfg)
         old, rollout, mask = (
             batch["old_log_probs"],
             batch["rollout_log_probs"],
             batch["response_mask"],
         )
         metrics = rollout_mismatch_metrics(old, rollout, mask)
-        if cfg.rollout_correction != "none":
+        if mode != "none":
             weights, keep, extra = rollout_is_weights(
-                old, rollout, mask, mode=cfg.rollout_correction, cap=cfg.rollout_is_cap
+                old, rollout, mask, mode=mode, cap=cfg.rollout_is_cap
             )
             batch["rollout_is_weights"] = weights
             batch["response_mask"] = mask * keep
@@ -211,11 +241,14 @@ class Trainer:
             timing: dict[str, float] = {}
             reset_peak_memory(self.world.device)
             start = time.perf_counter()
-            sample = self.sample()  # its scores may still be on their way
+            sample = self._take_sample(timing)  # its scores may still be on their way
             batch = sample.batch
             self.statistics(batch, timing)
             sample = sample.resolve()  # token_level_scores; timing/rollout, timing/reward
             metrics = dict(sample.metrics)
+            if self.producer is None and "policy_version" in batch:
+                mean, most = staleness(sample, self.rollout.weight_version)
+                metrics.update({"async/staleness_mean": mean, "async/staleness_max": most})
             metrics.update(self.rollout_correction(batch))
             with _timed(timing, "adv"):
                 metrics.update(self.advantage(batch))
@@ -254,6 +287,8 @@ class Trainer:
         processes; nothing to do when it samples with the training model itself)."""
         self.rollout.wake_up()
         sync_rollout(self.rollout, self.policy)
+        if self.producer is not None:
+            self.producer.notify()
 
     def validate(self, with_tools: bool = True, logger=None) -> dict[str, float]:
         """``val/*`` on the validation rows (greedy unless ``trainer.val_greedy=false``), sampled
@@ -282,6 +317,8 @@ class Trainer:
         path = self.run.resume_from if self.world.is_main else None
         path = self.world.broadcast_object(None if path is None else str(path))
         if path is None:
+            if self.cfg.rollout.mode == "server":  # a user's server may hold other weights
+                self._sync_rollout_weights()
             return
         state = checkpoint.load_checkpoint(Path(path), engines=self.engines, verify=False)
         self._sync_rollout_weights()
@@ -295,7 +332,7 @@ class Trainer:
     def _save(self) -> None:
         state = {
             "step": self.step,
-            "dataset": self.dataset.state_dict(),
+            "dataset": self.dataset.state_dict() if self.producer is None else self._data_state,
             "rng": checkpoint.capture_rng_state(),
             "initial_val_accuracy": self.initial_val_accuracy,
             "last_val_accuracy": self.last_val_accuracy,
@@ -342,6 +379,8 @@ class Trainer:
                 err.otbrl_reported = True  # the CLI adds no second line
             raise
         finally:
+            if self.producer is not None:
+                self.producer.close()  # before the servers go
             close = getattr(self.rollout, "close", None)
             if close is not None:
                 close()  # before the process group goes: a vLLM engine holds groups of its own
@@ -399,6 +438,15 @@ class Trainer:
         cfg = self.cfg.trainer
         self._fit_start = time.perf_counter()
         self._resume()
+        if cfg.max_staleness > 0:  # a fresh queue, also after a resume
+            self._data_state = self.dataset.state_dict()
+            self.producer = Producer(
+                self._produce,
+                lambda: self.rollout.weight_version,
+                max_staleness=cfg.max_staleness,
+                stale_samples=self.cfg.rollout.stale_samples,
+                first=self.step + 1,
+            )
         if self.world.is_main:
             self._announce()
         logger = None

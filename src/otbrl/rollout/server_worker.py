@@ -1,0 +1,55 @@
+"""The worker extension a vLLM server loads (``--worker-extension-cls
+otbrl.rollout.server_worker.WeightLoader``) so otbrl can push weights into it on CPU.
+
+vLLM's weight-transfer engines (NCCL, IPC) are GPU ones; here the trainer writes the weights as
+safetensors buckets into a directory both sides see (``/dev/shm`` on one machine) and calls,
+through the dev-mode ``/collective_rpc`` endpoint (string arguments only),
+``otbrl_load_weights(directory)``: the worker streams the buckets, in their file order, into one
+``reload_weights`` pass (the same in-place reload the in-process backend uses) and repacks a
+tied lm_head on CPU. The extension imports only torch and safetensors at call time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+BUCKET_GLOB = "bucket-*.safetensors"
+
+
+def bucket_files(directory: str | Path) -> list[Path]:
+    """The weight buckets of ``directory`` in the order they were written (by name)."""
+    return sorted(Path(directory).glob(BUCKET_GLOB))
+
+
+def iter_buckets(directory: str | Path):
+    """(HF name, tensor) of every bucket of ``directory``, one bucket open at a time."""
+    from safetensors import safe_open
+
+    for path in bucket_files(directory):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                yield name, f.get_tensor(name)
+
+
+class WeightLoader:
+    """Mixed into vLLM's worker class by ``--worker-extension-cls``: its methods become
+    ``collective_rpc`` targets."""
+
+    def otbrl_load_weights(self, directory: str) -> int:
+        """Load every bucket of ``directory`` (HF names) in place; returns the tensor count."""
+        from vllm.platforms import current_platform
+
+        from otbrl.rollout.vllm import _repack_tied_lm_head, _tied_lm_head
+
+        count = 0
+
+        def counted():
+            nonlocal count
+            for item in iter_buckets(directory):
+                count += 1
+                yield item
+
+        self.reload_weights(weights_iterator=counted())
+        if current_platform.is_cpu() and _tied_lm_head(self) is not None:
+            _repack_tied_lm_head(self)
+        return count

