@@ -20,7 +20,7 @@ from otbrl import cli
 from otbrl.data import get_task, write_parquet_rows
 from run_utils import kill_at_first_checkpoint
 
-VOLATILE = ("timing/", "throughput/", "async/")
+VOLATILE = ("timing/", "throughput/", "async/", "memory/")
 LENGTH_REWARD = """
 def score(data_source, solution_str, ground_truth, extra_info):
     return float(len(solution_str) % 2)
