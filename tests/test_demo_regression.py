@@ -3,7 +3,13 @@
 The expected values were recorded by this file (``OTBRL_RECORD_DEMO=1``) on the code before the
 issue-18 move (one sampling step, plan/build, store/report packages): any change to the
 sampling, scoring, statistics, advantages or updates of a step shows up here as a changed
-number. Timing and throughput are left out (they are wall-clock).
+number. Timing, throughput and memory are left out (they are measurements of the machine).
+
+Bit for bit holds on one kind of CPU only: torch picks its kernels by the vector instructions
+it finds (``torch.backends.cpu.get_cpu_capability()``), and an AVX2 EPYC rounds the warm
+start differently from an AVX-512 Xeon (step-0 accuracy 0.031 vs 0.0 on the same code). So
+the record holds one set of numbers per capability, each recorded on the code before the
+move; a capability without a record is skipped, naming the command that records it.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from otbrl.cli import DEMO_PRESET, main
 
@@ -70,13 +77,20 @@ def _run(task: str, root: Path) -> dict[str, dict[str, float]]:
 
 @pytest.mark.parametrize("task", sorted(RUNS))
 def test_demo_first_steps_match_the_recorded_metrics(task, tmp_path, one_thread):
+    cpu = torch.backends.cpu.get_cpu_capability()
+    recorded = json.loads(RECORD.read_text()) if RECORD.exists() else {}
+    recording = os.environ.get("OTBRL_RECORD_DEMO") == "1"
+    if not recording and task not in recorded.get(cpu, {}):
+        pytest.skip(
+            f"no demo record for a {cpu} CPU (recorded: {sorted(recorded)}); record one on the "
+            "code before a refactor: OTBRL_RECORD_DEMO=1 pytest tests/test_demo_regression.py"
+        )
     got = _run(task, tmp_path)
-    if os.environ.get("OTBRL_RECORD_DEMO") == "1":
-        recorded = json.loads(RECORD.read_text()) if RECORD.exists() else {}
-        recorded[task] = got
+    if recording:
+        recorded.setdefault(cpu, {})[task] = got
         RECORD.write_text(json.dumps(recorded, indent=1, sort_keys=True) + "\n")
-        pytest.skip("recorded")
-    want = json.loads(RECORD.read_text())[task]
+        pytest.skip(f"recorded for {cpu}")
+    want = recorded[cpu][task]
     assert sorted(got) == sorted(want)
     for step in want:
         assert sorted(got[step]) == sorted(want[step]), f"step {step}: metric names differ"
