@@ -61,6 +61,9 @@ def _run(task: str, root: Path) -> dict[str, dict[str, float]]:
     args = [
         *preset,
         *RUNS[task],
+        # the warm start's learning rate when the records were made (the default is 1e-3 since):
+        # the record checks the RL step, the warm start only has to be the same
+        "sft.lr=3e-3",
         f"trainer.output_dir={out}",
         f"sft.cache_dir={root / 'cache'}",
         "trainer.logger=[jsonl]",

@@ -102,7 +102,7 @@ def run_sft(
     rows: Sequence[dict],
     demonstrations: Sequence[str],
     *,
-    lr: float = 3e-3,
+    lr: float = 1e-3,
     batch_size: int = 64,
     max_steps: int = 2000,
     target_accuracy: float | None = None,
