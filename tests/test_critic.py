@@ -63,7 +63,7 @@ def test_critic_follows_the_model_path_and_config(tiny_dir, tmp_path):
 def test_ppo_with_gae_learns_the_builtin_task(tmp_path):
     """`otbrl train algorithm.adv_estimator=gae` from the built-in warm start: greedy
     validation accuracy rises at every check up to step 240 and ends above where it started, and
-    the trained critic's value loss is below its fresh head's. How fast depends
+    the trained critic explains more of the returns' variance than its fresh head. How fast depends
     on the warm start, which depends on the CPU's rounding: from a 0.3 warm start (a Xeon) it
     gained 0.2 within 80 steps; on an EPYC the same seed's SFT stops at 2000 steps with 0.13,
     and GAE climbs 0.12 -> 0.18 by step 240. The bounds hold for both."""
@@ -91,12 +91,14 @@ def test_ppo_with_gae_learns_the_builtin_task(tmp_path):
     assert max(checks[1:]) - checks[0] >= 0.05, accuracy
     # 300 steps on 300 prompts: the last check is noisy (0.18 at 240, 0.14 at 300 measured)
     assert summary["final_val_accuracy"] > summary["initial_val_accuracy"], summary
-    losses = [r["critic/value_loss"] for r in records if "critic/value_loss" in r]
-    assert len(losses) == 300
-    # the trained critic beats its fresh head: the last 20 steps' mean value loss is below the
-    # first step's, although the reward variance p(1 - p) grows while p < 0.5 (on the EPYC host
-    # 0.053 vs 0.071, the first 20 steps' mean 0.048: there the loss cannot fall further)
-    assert sum(losses[-20:]) / 20 < losses[0], losses[:20] + losses[-20:]
+    explained = [r["critic/explained_variance"] for r in records if "critic/value_loss" in r]
+    assert len(explained) == 300
+    # the trained critic beats its fresh head: the share of the returns' variance its values
+    # explain (a scale-free measure: the value loss itself grows with the reward variance
+    # p(1 − p) while p < 0.5, so it cannot be compared across steps). Measured on an EPYC
+    # host: −0.72 at step 1, a mean of +0.03 over the last 20 steps.
+    assert sum(explained[-20:]) / 20 > explained[0] + 0.3, explained[:5] + explained[-20:]
+    assert sum(explained[-20:]) / 20 > -0.05, explained[-20:]
 
 
 def test_explained_variance_matches_a_float64_reference():

@@ -53,10 +53,12 @@ def test_three_tir_otb_steps_on_vllm_with_tools(tmp_path):
     assert steps[0]["tool/rows_with_holes_frac"] > 0
     assert 0 < steps[0]["rollout/observation_tokens_frac"] < 1
     for r in steps:
-        # later steps may have moved off the tool (lr 1e-2): holes exactly when calls
+        # later steps may have moved off the tool (lr 1e-2): observations exactly when calls,
+        # holes only with calls (a call whose observation fills the budget ends its row
+        # there: an observation, no hole — all of a step's rows did so on one CI host)
         calls = r["tool/calls_per_sample"] > 0
-        assert (r["tool/rows_with_holes_frac"] > 0) == calls
         assert (r["rollout/observation_tokens_frac"] > 0) == calls
+        assert r["tool/rows_with_holes_frac"] == 0 or calls
         assert r["rollout/observation_tokens_frac"] < 1
         # synced after each lr 1e-2 update: the engine samples from the trainer's weights
         # (fp32 rounding of a peaked model, see test_agent_loop_vllm; a missed sync is >1e-2)
