@@ -134,3 +134,76 @@ def test_head_dim_16_is_one_line_before_any_model_loads(tmp_path, capsys, monkey
         )  # fmt: skip
         assert code == 2 and len(err) == 1, err
         assert str(path) in err[0] and "head_dim 16" in err[0] and "model.path" in err[0]
+
+
+def _wait_until_all_generating(backend, count, timeout=120.0):
+    """Until the server holds ``count`` requests of ours, each with a token generated."""
+    from otbrl.rollout.server import _INTERNAL_ID, _http
+
+    url = backend.servers[0].url
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        answer = _http(f"{url}/collective_rpc", {"method": "otbrl_progress"}, timeout=30)
+        ours = [n for rid, n in answer["results"][0].items() if _INTERNAL_ID.fullmatch(rid)]
+        if len(ours) == count and min(ours) >= 1:
+            return
+        time.sleep(0.005)
+    pytest.fail(f"the server did not hold {count} generating requests within {timeout} s")
+
+
+def test_partial_rollout_keeps_requests_across_an_update(vllm_server, model):
+    """`rollout.partial_rollout`: a weight update lands while a batch is generated; the requests
+    are kept and go on with the new weights. Each token's recorded version is the one whose
+    weights give its log-prob (to 1e-5: the kept requests' KV cache is recomputed with the new
+    weights), the rows that span the update are many, and their later tokens differ from what
+    the old weights give (the labels are not vacuous)."""
+    from otbrl.rollout.server import ServerRollout
+    from otbrl.run.producer import version_metrics
+
+    model_dir, shared = vllm_server
+    backend = ServerRollout(model_dir, urls=[shared.servers[0].url], partial_rollout=True)
+    try:
+        backend.sync_weights(model.named_parameters())
+        start = backend.weight_version
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        prompts = [[5 + i % 10, 6, 7] for i in range(16)]
+        params = SamplingParams(n=4, max_tokens=56, stop_token_ids=(), seed=5)
+        result = {}
+        thread = threading.Thread(
+            target=lambda: result.update(out=backend.generate(prompts, params))
+        )
+        thread.start()
+        _wait_until_all_generating(backend, 64)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        backend.sync_weights(model.named_parameters())  # mid-generation
+        thread.join(timeout=600)
+        ids, mask = left_pad(prompts, 0)
+        batch = completions_to_batch(ids, mask, result["out"], pad_id=0)
+        versions = batch["policy_version"]
+        assert versions.shape == batch["responses"].shape and versions.dtype == torch.int64
+        assert set(versions.unique().tolist()) <= {start, start + 1}
+
+        def log_probs():
+            with torch.no_grad():
+                out = forward_outputs(
+                    model, batch, Layout(), outputs=frozenset({"log_probs"}), temperature=1.0
+                )
+            return out["log_probs"]
+
+        new = log_probs()
+        model.load_state_dict(before)
+        old = log_probs()
+        m = batch["response_mask"].bool()
+        labelled = torch.where(versions == start, old, new)
+        assert float((labelled - batch["rollout_log_probs"])[m].abs().max()) <= TOL
+        later = m & (versions == start + 1)
+        assert float((old - batch["rollout_log_probs"])[later].abs().max()) > 100 * TOL
+        spans = version_metrics(batch, start + 1)
+        assert spans["async/partial_rows_frac"] >= 0.5, spans
+        assert spans["async/staleness_max"] == 1
+        assert 0 < spans["async/token_staleness_mean"] < 1
+        assert all(c.version == start for g in result["out"] for c in g)  # the oldest token's
+    finally:
+        backend.close()

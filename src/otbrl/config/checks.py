@@ -148,11 +148,14 @@ def _check_async(cfg: Config) -> None:
                 "trainer.max_staleness=0",
                 "trainer.max_staleness",
             )
-        if r.stale_samples != "wait":
-            raise ConfigError(
-                "'rollout.stale_samples' is set but 'trainer.max_staleness' is 0; drop the key",
-                "rollout.stale_samples",
-            )
+    if cfg.trainer.max_staleness == 0:
+        for key, default in (("stale_samples", "wait"), ("partial_rollout", False)):
+            if getattr(r, key) != default:
+                raise ConfigError(
+                    f"'rollout.{key}' is set but 'trainer.max_staleness' is 0 (nothing samples "
+                    "while the weights change); set trainer.max_staleness > 0 or drop the key",
+                    f"rollout.{key}",
+                )
     for i, url in enumerate(r.server.urls):
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ConfigError(

@@ -244,6 +244,8 @@ class _Row:
         self.finish_reason = "stop"
         self.last: Completion | None = None
         self.version: int | None = None  # the oldest turn's weight version
+        # per token (partial rollouts): model tokens their own, observations their turn's newest
+        self.versions: list[int] | None = []
 
     def room(self) -> int:
         return self.budget - len(self.tokens)
@@ -260,11 +262,18 @@ class _Row:
         if completion.version is not None:
             old = self.version
             self.version = completion.version if old is None else min(old, completion.version)
+        if completion.token_versions is None or self.versions is None:
+            self.versions = None
+        else:
+            self.versions += completion.token_versions
 
     def add_observation(self, ids: list[int]) -> None:
         self.tokens += ids
         self.logprobs += [0.0] * len(ids)
         self.mask += [0] * len(ids)
+        if self.versions is not None:
+            newest = self.versions[-1] if self.versions else (self.version or 0)
+            self.versions += [newest] * len(ids)
 
     def trajectory(self) -> Trajectory:
         return Trajectory(
@@ -272,6 +281,7 @@ class _Row:
             logprobs=self.logprobs,
             finish_reason=self.finish_reason,
             version=self.version,
+            token_versions=self.versions,
             mask=self.mask,
             num_turns=self.num_turns,
             tool_calls=self.tool_calls,

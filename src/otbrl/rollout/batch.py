@@ -69,7 +69,10 @@ def completions_to_batch(
     mask is that mask (0 on observation tokens: holes), the attention mask stays 1 on every real
     token, and ``num_turns`` / ``tool_calls`` / ``tool_errors`` [B] int64 are added.
     Completions that carry a weight ``version`` (the server backend) add ``policy_version`` [B]
-    int64 (a multi-turn row: its oldest turn's).
+    int64 (a multi-turn row: its oldest turn's); when every completion also carries
+    ``token_versions`` (partial rollouts: the weights changed while it was generated)
+    ``policy_version`` is [B, Lr] instead, one version per token, padding holding the row's
+    newest (so a row's minimum is its oldest token's).
     """
     _check_prompts(prompt_ids, prompt_mask)
     if not isinstance(completions, Sequence) or len(completions) != prompt_ids.shape[0]:
@@ -121,7 +124,13 @@ def completions_to_batch(
         "uid": torch.arange(len(counts), device=device).repeat_interleave(repeats),
         "truncated": truncated.to(device),
     }
-    if flat and all(c.version is not None for c in flat):
+    if flat and all(c.token_versions is not None for c in flat):
+        versions = torch.zeros((len(flat), width), dtype=torch.int64)
+        for r, c in enumerate(flat):
+            versions[r, : lengths[r]] = torch.tensor(c.token_versions, dtype=torch.int64)
+            versions[r, lengths[r] :] = max(c.token_versions)
+        batch["policy_version"] = versions.to(device)
+    elif flat and all(c.version is not None for c in flat):
         versions = [int(c.version) for c in flat]
         batch["policy_version"] = torch.tensor(versions, dtype=torch.int64, device=device)
     if multi_turn:
@@ -139,6 +148,11 @@ def _check_completion(c: Completion, where: str) -> None:
     if len(c.logprobs) != len(c.token_ids):
         raise ValueError(
             f"{where}: expected one log-prob per token ({len(c.token_ids)}), got {len(c.logprobs)}"
+        )
+    if c.token_versions is not None and len(c.token_versions) != len(c.token_ids):
+        raise ValueError(
+            f"{where}: expected one version per token ({len(c.token_ids)}), got "
+            f"{len(c.token_versions)}"
         )
     mask = getattr(c, "mask", None)
     if mask is not None and (len(mask) != len(c.token_ids) or not set(mask) <= {0, 1}):

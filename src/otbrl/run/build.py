@@ -207,6 +207,7 @@ def build_backend(
             else f"{server.weights_dir}/rank-{world.dp_rank}",
             bucket_mb=server.bucket_mb,
             log_dir=Path(cfg.trainer.output_dir) / "servers",
+            partial_rollout=cfg.rollout.partial_rollout,
         )
     serve_adapter = bool(cfg.model.lora.rank) and cfg.model.lora.sync == "adapter"
     return VLLMRollout(

@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from torch import Tensor
+
 from otbrl.run.sampling import Sample
 
 
@@ -118,14 +120,12 @@ class Producer:
             item = self.queue.get()
             if isinstance(item, BaseException):
                 raise item
-            stale = staleness(item.sample, self.version())
-            if self.mode == "drop" and stale[1] > self.k:
+            metrics = version_metrics(item.sample.batch, self.version())
+            if self.mode == "drop" and metrics["async/staleness_max"] > self.k:
                 dropped += int(item.sample.batch["uid"].unique().numel())
                 continue
             break
-        metrics = {
-            "async/staleness_mean": stale[0],
-            "async/staleness_max": float(stale[1]),
+        metrics |= {
             "async/dropped_groups": float(dropped),
             "async/queue_depth": float(depth),
             "timing/trainer_wait": time.perf_counter() - start,
@@ -145,8 +145,23 @@ class Producer:
         self._thread.join(timeout=300)
 
 
-def staleness(sample: Sample, current: int) -> tuple[float, int]:
-    """(mean over rows, max) of ``current − policy_version`` of a sample's rows."""
-    versions = sample.batch["policy_version"]
-    stale = current - versions
-    return float(stale.double().mean()), int(stale.max())
+def version_metrics(batch: dict[str, Tensor], current: int) -> dict[str, float]:
+    """How old a batch is when the weights are at version ``current``: ``async/staleness_mean``
+    / ``_max`` over rows of current − the row's oldest version (``policy_version`` [B], or its
+    row minimum when it is per token, [B, Lr]). Per-token versions (partial rollouts) add
+    ``async/token_staleness_mean`` (over the trained tokens) and ``async/partial_rows_frac``
+    (rows that span a weight update)."""
+    versions = batch["policy_version"]
+    oldest = versions if versions.dim() == 1 else versions.min(dim=1).values
+    stale = current - oldest
+    metrics = {
+        "async/staleness_mean": float(stale.double().mean()),
+        "async/staleness_max": float(stale.max()),
+    }
+    if versions.dim() == 2:
+        mask = batch["response_mask"] > 0
+        tokens = (current - versions)[mask].double()
+        metrics["async/token_staleness_mean"] = float(tokens.mean()) if tokens.numel() else 0.0
+        spans = versions.max(dim=1).values > oldest  # padding holds the row's newest
+        metrics["async/partial_rows_frac"] = float(spans.double().mean())
+    return metrics

@@ -51,7 +51,7 @@ from otbrl.run.plan import (
     overlong_mode,
     validate_config,
 )
-from otbrl.run.producer import Produced, Producer, staleness
+from otbrl.run.producer import Produced, Producer, version_metrics
 from otbrl.run.sampling import sample_batch
 from otbrl.run.seeds import seed_everything, step_seed
 from otbrl.store import checkpoint
@@ -247,8 +247,7 @@ class Trainer:
             sample = sample.resolve()  # token_level_scores; timing/rollout, timing/reward
             metrics = dict(sample.metrics)
             if self.producer is None and "policy_version" in batch:
-                mean, most = staleness(sample, self.rollout.weight_version)
-                metrics.update({"async/staleness_mean": mean, "async/staleness_max": most})
+                metrics.update(version_metrics(batch, self.rollout.weight_version))
             metrics.update(self.rollout_correction(batch))
             with _timed(timing, "adv"):
                 metrics.update(self.advantage(batch))
