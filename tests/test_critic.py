@@ -3,7 +3,6 @@ PPO with GAE trains end to end."""
 
 from __future__ import annotations
 
-import itertools
 import json
 
 import pytest
@@ -59,14 +58,14 @@ def test_critic_follows_the_model_path_and_config(tiny_dir, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # the warm start alone is 140 s on a 2-core EPYC
+@pytest.mark.timeout(1200)
 def test_ppo_with_gae_learns_the_builtin_task(tmp_path):
     """`otbrl train algorithm.adv_estimator=gae` from the built-in warm start: greedy
-    validation accuracy rises at every check up to step 240 and ends above where it started, and
-    the trained critic explains more of the returns' variance than its fresh head. How fast depends
-    on the warm start, which depends on the CPU's rounding: from a 0.3 warm start (a Xeon) it
-    gained 0.2 within 80 steps; on an EPYC the same seed's SFT stops at 2000 steps with 0.13,
-    and GAE climbs 0.12 -> 0.18 by step 240. The bounds hold for both."""
+    validation accuracy gains at least 0.15 within 120 steps and ends above where it started,
+    and the trained critic explains more of the returns' variance than its fresh head. Measured
+    on a 2-core AMD EPYC (warm start at sft.lr=1e-3: 0.37): 0.37 -> 0.70 by step 80; explained
+    variance −0.59 at step 1, +0.02..0.03 from step 20 on (the per-token success of this task is
+    hard to predict: the critic learns the baseline, little more)."""
     from otbrl.run.trainer import Trainer
 
     cfg = load_config(
@@ -74,8 +73,8 @@ def test_ppo_with_gae_learns_the_builtin_task(tmp_path):
         [
             "algorithm.adv_estimator=gae",
             "actor.ppo_mini_batch_size=16",
-            "trainer.total_steps=300",
-            "trainer.val_every=80",
+            "trainer.total_steps=120",
+            "trainer.val_every=40",
             "data.val_size=300",
             "trainer.logger=[jsonl]",
             f"trainer.output_dir={tmp_path / 'run'}",
@@ -86,17 +85,14 @@ def test_ppo_with_gae_learns_the_builtin_task(tmp_path):
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     accuracy = {r["step"]: r["val/accuracy"] for r in records if "val/accuracy" in r}
     checks = [accuracy[k] for k in sorted(accuracy)]
-    # rising at each check (the last one, the final step, may sit on the one before)
-    assert all(b > a for a, b in itertools.pairwise(checks[:-1])), accuracy
-    assert max(checks[1:]) - checks[0] >= 0.05, accuracy
-    # 300 steps on 300 prompts: the last check is noisy (0.18 at 240, 0.14 at 300 measured)
+    assert sorted(accuracy) == [0, 40, 80, 120]
+    assert max(checks[1:]) - checks[0] >= 0.15, accuracy
     assert summary["final_val_accuracy"] > summary["initial_val_accuracy"], summary
     explained = [r["critic/explained_variance"] for r in records if "critic/value_loss" in r]
-    assert len(explained) == 300
-    # the trained critic beats its fresh head: the share of the returns' variance its values
-    # explain (a scale-free measure: the value loss itself grows with the reward variance
-    # p(1 − p) while p < 0.5, so it cannot be compared across steps). Measured on an EPYC
-    # host: −0.72 at step 1, a mean of +0.03 over the last 20 steps.
+    assert len(explained) == 120
+    # the trained critic beats its fresh head by a scale-free measure: its value loss grows
+    # with the reward variance p(1 − p) while p < 0.5, so losses of different steps do not
+    # compare (CI failed on that)
     assert sum(explained[-20:]) / 20 > explained[0] + 0.3, explained[:5] + explained[-20:]
     assert sum(explained[-20:]) / 20 > -0.05, explained[-20:]
 
