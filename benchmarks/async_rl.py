@@ -1,13 +1,14 @@
 """Asynchronous RL side by side on this machine: synchronous (``trainer.max_staleness=0``)
-against ``max_staleness`` 1, 2, 4 with ``algorithm.off_policy=decoupled`` and 4 with
-``off_policy=none``, all with ``rollout.mode=server`` (one vLLM server started here, shared by
-every arm through ``rollout.server.urls``; each run pushes its own initial weights).
+against ``max_staleness`` 1 (also with ``rollout.partial_rollout``), 2, 4 with
+``algorithm.off_policy=decoupled`` and 4 with ``off_policy=none``, all with
+``rollout.mode=server`` (one vLLM server started here, shared by every arm through
+``rollout.server.urls``; each run pushes its own initial weights).
 
 Tasks: ``tool`` = the built-in tool task with a calculator whose latency is log-normal (median
 0.2 s, p99 ~3 s, ``benchmarks/slow_calculator.py``); ``demo`` = the built-in arithmetic task.
 
     python benchmarks/async_rl.py [--task tool|demo] [--steps 30] [--seeds 0,1,2]
-        [--arms sync,k1,k2,k4,k4-none] [--out runs/bench-async]
+        [--arms sync,k1,k1-partial,k2,k4,k4-none] [--out runs/bench-async]
 
 Per arm (mean over seeds): steps per minute, trainer idle fraction (synchronous: the share of
 the wall time spent sampling, ``timing/rollout``; asynchronous: waiting for the producer,
@@ -33,6 +34,11 @@ HERE = Path(__file__).resolve().parent
 ARMS = {
     "sync": ["trainer.max_staleness=0"],
     "k1": ["trainer.max_staleness=1", "algorithm.off_policy=decoupled"],
+    "k1-partial": [
+        "trainer.max_staleness=1",
+        "algorithm.off_policy=decoupled",
+        "rollout.partial_rollout=true",
+    ],
     "k2": ["trainer.max_staleness=2", "algorithm.off_policy=decoupled"],
     "k4": ["trainer.max_staleness=4", "algorithm.off_policy=decoupled"],
     "k4-none": ["trainer.max_staleness=4", "algorithm.off_policy=none"],
@@ -125,6 +131,9 @@ def main() -> None:
     if "sync" in results:
         ratios = [f"{arm} {mean(arm, 'wall') / mean('sync', 'wall'):.2f}" for arm in results]
         print("wall time / synchronous: " + ", ".join(ratios))
+        ratios = [f"{arm} {mean(arm, 't_target') / mean('sync', 't_target'):.2f}"
+                  for arm in results]  # fmt: skip
+        print(f"time to {args.target} / synchronous (seeds that reached it): " + ", ".join(ratios))
 
 
 if __name__ == "__main__":

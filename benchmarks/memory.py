@@ -5,6 +5,13 @@ settings, on the same random Qwen2-shaped model, prompts and lengths.
     python benchmarks/memory.py                      # a scale this 2-core CPU finishes
     python benchmarks/memory.py --hidden 768 --layers 12 --vocab 32768 --prompts 8 \\
         --samples 4 --tokens 1024                    # the ~100 M shape of the issue
+    python benchmarks/memory.py --shape 7b --arms lora16-bf16+ckpt --no-trl --prompts 4 \\
+        --samples 2 --tokens 64 --steps 1            # the largest LoRA step in this machine
+
+``--shape`` takes Qwen2.5's published sizes (0.5b, 1.5b, 3b, 7b: hidden, intermediate,
+layers, heads, KV heads; the vocabulary is ``--vocab``, the tokenizer's BPE trained here) and
+saves the random model in ``--model-dtype`` (bfloat16 for the large shapes: a 7 B model is
+built, saved and loaded without ever holding an fp32 copy).
 
 Every arm runs in its own process (peak resident memory is the process's: Linux VmHWM, reset
 at each step; CUDA: ``max_memory_allocated``). Each arm trains ``--steps`` RL steps (sampling,
@@ -38,6 +45,23 @@ ARMS = {  # name -> (otbrl overrides, TRL settings) ; TRL None: no TRL arm
         ["model.lora.rank=16", "model.lora.alpha=32", "model.gradient_checkpointing=true"],
         {"bf16": False, "lora": 16, "gradient_checkpointing": True},
     ),
+    # a single-GPU user's setting: bf16 base (no fp32 copy), fp32 adapters, checkpointing
+    "lora16-bf16+ckpt": (
+        [
+            "model.precision=bf16-mixed",
+            "model.lora.rank=16",
+            "model.lora.alpha=32",
+            "model.gradient_checkpointing=true",
+        ],
+        {"bf16": True, "lora": 16, "gradient_checkpointing": True},
+    ),
+}
+# Qwen2.5's sizes: hidden, intermediate, layers, attention heads, KV heads
+SHAPES = {
+    "0.5b": (896, 4864, 24, 14, 2),
+    "1.5b": (1536, 8960, 28, 12, 2),
+    "3b": (2048, 11008, 36, 16, 2),
+    "7b": (3584, 18944, 28, 28, 4),
 }
 
 
@@ -51,6 +75,7 @@ def build(root: Path, args) -> tuple[Path, Path, Path]:
     from otbrl.data import write_parquet_rows
     from otbrl.models import random_causal_lm
 
+    requested_vocab = args.vocab
     # A byte-level BPE trained here on random words to the requested vocabulary (the Qwen2
     # tokenizer class transformers picks for a qwen2 config reads BPE files only)
     g = torch.Generator().manual_seed(0)
@@ -74,15 +99,22 @@ def build(root: Path, args) -> tuple[Path, Path, Path]:
         tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
     )
     args.vocab = len(tok)  # what the corpus allowed (at most the request)
+    # the model's embedding keeps the requested size (Qwen's are padded past their tokenizer's
+    # too): the parameter count of a named shape is the real one
+    model_vocab = max(args.vocab, requested_vocab)
+    heads = kv_heads = max(1, args.hidden // 64)
+    if args.shape:
+        args.hidden, args.intermediate, args.layers, heads, kv_heads = SHAPES[args.shape]
     model = random_causal_lm(
         "qwen2",
         seed=0,
-        vocab_size=args.vocab,
+        dtype=getattr(torch, args.model_dtype),
+        vocab_size=model_vocab,
         hidden_size=args.hidden,
         intermediate_size=args.intermediate or 4 * args.hidden,
         num_hidden_layers=args.layers,
-        num_attention_heads=max(1, args.hidden // 64),
-        num_key_value_heads=max(1, args.hidden // 64),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=8 * args.prompt_tokens + args.tokens + 8,
         tie_word_embeddings=False,
         eos_token_id=1,
@@ -109,6 +141,7 @@ def build(root: Path, args) -> tuple[Path, Path, Path]:
         "def score(data_source, solution_str, ground_truth, extra_info):\n"
         "    return float(len(solution_str) % 7) / 7.0\n"
     )
+    del model
     (root / "params.json").write_text(json.dumps({"params": params, "vocab": args.vocab}))
     return model_dir, data, reward
 
@@ -234,6 +267,8 @@ def main(argv=None) -> int:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--intermediate", type=int, default=0, help="default 4 x hidden")
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="a Qwen2.5 size (overrides)")
+    parser.add_argument("--model-dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--samples", type=int, default=2)
@@ -255,9 +290,12 @@ def main(argv=None) -> int:
         build(root, args)
         built = json.loads((root / "params.json").read_text())
         params, args.vocab = built["params"], built["vocab"]
+        if args.shape:
+            args.hidden, args.intermediate, args.layers = SHAPES[args.shape][:3]
         print(
             f"Qwen2 {params / 1e6:.1f} M parameters (hidden {args.hidden}, {args.layers} layers, "
-            f"vocabulary {args.vocab}); {args.prompts} prompts x {args.samples} samples x "
+            f"tokenizer vocabulary {args.vocab}, saved as {args.model_dtype}); "
+            f"{args.prompts} prompts x {args.samples} samples x "
             f"{args.tokens} tokens; median of steps 2..{args.steps}"
         )
         rows = {}

@@ -136,19 +136,19 @@ def test_head_dim_16_is_one_line_before_any_model_loads(tmp_path, capsys, monkey
         assert str(path) in err[0] and "head_dim 16" in err[0] and "model.path" in err[0]
 
 
-def _wait_until_all_generating(backend, count, timeout=120.0):
-    """Until the server holds ``count`` requests of ours, each with a token generated."""
+def _all_generating(backend, count, thread) -> bool:
+    """Waits until the server holds ``count`` requests of ours, each with a token generated
+    (True), or the generating ``thread`` has finished first (False)."""
     from otbrl.rollout.server import _INTERNAL_ID, _http
 
     url = backend.servers[0].url
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while thread.is_alive():
         answer = _http(f"{url}/collective_rpc", {"method": "otbrl_progress"}, timeout=30)
         ours = [n for rid, n in answer["results"][0].items() if _INTERNAL_ID.fullmatch(rid)]
         if len(ours) == count and min(ours) >= 1:
-            return
-        time.sleep(0.005)
-    pytest.fail(f"the server did not hold {count} generating requests within {timeout} s")
+            return True
+        time.sleep(0.002)
+    return False
 
 
 def test_partial_rollout_keeps_requests_across_an_update(vllm_server, model):
@@ -166,14 +166,19 @@ def test_partial_rollout_keeps_requests_across_an_update(vllm_server, model):
         backend.sync_weights(model.named_parameters())
         start = backend.weight_version
         before = {k: v.clone() for k, v in model.state_dict().items()}
-        prompts = [[5 + i % 10, 6, 7] for i in range(16)]
-        params = SamplingParams(n=4, max_tokens=56, stop_token_ids=(), seed=5)
-        result = {}
-        thread = threading.Thread(
-            target=lambda: result.update(out=backend.generate(prompts, params))
-        )
-        thread.start()
-        _wait_until_all_generating(backend, 64)
+        prompts = [[5 + i % 10, 6, 7] for i in range(8)]
+        for attempt in range(5):  # the update must land while every sample is generating
+            params = SamplingParams(n=4, max_tokens=56, stop_token_ids=(), seed=5 + attempt)
+            result = {}
+            thread = threading.Thread(
+                target=lambda p=params, r=result: r.update(out=backend.generate(prompts, p))
+            )
+            thread.start()
+            if _all_generating(backend, 32, thread):
+                break
+            thread.join()
+        else:
+            pytest.fail("5 batches of 32 samples finished before all of them were generating")
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.05)

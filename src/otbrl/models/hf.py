@@ -39,16 +39,25 @@ DEFAULT_SIZE = {
 }
 
 
-def random_causal_lm(arch: str = "llama", *, seed: int = 0, **config) -> PreTrainedModel:
-    """A random-init fp32 ``arch`` causal LM built from config fields (``vocab_size``,
-    ``hidden_size``, ...); the weights depend only on ``seed`` and the config, and the global RNG
-    is left untouched. The one builder behind ``build_tiny_model``, the tests and benchmarks."""
+def random_causal_lm(
+    arch: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch.float32, **config
+) -> PreTrainedModel:
+    """A random-init ``arch`` causal LM built from config fields (``vocab_size``,
+    ``hidden_size``, ...); the weights depend only on ``seed``, ``dtype`` and the config, and the
+    global RNG is left untouched. The one builder behind ``build_tiny_model``, the tests and
+    benchmarks. ``dtype``: the weights are created in it (a bfloat16 7 B model never holds an
+    fp32 copy)."""
     if arch not in ARCHS:
         raise ValueError(f"arch: expected one of {sorted(ARCHS)}, got {arch!r}")
     config_cls, model_cls = ARCHS[arch]
+    default = torch.get_default_dtype()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return model_cls(config_cls(**config)).float()
+        torch.set_default_dtype(dtype)
+        try:
+            return model_cls(config_cls(**config)).to(dtype)
+        finally:
+            torch.set_default_dtype(default)
 
 
 def build_tiny_model(
