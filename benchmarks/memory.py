@@ -157,7 +157,7 @@ def otbrl_arm(name: str, root: Path, args) -> dict:
         f"data.max_response_length={args.tokens}",
         f"data.train_batch_size={args.prompts}",
         f"rollout.n={args.samples}",
-        f"actor.micro_batch_size={args.prompts * args.samples}",
+        f"actor.micro_batch_size={args.micro_batch or args.prompts * args.samples}",
         "actor.ppo_mini_batch_size=null",
         "actor.lr=1e-6",
         "actor.warmup_steps=0",
@@ -166,6 +166,8 @@ def otbrl_arm(name: str, root: Path, args) -> dict:
         "trainer.save_every=0",
         "trainer.logger=[jsonl]",
         f"trainer.output_dir={out}",
+        "trainer.resume=never",
+        "trainer.overwrite=true",
         *ARMS[name][0],
     ]
     done = subprocess.run(
@@ -209,6 +211,9 @@ def run_trl(name: str, root: Path, args) -> None:
     from otbrl.data import read_parquet_rows
     from otbrl.engine.memory import peak_memory_gb, reset_peak_memory
 
+    micro = args.micro_batch or args.prompts * args.samples
+    if (args.prompts * args.samples) % micro:
+        raise SystemExit("--micro-batch must divide prompts x samples")
     settings = dict(ARMS[name][1])
     lora = settings.pop("lora", 0)
     rows = read_parquet_rows([root / "train.parquet"])
@@ -219,7 +224,9 @@ def run_trl(name: str, root: Path, args) -> None:
 
     config = GRPOConfig(
         output_dir=str(root / f"trl-{name}"),
-        per_device_train_batch_size=args.prompts * args.samples,
+        # one optimizer step per generation of prompts x samples, micro-batched as otbrl's
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=args.prompts * args.samples // micro,
         num_generations=args.samples,
         max_completion_length=args.tokens,
         max_steps=args.steps,
@@ -275,6 +282,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=16, help="words per prompt")
     parser.add_argument("--tokens", type=int, default=128, help="response tokens")
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--micro-batch", type=int, default=0, help="sequences per forward")
+    parser.add_argument("--keep", help="build the model here once and reuse it (a folder)")
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated arm names")
     parser.add_argument("--no-trl", action="store_true", help="otbrl's arms only")
     parser.add_argument("--trl-arm", help=argparse.SUPPRESS)
@@ -286,8 +295,10 @@ def main(argv=None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     arms = [a for a in args.arms.split(",") if a]
     with tempfile.TemporaryDirectory(prefix="otbrl-memory-") as tmp:
-        root = Path(tmp)
-        build(root, args)
+        root = Path(args.keep or tmp)
+        if not (root / "params.json").exists():
+            root.mkdir(parents=True, exist_ok=True)
+            build(root, args)
         built = json.loads((root / "params.json").read_text())
         params, args.vocab = built["params"], built["vocab"]
         if args.shape:
