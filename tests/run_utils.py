@@ -43,6 +43,32 @@ def tiny_run_factory(root: Path):
     return overrides
 
 
+# A random tiny model never answers right: a reward that varies inside each group (the parity of
+# the response's length) gives the update a real gradient, so a missed weight sync would show.
+LENGTH_REWARD = """
+def score(data_source, solution_str, ground_truth, extra_info):
+    return float(len(solution_str) % 2)
+"""
+
+
+def length_reward_file(root: Path) -> Path:
+    """``root/reward.py`` with ``score`` = the response length's parity; returns its path."""
+    path = root / "reward.py"
+    path.write_text(LENGTH_REWARD)
+    return path
+
+
+def length_reward_files(root: Path, n_val: int) -> tuple[Path, Path, Path]:
+    """(train.parquet with 32 arithmetic prompts, val.parquet with ``n_val``, the length-parity
+    reward.py) under ``root``."""
+    task = get_task("arithmetic")
+    return (
+        write_parquet_rows(task.rows("train", 32, seed=0), root / "train.parquet"),
+        write_parquet_rows(task.rows("val", n_val, seed=0), root / "val.parquet"),
+        length_reward_file(root),
+    )
+
+
 def kill_at_first_checkpoint(command: list[str], run_dir: Path, env: dict) -> None:
     """Start ``command`` (an ``otbrl train`` writing to ``run_dir``) and SIGKILL it as soon as
     its step-2 checkpoint is complete (``checkpoint.json`` is written last)."""

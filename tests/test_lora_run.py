@@ -17,7 +17,7 @@ from otbrl import cli
 from otbrl.engine.layout import Layout, forward_outputs
 from otbrl.models import load_model_and_tokenizer
 from otbrl.models.lora import add_lora
-from run_utils import kill_at_first_checkpoint, tiny_run_factory
+from run_utils import kill_at_first_checkpoint, length_reward_file, tiny_run_factory
 from test_engine import make_batch
 from test_resume import stable_metrics
 
@@ -31,12 +31,6 @@ LORA = (
     "trainer.resume=auto",
     "actor.warmup_steps=0",
 )
-# a random tiny model never answers right: a reward that varies inside each group gives the
-# adapters a gradient
-LENGTH_REWARD = """
-def score(data_source, solution_str, ground_truth, extra_info):
-    return float(len(solution_str) % 2)
-"""
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +39,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_run")
     overrides = tiny_run_factory(root)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    (root / "reward.py").write_text(LENGTH_REWARD)
-    reward = f"reward.function={root / 'reward.py'}:score"
+    reward = f"reward.function={length_reward_file(root)}:score"
 
     def command(out):
         return [sys.executable, "-m", "otbrl", "train", *overrides(out, *LORA, reward)]

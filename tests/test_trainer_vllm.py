@@ -15,9 +15,8 @@ import torch
 
 from otbrl import cli
 from otbrl.config import ConfigError, load_config
-from otbrl.data import get_task, write_parquet_rows
 from otbrl.models import build_tiny_model
-from run_utils import kill_at_first_checkpoint
+from run_utils import kill_at_first_checkpoint, length_reward_files
 
 pytest.importorskip("vllm")
 
@@ -32,24 +31,9 @@ def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0, **SIZE)
 
 
-# A random tiny model never answers right; rewards that vary inside each group give the
-# update a real gradient (so a missed sync would be visible).
-LENGTH_REWARD = """
-def score(data_source, solution_str, ground_truth, extra_info):
-    return float(len(solution_str) % 2)
-"""
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("data")
-    task = get_task("arithmetic")
-    (root / "reward.py").write_text(LENGTH_REWARD)
-    return (
-        write_parquet_rows(task.rows("train", 32, seed=0), root / "train.parquet"),
-        write_parquet_rows(task.rows("val", 16, seed=0), root / "val.parquet"),
-        root / "reward.py",
-    )
+    return length_reward_files(tmp_path_factory.mktemp("data"), n_val=16)
 
 
 def overrides(model_dir, data, out, *extra):
