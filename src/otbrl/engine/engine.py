@@ -31,6 +31,7 @@ from otbrl.engine.layout import Layout, forward_outputs
 from otbrl.engine.precision import get_precision
 from otbrl.engine.world import World
 from otbrl.models.lora import adapter_tensors, adapters_disabled, lora_settings, merged_tensors
+from otbrl.models.tied import untied_names
 
 
 class NumericsError(RuntimeError):
@@ -308,8 +309,8 @@ class Engine:
 
     # -- weights and state ---------------------------------------------------------------------
     def full_tensors(self, *, adapter_only: bool = False) -> Iterator[tuple[str, Tensor]]:
-        """(HF name, full tensor) of every entry of the plain model's state dict, one at a time
-        (what a rollout backend loads). A LoRA model's adapters come merged into their base
+        """(HF name, full tensor) of every entry of the plain model's state dict, one at a time,
+        each tied parameter once under its first name (what a rollout backend loads). A LoRA model's adapters come merged into their base
         weights (``otbrl.models.lora.merged_tensors``: one module held at a time);
         ``adapter_only=True``: its adapter tensors alone, in PEFT's names (a backend that
         serves the adapter).
@@ -328,15 +329,16 @@ class Engine:
             yield from self.state_tensors()
 
     def state_tensors(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, Tensor]]:
-        """(name, full tensor) of every entry of the model's own state dict (or of ``names``,
-        in that order), one at a time: only the tensor being yielded is gathered, so a consumer
-        that drops each one before the next never holds a second copy of the model.
+        """(name, full tensor) of every entry of the model's own state dict, tied aliases left
+        out (``otbrl.models.tied``: each parameter once, under its first name), or of
+        ``names``, in that order, one at a time: only the tensor being yielded is gathered, so
+        a consumer that drops each one before the next never holds a second copy of the model.
 
         Collective on several processes (each sharded tensor is gathered with
         ``full_tensor()``): every rank must consume the iterator to the end, in the same order.
         """
         state = self.model.state_dict()
-        for name in state if names is None else names:
+        for name in untied_names(self.model) if names is None else names:
             value = state[name]
             full = value.full_tensor() if isinstance(value, DTensor) else value
             yield name, full.detach()

@@ -242,6 +242,8 @@ class ServerRollout:
             directory (or the system temp dir), removed on ``close()``.
         bucket_mb: the size of one weight bucket.
         max_concurrency: HTTP requests in flight per call.
+        log_dir: where each started server's log goes (``server-<i>.log``), created if
+            missing; None: a fresh temporary directory.
         partial_rollout: a weight update keeps the requests in flight (module docstring)
             instead of waiting for them to finish.
     """
@@ -301,6 +303,7 @@ class ServerRollout:
         self._requests: dict[str, _Request] = {}  # partial rollouts: by X-Request-Id
         self._requests_lock = threading.Lock()
         self._log_dir = Path(log_dir or tempfile.mkdtemp(prefix="otbrl-servers-"))
+        self._log_dir.mkdir(parents=True, exist_ok=True)  # a run's <output_dir>/servers is new
         self.servers: list[_Server] = []
         try:
             if urls:

@@ -26,6 +26,7 @@ from otbrl.algos.advantages import ESTIMATORS, get_estimator
 from otbrl.algos.loss_math import KL_KINDS
 from otbrl.config import Config, ConfigError
 from otbrl.data import get_task, read_parquet_rows, tokenize_prompts
+from otbrl.engine.dims import KEYS as DIM_KEYS
 from otbrl.engine.dims import ParallelDims
 from otbrl.engine.precision import check_precision_device
 from otbrl.models import (
@@ -561,6 +562,8 @@ def check_model_settings(cfg: Config, dims: ParallelDims) -> list[str]:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     note = check_precision_device(cfg.model.precision, device)
+    if dims.tp > 1 or dims.sp > 1:
+        _check_layout_fits_model(cfg, dims)
     lora = cfg.model.lora
     if lora.rank:
         if dims.tp > 1:
@@ -587,6 +590,34 @@ def check_model_settings(cfg: Config, dims: ParallelDims) -> list[str]:
                 why = str(err).removeprefix("adapter_path: ")
                 raise ConfigError(f"'{key}': {why}", key) from None
     return [note] if note else []
+
+
+def _check_layout_fits_model(cfg: Config, dims: ParallelDims) -> None:
+    """The TP size divides the model's attention heads, KV heads and MLP width (each rank
+    holds whole heads), and the Ulysses size its attention heads (KV heads are replicated up):
+    read from config.json, so a layout the model cannot take is one line, not a traceback per
+    rank after the weights load."""
+    from transformers import AutoConfig
+
+    path = cfg.model.path
+    fields = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+    if path == "builtin":
+        sizes = {k: DEFAULT_SIZE[k] for k in fields}
+    else:
+        config = AutoConfig.from_pretrained(resolve_model_dir(path))
+        config = getattr(config, "text_config", None) or config
+        sizes = {k: getattr(config, k, None) for k in fields}
+        sizes["num_key_value_heads"] = sizes["num_key_value_heads"] or sizes["num_attention_heads"]
+    checks = [(DIM_KEYS["tp"], dims.tp, fields), (DIM_KEYS["sp"], dims.sp, fields[:1])]
+    for key, size, names in checks:
+        for name in names:
+            if size > 1 and sizes[name] % size:
+                raise ConfigError(
+                    f"'{key}' is {size}, which does not divide the model's {name} "
+                    f"({sizes[name]}, {path}): pick a size that divides it, or shard with "
+                    "FSDP2 (actor.engine=fsdp)",
+                    key,
+                )
 
 
 def _meta_model(cfg: Config):

@@ -46,6 +46,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -54,6 +55,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from otbrl.models.tied import tied_aliases
 from otbrl.models.lora import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -110,8 +112,12 @@ def _write_hf_model(engine, out: Path, is_main: bool) -> None:
     if lora_settings(model) is not None:
         _write_adapter(engine, out / ADAPTER_DIR, is_main)
         return
-    # a DTensor reports its global shape and dtype: the header needs no gather
-    specs = safetensors_order((k, v.dtype, v.shape) for k, v in model.state_dict().items())
+    # a DTensor reports its global shape and dtype: the header needs no gather. Tied aliases
+    # are left out (otbrl.models.tied), as save_pretrained does: HF re-ties them on load.
+    aliases = tied_aliases(model)
+    specs = safetensors_order(
+        (k, v.dtype, v.shape) for k, v in model.state_dict().items() if k not in aliases
+    )
     tensors = engine.state_tensors([name for name, _, _ in specs])
     if is_main:
         write_safetensors(out / "model.safetensors", specs, tensors, metadata={"format": "pt"})
@@ -132,8 +138,6 @@ def _write_adapter(engine, out: Path, is_main: bool) -> None:
 
 def _load_adapter_weights(engine, directory: Path) -> None:
     """A saved adapter -> the engine's LoRA parameters, in its own layout (sharded or not)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
     saved = load_file(directory / ADAPTER_WEIGHTS)
     params = {k for k in engine.model.state_dict() if ".lora_" in k}
     named = model_names(saved)
@@ -424,8 +428,12 @@ def _load_weights(engine, directory: Path) -> None:
         return
     if not (directory / "model.safetensors").is_file():
         raise ValueError(f"checkpoint: {directory} holds no model.safetensors")
-    state = get_model_state_dict(engine.model)
+    # A tied alias is loaded through its kept name (otbrl.models.tied); checkpoints written
+    # before that rule hold the alias too, and it is the same tensor: ignored.
+    aliases = tied_aliases(engine.model)
+    state = {k: v for k, v in get_model_state_dict(engine.model).items() if k not in aliases}
     saved = HuggingFaceStorageReader(str(directory)).read_metadata().state_dict_metadata
+    saved = {k: v for k, v in saved.items() if k not in aliases}
     missing, unexpected = sorted(set(state) - set(saved)), sorted(set(saved) - set(state))
     if missing or unexpected:
         raise ValueError(
@@ -439,7 +447,7 @@ def _load_weights(engine, directory: Path) -> None:
                 f"{list(saved[name].size)} there, {list(value.shape)} in the model"
             )
     _dcp(dcp.load, state, engine, storage_reader=HuggingFaceStorageReader(str(directory)))
-    set_model_state_dict(engine.model, state)
+    set_model_state_dict(engine.model, state, options=StateDictOptions(strict=not aliases))
 
 
 _ADAMW_SLOTS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # AdamW's own order
