@@ -11,7 +11,10 @@ How "as written" is kept honest and cheap:
 - ``otbrl train|demo|eval`` run in-process with their arguments unchanged plus a budget
   (``BUDGET``: one step, a few validation prompts, a short warm start), appended last so it
   wins; ``otbrl variance`` gets a few repeats. Blocks marked ``check`` (the measurements that
-  take 20 minutes) are parsed by the CLI and validated as the command would, without training.
+  take 20 minutes, servers, several processes) are parsed by the CLI and validated as the
+  command would, without training — and each names, as ``tests/FILE.py::test_name``, the test
+  that runs the same command line, or says why it cannot run here (other hosts, a GPU, more
+  processes than this machine has cores): ``test_every_checked_block_names_the_test_that_runs_it``.
 """
 
 from __future__ import annotations
@@ -196,6 +199,29 @@ def test_documented_block_runs(where, lang, code, mark, reason, env):
     assert mark != "check" or reason, f"{where}: say why the block is only checked"
     for args in commands(code):
         _run_shell(args, mark, env)
+
+
+TEST_REF = re.compile(r"tests/(\w+\.py)::(\w+)")
+
+
+def test_every_checked_block_names_the_test_that_runs_it():
+    """A ``check`` block is only parsed here: the command a user runs must run somewhere. Its
+    reason names the test that runs the same command line (which must exist), or says that it
+    "cannot run here" and why."""
+    for where, _, _, mark, reason in BLOCKS:
+        if mark != "check":
+            continue
+        refs = TEST_REF.findall(reason)
+        assert refs or "cannot run here" in reason, (
+            f"{where}: name the test that runs this block (tests/FILE.py::test_name) or say why "
+            "it cannot run here"
+        )
+        for file, name in refs:
+            path = ROOT / "tests" / file
+            assert path.is_file(), f"{where}: {file} does not exist"
+            assert re.search(rf"^def {name}\(", path.read_text(), re.M), (
+                f"{where}: {file} has no test {name}"
+            )
 
 
 def test_the_block_finder_sees_every_block():

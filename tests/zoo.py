@@ -7,13 +7,15 @@ tokenizer without a pad token — and shrinks the rest (2 layers, a 400-token by
 so a step takes a fraction of a second. Every head_dim is ≥ 32 (vLLM's CPU attention) and
 head counts divide by 2 where the family allows 2-way tensor parallelism.
 
-| name | family it stands for | what it keeps |
-|---|---|---|
-| ``qwen2.5`` | Qwen2.5-0.5B/1.5B/3B-Instruct | Qwen2, tied, q/k/v bias, 8:2 heads, rope θ 1e6, ChatML with tools, pad ``<|endoftext|>`` |
-| ``llama3.2`` | Llama-3.2-1B/3B-Instruct | Llama, tied, ``rope_type=llama3`` scaling (factor 32 over 128 original positions), head_dim 64, header chat template, BOS, **no pad token** |
-| ``qwen3`` | Qwen3-0.6B…8B | Qwen3, tied, q/k RMSNorm, head_dim 64 ≠ hidden/heads (128/4), ChatML |
-| ``mistral`` | Mistral-7B-Instruct-v0.3 (untied Llama style) | Mistral, **untied**, 8:2 heads, ``[INST]`` template, BOS, no pad token |
-| ``gemma`` | Gemma-2B/7B | Gemma, tied, embeddings scaled by √hidden, GeGLU, **one KV head** (2B's MQA), head_dim 32 ≠ 64/4… |
+- ``qwen2.5`` (Qwen2.5-0.5B/1.5B/3B-Instruct): Qwen2, tied, q/k/v bias, 8:2 heads, rope θ 1e6,
+  ChatML with a tools section, pad ``<|endoftext|>``.
+- ``llama3.2`` (Llama-3.2-1B/3B-Instruct): Llama, tied, ``rope_type=llama3`` scaling (factor 32
+  over 128 original positions), head_dim 64, header chat template, BOS, **no pad token**.
+- ``qwen3`` (Qwen3-0.6B…8B): Qwen3, tied, q/k RMSNorm, head_dim 64 ≠ hidden/heads (128/4).
+- ``mistral`` (Mistral-7B-Instruct-v0.3, the untied Llama style): **untied**, 8:2 heads,
+  ``[INST]`` template, BOS, no pad token.
+- ``gemma`` (Gemma-2B): tied, embeddings scaled by √hidden, GeGLU, **one KV head** (MQA: no
+  2-way tensor parallelism), head_dim 32 ≠ hidden/heads (64/4).
 
 Models are saved with ``save_pretrained`` and loaded back through the HF Auto classes, the
 tokenizer with ``tokenizer_class`` ``PreTrainedTokenizerFast`` (what Llama-3's repository
@@ -151,7 +153,7 @@ def build_standin(name: str, out_dir: str | Path, *, seed: int = 0, layers: int 
         spec["model_type"],
         vocab_size=len(tok),
         num_hidden_layers=layers,
-        max_position_embeddings=512,
+        max_position_embeddings=1024,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         bos_token_id=tok.bos_token_id,
@@ -181,3 +183,19 @@ def head_dim(model_dir: str | Path) -> int:
     """The attention head size declared by (or implied by) ``config.json``."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+
+
+def build_reward_standin(name: str, out_dir: str | Path, *, seed: int = 1) -> Path:
+    """A reward model of the stand-in ``name``'s family: ``*ForSequenceClassification`` with one
+    label on a stand-in's random weights, with its tokenizer (a user's reward model shares the
+    policy's chat template). Returns ``Path(out_dir)``."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    policy = build_standin(name, Path(out_dir) / "policy", seed=seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForSequenceClassification.from_pretrained(policy, num_labels=1)
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(policy).save_pretrained(out)
+    return out

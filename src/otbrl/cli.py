@@ -193,10 +193,23 @@ def _sft(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     base, ckpt = _checkpoint_config(args.overrides)
     if ckpt is not None:  # a run directory stands for its newest verified checkpoint
-        args.overrides = [
-            f"model.path={ckpt}" if o.partition("=")[0].strip() == "model.path" else o
-            for o in args.overrides
-        ]
+        from pathlib import Path
+
+        from otbrl.store.checkpoint import ADAPTER_DIR
+
+        adapter = Path(ckpt) / ADAPTER_DIR
+        if (adapter / "adapter_config.json").is_file() and base is not None:
+            # a LoRA checkpoint holds its adapter alone: the base it was trained on (the
+            # saved model.path) with that adapter
+            args.overrides = [
+                *(o for o in args.overrides if o.partition("=")[0].strip() != "model.path"),
+                f"model.lora.adapter_path={adapter}",
+            ]
+        else:
+            args.overrides = [
+                f"model.path={ckpt}" if o.partition("=")[0].strip() == "model.path" else o
+                for o in args.overrides
+            ]
     # a checkpoint's own settings (response budget, tools, reward...) unless overridden
     cfg = _load(args, base=base)
     if base is not None:
@@ -221,7 +234,7 @@ def _eval(args: argparse.Namespace) -> int:
     rate = result.get("val/tool_call_rate")
     print(
         f"val accuracy: {result['val/accuracy']:.4f} on {len(plan.val_rows)} prompts "
-        f"({cfg.model.path})" + ("" if rate is None else f"; tool-call rate {rate:.3f}")
+        f"({ckpt or cfg.model.path})" + ("" if rate is None else f"; tool-call rate {rate:.3f}")
     )
     return 0
 

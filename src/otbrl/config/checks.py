@@ -374,6 +374,17 @@ def _check_lora(cfg: Config) -> None:
             f"got {target!r}",
             "model.lora.target_modules",
         )
+    rollout = cfg.rollout
+    if lora.sync == "adapter" and (rollout.name, rollout.mode) != ("vllm", "colocated"):
+        where = f"rollout.name={rollout.name}"
+        if rollout.mode == "server":
+            where = "rollout.mode=server"
+        raise ConfigError(
+            "'model.lora.sync=adapter' is served by the in-process vLLM engine only "
+            f"(rollout.name=vllm, rollout.mode=colocated), not with {where}; drop the key "
+            "(merged weights are synced)",
+            "model.lora.sync",
+        )
     adapter = lora.adapter_path
     if adapter is not None and not (Path(adapter) / "adapter_config.json").is_file():
         raise ConfigError(

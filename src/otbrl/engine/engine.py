@@ -310,8 +310,9 @@ class Engine:
     # -- weights and state ---------------------------------------------------------------------
     def full_tensors(self, *, adapter_only: bool = False) -> Iterator[tuple[str, Tensor]]:
         """(HF name, full tensor) of every entry of the plain model's state dict, one at a time,
-        each tied parameter once under its first name (what a rollout backend loads). A LoRA model's adapters come merged into their base
-        weights (``otbrl.models.lora.merged_tensors``: one module held at a time);
+        each tied parameter once, under its first name (what a rollout backend loads). A LoRA
+        model's adapters come merged into their base weights
+        (``otbrl.models.lora.merged_tensors``: one module held at a time);
         ``adapter_only=True``: its adapter tensors alone, in PEFT's names (a backend that
         serves the adapter).
 

