@@ -11,7 +11,7 @@ VERL_VENV ?= .venv-verl
 VERL_PY := $(VERL_VENV)/bin/python
 VERL_STAMP := $(VERL_VENV)/.otbrl-installed
 
-.PHONY: setup setup-verl demo test test-verl lint bench clean
+.PHONY: setup setup-verl demo test test-numerics test-verl lint bench clean
 
 setup: $(STAMP)
 
@@ -39,10 +39,21 @@ demo: $(STAMP)
 	$(PY) -m otbrl demo
 
 # The verl tests skip in .venv (no verl there) and run in .venv-verl; the TRL tests run in .venv.
+# Both suites run whatever the first one gives; make fails at the end if either failed.
 test: $(STAMP) $(VERL_STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
-	$(VERL_PY) -m pytest -q tests/test_integrations_verl_*.py
+	@status=0; \
+	$(PY) -m pytest -q || status=$$?; \
+	$(VERL_PY) -m pytest -q tests/test_integrations_verl_*.py || status=$$?; \
+	exit $$status
+
+# The suite on other floating-point paths of this machine: torch's AVX2 and plain kernels (as
+# another CPU would round) on 1 and 2 threads. Nothing in it may depend on one CPU's bits.
+test-numerics: $(STAMP)
+	@status=0; \
+	ATEN_CPU_CAPABILITY=avx2 OTBRL_TEST_THREADS=1 $(PY) -m pytest -q || status=$$?; \
+	ATEN_CPU_CAPABILITY=default OTBRL_TEST_THREADS=2 $(PY) -m pytest -q || status=$$?; \
+	exit $$status
 
 test-verl: $(VERL_STAMP)
 	$(VERL_PY) -m pytest -q tests/test_integrations_verl_*.py

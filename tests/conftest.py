@@ -17,7 +17,8 @@ settings.register_profile("otbrl", derandomize=True, deadline=None)
 settings.load_profile("otbrl")
 
 # Deterministic, quiet CPU runs: two cores on CI, so keep torch from oversubscribing.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# OTBRL_TEST_THREADS sets another count (`make test-numerics` runs the suite on 1 thread).
+torch.set_num_threads(int(os.environ.get("OTBRL_TEST_THREADS") or min(2, os.cpu_count() or 1)))
 
 
 @pytest.fixture(scope="module")

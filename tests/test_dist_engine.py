@@ -111,12 +111,16 @@ def _engine_worker(
     for _ in range(extra_steps):
         later = actor.update(mini, policy_loss())
         assert all(torch.isfinite(torch.tensor(v)) for v in later.values()), later
-    # the rollout copy's weights come from full_tensors(): the gathered current weights
+    # the rollout copy's weights come from full_tensors(): the gathered current weights, a
+    # tied parameter once, under its first name (otbrl.models.tied)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from otbrl.models.tied import tied_aliases
 
     streamed = dict(actor.full_tensors())
     full = get_model_state_dict(actor.model, options=StateDictOptions(full_state_dict=True))
-    synced = set(streamed) == set(full) and all(torch.equal(streamed[k], full[k]) for k in full)
+    kept = set(full) - set(tied_aliases(actor.model))
+    synced = set(streamed) == kept and all(torch.equal(streamed[k], full[k]) for k in kept)
     return {
         "rows": split_by_groups(batch["uid"], world.dp_rank, world.dp_size),
         "stats": stats,
