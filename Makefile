@@ -43,7 +43,7 @@ demo: $(STAMP)
 test: $(STAMP) $(VERL_STAMP)
 	$(PY) -m ruff check .
 	@status=0; \
-	$(PY) -m pytest -q || status=$$?; \
+	$(PY) -m pytest -q --durations=10 || status=$$?; \
 	$(VERL_PY) -m pytest -q tests/test_integrations_verl_*.py || status=$$?; \
 	exit $$status
 
