@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -263,6 +264,18 @@ def test_cells_that_cannot_work_are_one_line_errors(zoo, tmp_path, capsys):
     # the fused lm_head is one-process only
     with pytest.raises(ConfigError, match="use_fused_kernels"):
         plan(QWEN, "actor.use_fused_kernels=true", world_size=2)
+    # ... and computes hidden · Wᵀ: a Gemma-2-style soft-capped head would get wrong statistics
+    capped = tmp_path / "gemma2"
+    shutil.copytree(zoo["gemma"], capped)
+    config = json.loads((capped / "config.json").read_text())
+    config.update(model_type="gemma2", architectures=["Gemma2ForCausalLM"])
+    config.update(final_logit_softcapping=30.0, attn_logit_softcapping=50.0)
+    (capped / "config.json").write_text(json.dumps(config))
+    zoo = {**zoo, "gemma2": capped}
+    with pytest.raises(ConfigError, match=r"final_logit_softcapping=30\.0") as err:
+        plan("gemma2", "actor.use_fused_kernels=true")
+    assert err.value.key == "actor.use_fused_kernels"
+    plan("gemma2")  # the materialized head: HF's forward applies the cap
 
 
 # -- two processes (torchrun), the default HF rollout -----------------------------------------

@@ -564,6 +564,8 @@ def check_model_settings(cfg: Config, dims: ParallelDims) -> list[str]:
     note = check_precision_device(cfg.model.precision, device)
     if dims.tp > 1 or dims.sp > 1:
         _check_layout_fits_model(cfg, dims)
+    if dims.fused and cfg.model.path != "builtin":
+        _check_fused_head_fits_model(cfg)
     lora = cfg.model.lora
     if lora.rank:
         if dims.tp > 1:
@@ -618,6 +620,25 @@ def _check_layout_fits_model(cfg: Config, dims: ParallelDims) -> None:
                     "FSDP2 (actor.engine=fsdp)",
                     key,
                 )
+
+
+def _check_fused_head_fits_model(cfg: Config) -> None:
+    """The fused head computes the statistics from hidden · W_headᵀ (+ bias): a model whose
+    logits are transformed after its head (Gemma 2's ``final_logit_softcapping``, Cohere's
+    ``logit_scale``) would get statistics of other logits, silently."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(resolve_model_dir(cfg.model.path))
+    config = getattr(config, "text_config", None) or config
+    for name, neutral in (("final_logit_softcapping", None), ("logit_scale", 1.0)):
+        value = getattr(config, name, None)
+        if value not in (None, neutral):
+            raise ConfigError(
+                f"'actor.use_fused_kernels': the fused lm_head computes hidden · W_headᵀ, but "
+                f"{cfg.model.path} transforms its logits after the head ({name}={value}); set "
+                "actor.use_fused_kernels=false",
+                "actor.use_fused_kernels",
+            )
 
 
 def _meta_model(cfg: Config):
