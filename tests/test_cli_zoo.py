@@ -12,6 +12,8 @@ output directory for 2 steps. What each run must show, on any machine:
   trainer's (``rollout/logprob_abs_diff_max`` ≤ 1e-3 in fp32). The bound has room on both
   sides: a synced engine is within ~1e-6 (vLLM, HF) or ~4e-5 (TP's reduction order), a skipped
   sync after one lr-1e-3 update differs by ~0.1 (measured by disabling the HF copy's sync).
+  (One process with the HF rollout samples with the training model itself: nothing to sync;
+  the check bites on the torchrun, vLLM and server cells.)
 
 A cell that cannot work is refused before any model loads with one line naming the key,
 tested as such. The README's server recipe runs for real here (``test_server_mode_...``).
