@@ -46,7 +46,8 @@ BF16_SYNC_TOL = 5e-2  # bf16 autocast on one side: ~1e-2 (README, precision)
 
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory):
-    """{shape: model dir}, plus "data": the overrides every run shares."""
+    """{shape: model dir}, "rm-<shape>": reward models, "data": the overrides every run
+    shares."""
     root = tmp_path_factory.mktemp("zoo")
     dirs = {name: build_standin(name, root / name) for name in ZOO_NAMES}
     rows = [
@@ -76,7 +77,6 @@ def zoo(tmp_path_factory):
     ]
     for shape in (QWEN, "llama3.2"):  # llama: a reward model without a pad token
         dirs[f"rm-{shape}"] = build_reward_standin(shape, root / f"rm-{shape}")
-    dirs["root"] = root
     return dirs
 
 
@@ -111,8 +111,8 @@ def _refused(argv, capsys, *fragments) -> str:
     """``otbrl`` exits 2 with one line (no traceback) holding every fragment."""
     capsys.readouterr()
     assert cli.main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "Traceback" not in err
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
     for fragment in fragments:
         assert fragment in err, err
     return err

@@ -51,23 +51,41 @@ USER_MESSAGES = [
 ]
 
 
-def build_user_style_model(
-    out_dir: str | Path, *, seed: int = 0, chat_template=CHATML, max_positions: int = 256
-) -> Path:
-    """Write the directory; returns its path (loadable with ``load_model_and_tokenizer``)."""
+def byte_level_tokenizer(
+    specials: list[str],
+    *,
+    eos: str,
+    pad: str | None = None,
+    bos: str | None = None,
+    chat_template: str,
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE of 400 tokens trained on ``CORPUS`` with ``specials`` (the given EOS, pad
+    and BOS among them; None: the tokenizer has none) and ``chat_template``."""
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=400,
-        special_tokens=SPECIALS,
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tk.train_from_iterator(CORPUS, trainer)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        unk_token=None, chat_template=chat_template,
+    tokens = {"eos_token": eos, "pad_token": pad, "bos_token": bos}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        unk_token=None,
+        chat_template=chat_template,
+        **{k: v for k, v in tokens.items() if v is not None},
     )  # fmt: skip
+
+
+def build_user_style_model(
+    out_dir: str | Path, *, seed: int = 0, chat_template=CHATML, max_positions: int = 256
+) -> Path:
+    """Write the directory; returns its path (loadable with ``load_model_and_tokenizer``)."""
+    tok = byte_level_tokenizer(
+        SPECIALS, eos="<|im_end|>", pad="<|endoftext|>", chat_template=chat_template
+    )
     config = Qwen2Config(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions,

@@ -28,10 +28,9 @@ import json
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from user_model import CORPUS, TOOLS_CHATML
+from user_model import TOOLS_CHATML, byte_level_tokenizer
 
 CHATML = (
     "{% for message in messages %}"
@@ -122,25 +121,6 @@ ZOO_NAMES = tuple(ZOO)
 QWEN = "qwen2.5"
 
 
-def _tokenizer(spec: dict) -> PreTrainedTokenizerFast:
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=spec["specials"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tk.train_from_iterator(CORPUS, trainer)
-    tokens = {"eos_token": spec["eos"], "pad_token": spec["pad"], "bos_token": spec["bos"]}
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tk,
-        unk_token=None,
-        chat_template=spec["template"],
-        **{k: v for k, v in tokens.items() if v is not None},
-    )
-
-
 def build_standin(name: str, out_dir: str | Path, *, seed: int = 0, layers: int = 2) -> Path:
     """Write the stand-in ``name`` (one of :data:`ZOO_NAMES`) to ``out_dir``: ``config.json``,
     ``model.safetensors`` (``save_pretrained``), the tokenizer and its chat template. The
@@ -148,7 +128,10 @@ def build_standin(name: str, out_dir: str | Path, *, seed: int = 0, layers: int 
     if name not in ZOO:
         raise ValueError(f"name: expected one of {ZOO_NAMES}, got {name!r}")
     spec = ZOO[name]
-    tok = _tokenizer(spec)
+    tok = byte_level_tokenizer(
+        spec["specials"], eos=spec["eos"], pad=spec["pad"], bos=spec["bos"],
+        chat_template=spec["template"],
+    )  # fmt: skip
     config = AutoConfig.for_model(
         spec["model_type"],
         vocab_size=len(tok),

@@ -195,21 +195,17 @@ def _eval(args: argparse.Namespace) -> int:
     if ckpt is not None:  # a run directory stands for its newest verified checkpoint
         from pathlib import Path
 
+        from otbrl.models.lora import ADAPTER_CONFIG
         from otbrl.store.checkpoint import ADAPTER_DIR
 
         adapter = Path(ckpt) / ADAPTER_DIR
-        if (adapter / "adapter_config.json").is_file() and base is not None:
+        others = [o for o in args.overrides if o.partition("=")[0].strip() != "model.path"]
+        if (adapter / ADAPTER_CONFIG).is_file() and base is not None:
             # a LoRA checkpoint holds its adapter alone: the base it was trained on (the
             # saved model.path) with that adapter
-            args.overrides = [
-                *(o for o in args.overrides if o.partition("=")[0].strip() != "model.path"),
-                f"model.lora.adapter_path={adapter}",
-            ]
+            args.overrides = [*others, f"model.lora.adapter_path={adapter}"]
         else:
-            args.overrides = [
-                f"model.path={ckpt}" if o.partition("=")[0].strip() == "model.path" else o
-                for o in args.overrides
-            ]
+            args.overrides = [*others, f"model.path={ckpt}"]
     # a checkpoint's own settings (response budget, tools, reward...) unless overridden
     cfg = _load(args, base=base)
     if base is not None:

@@ -594,20 +594,25 @@ def check_model_settings(cfg: Config, dims: ParallelDims) -> list[str]:
     return [note] if note else []
 
 
+def _text_config(path: str):
+    """The HF config of the model at ``path`` (its language model's, for a multimodal one)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(resolve_model_dir(path))
+    return getattr(config, "text_config", None) or config
+
+
 def _check_layout_fits_model(cfg: Config, dims: ParallelDims) -> None:
     """The TP size divides the model's attention heads, KV heads and MLP width (each rank
     holds whole heads), and the Ulysses size its attention heads (KV heads are replicated up):
     read from config.json, so a layout the model cannot take is one line, not a traceback per
     rank after the weights load."""
-    from transformers import AutoConfig
-
     path = cfg.model.path
     fields = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
     if path == "builtin":
         sizes = {k: DEFAULT_SIZE[k] for k in fields}
     else:
-        config = AutoConfig.from_pretrained(resolve_model_dir(path))
-        config = getattr(config, "text_config", None) or config
+        config = _text_config(path)
         sizes = {k: getattr(config, k, None) for k in fields}
         sizes["num_key_value_heads"] = sizes["num_key_value_heads"] or sizes["num_attention_heads"]
     checks = [(DIM_KEYS["tp"], dims.tp, fields), (DIM_KEYS["sp"], dims.sp, fields[:1])]
@@ -626,10 +631,7 @@ def _check_fused_head_fits_model(cfg: Config) -> None:
     """The fused head computes the statistics from hidden · W_headᵀ (+ bias): a model whose
     logits are transformed after its head (Gemma 2's ``final_logit_softcapping``, Cohere's
     ``logit_scale``) would get statistics of other logits, silently."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(resolve_model_dir(cfg.model.path))
-    config = getattr(config, "text_config", None) or config
+    config = _text_config(cfg.model.path)
     for name, neutral in (("final_logit_softcapping", None), ("logit_scale", 1.0)):
         value = getattr(config, name, None)
         if value not in (None, neutral):
