@@ -57,44 +57,78 @@ def test_critic_follows_the_model_path_and_config(tiny_dir, tmp_path):
     assert torch.equal(critic.model.model.embed_tokens.weight, from_other)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1200)
-def test_ppo_with_gae_learns_the_builtin_task(tmp_path):
-    """`otbrl train algorithm.adv_estimator=gae` from the built-in warm start: greedy
-    validation accuracy gains at least 0.15 within 120 steps and ends above where it started,
-    and the trained critic explains more of the returns' variance than its fresh head. Measured
-    on a 2-core AMD EPYC (warm start at sft.lr=1e-3: 0.37): 0.37 -> 0.70 by step 80; explained
-    variance −0.59 at step 1, +0.02..0.03 from step 20 on (the per-token success of this task is
-    hard to predict: the critic learns the baseline, little more)."""
-    from otbrl.run.trainer import Trainer
+# The signal PPO with GAE must learn, built so that it exists on any machine and every seed: the
+# reward is 1 when the response opens with a digit 0-4. The random-init model (seeded: the same
+# weights on every machine) samples such a first token about half of the time, so every group of
+# 8 has reward variance until the policy learns. The return (γ = λ = 1) of every token is that
+# reward, which a critic can read off the first response token from position 1 on: a trained
+# critic's values explain a good part of the returns, a fresh head's explain none.
+FIRST_DIGIT_LOW = """
+def score(data_source, solution_str, ground_truth, extra_info):
+    return float(solution_str[:1] in "01234")
+"""
+GAE_STEPS = 30
 
-    cfg = load_config(
-        None,
+
+def gae_run(root, seed: int) -> list[dict]:
+    """``otbrl train algorithm.adv_estimator=gae`` on the constructed signal above: the metrics
+    rows of a ``GAE_STEPS``-step run with ``trainer.seed=seed``."""
+    from otbrl import cli
+    from otbrl.data import get_task, write_parquet_rows
+
+    model = build_tiny_model(root / "model", seed=0, **SMALL)
+    train = write_parquet_rows(get_task("arithmetic").rows("train", 64, seed=0), root / "t.parquet")
+    (root / "reward.py").write_text(FIRST_DIGIT_LOW)
+    code = cli.main(
         [
+            "train",
+            f"model.path={model}",
+            f"data.train_files=[{train}]",
+            f"reward.function={root / 'reward.py'}:score",
+            "data.train_batch_size=8",
+            "data.max_response_length=4",
+            "rollout.n=8",
             "algorithm.adv_estimator=gae",
-            "actor.ppo_mini_batch_size=16",
-            "trainer.total_steps=120",
-            "trainer.val_every=40",
-            "data.val_size=300",
+            "actor.lr=1e-3",
+            "actor.ppo_mini_batch_size=4",
+            "critic.lr=1e-2",
+            "critic.ppo_epochs=4",
+            f"trainer.total_steps={GAE_STEPS}",
+            f"trainer.seed={seed}",
+            "trainer.val_every=0",
+            "trainer.save_every=0",
             "trainer.logger=[jsonl]",
-            f"trainer.output_dir={tmp_path / 'run'}",
-            f"sft.cache_dir={tmp_path / 'cache'}",
-        ],
+            f"trainer.output_dir={root / 'run'}",
+        ]
     )
-    summary = Trainer(cfg).fit()
-    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    accuracy = {r["step"]: r["val/accuracy"] for r in records if "val/accuracy" in r}
-    checks = [accuracy[k] for k in sorted(accuracy)]
-    assert sorted(accuracy) == [0, 40, 80, 120]
-    assert max(checks[1:]) - checks[0] >= 0.15, accuracy
-    assert summary["final_val_accuracy"] > summary["initial_val_accuracy"], summary
-    explained = [r["critic/explained_variance"] for r in records if "critic/value_loss" in r]
-    assert len(explained) == 120
-    # the trained critic beats its fresh head by a scale-free measure: its value loss grows
-    # with the reward variance p(1 − p) while p < 0.5, so losses of different steps do not
-    # compare (CI failed on that)
-    assert sum(explained[-20:]) / 20 > explained[0] + 0.3, explained[:5] + explained[-20:]
-    assert sum(explained[-20:]) / 20 > -0.05, explained[-20:]
+    assert code == 0
+    lines = (root / "run" / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "critic/explained_variance" in r]
+
+
+def test_ppo_with_gae_learns_a_signal_and_its_critic_explains_the_returns(tmp_path, one_thread):
+    """Three seeds of PPO with GAE on the signal above: in every run the reward rises, and over
+    the runs the critic comes to explain the returns (measured before each step's critic
+    update, on samples it has not trained on).
+
+    Measured on a 2-core AMD EPYC, seeds 0-4 under ATen's avx512, avx2 and default kernels (15
+    runs): the 5-step mean reward went 0.46-0.53 -> 0.86-0.88 (gain >= 0.33; the noise of a
+    5-step mean of 320 samples is ~0.03); the explained variance of steps 1-3 was 0.01-0.08 and
+    that of the last 10 steps 0.24-0.55 per run (one run's sd ~0.11: the critic of some seeds
+    learns later), 0.33-0.38 as a mean over seeds 0-2. The bounds leave 0.13 (reward) and
+    0.18 (explained variance) of room below the worst of them."""
+    seeds = (0, 1, 2)
+    early, late = [], []
+    for seed in seeds:
+        rows = gae_run(tmp_path / f"seed{seed}", seed=seed)
+        assert [r["step"] for r in rows] == list(range(1, GAE_STEPS + 1))
+        reward = [r["train/reward_mean"] for r in rows]
+        assert sum(reward[-5:]) / 5 >= sum(reward[:5]) / 5 + 0.2, (seed, reward)
+        explained = [r["critic/explained_variance"] for r in rows]
+        early.append(sum(explained[:3]) / 3)
+        late.append(sum(explained[-10:]) / 10)
+    mean_early, mean_late = sum(early) / len(seeds), sum(late) / len(seeds)
+    assert mean_late >= 0.15 and mean_late >= mean_early + 0.1, (early, late)
 
 
 def test_explained_variance_matches_a_float64_reference():

@@ -15,11 +15,11 @@ from otbrl.tools import resolve_tools
 
 SIZE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2)
 SIZE["num_key_value_heads"] = 2
-STEPS = 40
+STEPS = 16
 
 
-@pytest.mark.slow
-def test_rl_on_the_tool_task_raises_the_tool_call_rate(tmp_path):
+def tool_run(tmp_path, seed: int) -> list[dict]:
+    """SFT then ``STEPS`` TIR-OTB steps with ``trainer.seed=seed``: the run's metrics rows."""
     from otbrl.run.trainer import Trainer
 
     task = get_task("tool_arithmetic")
@@ -53,11 +53,22 @@ def test_rl_on_the_tool_task_raises_the_tool_call_rate(tmp_path):
             "algorithm.adv_estimator=tir_optimal_token_baseline",
             "actor.lr=1e-3",
             "actor.warmup_steps=5",
+            f"trainer.seed={seed}",
         ],
     )
     Trainer(cfg).fit()
-    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    records = [json.loads(x) for x in lines]
+    return [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_rl_on_the_tool_task_raises_the_tool_call_rate(tmp_path):
+    """The signal is built in: the SFT leaves a model that calls the calculator on about half
+    of its samples and never answers right without it, so every group has reward variance and
+    only calls earn reward. Measured on a 2-core AMD EPYC, trainer seeds 0-4 under ATen's avx512,
+    avx2 and default kernels (15 runs of 40 steps): the call rate's 5-step mean went 0.56-0.64
+    at the start to 0.96-1.00 by step 8 and stayed there (gain 0.36-0.43); the reward's went
+    0.45-0.59 -> 0.74-0.96. Hence 16 steps, and a bound with 0.2 of room."""
+    records = tool_run(tmp_path, seed=0)
     rate = [r["tool/call_rate"] for r in records if "tool/call_rate" in r]
     assert len(rate) == STEPS
     first, last = sum(rate[:5]) / 5, sum(rate[-5:]) / 5
