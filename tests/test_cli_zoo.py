@@ -297,23 +297,55 @@ TWO_PROCESSES = [
 ]  # fmt: skip
 
 
+# Several runs in one process, in turn, as a user's shell would run them one after another: a
+# cell pays the interpreter's start-up (seconds of imports per rank) once, not once per run.
+# Under torchrun each run after the first gets a rendezvous store of its own (a port from the
+# test): a process group made again on the agent's store would read the last group's addresses.
+IN_TURN = """
+import json, os, sys
+from otbrl import cli
+for i, (argv, port) in enumerate(json.loads(sys.argv[1])):
+    if i and port:
+        os.environ.update(TORCHELASTIC_USE_AGENT_STORE="False", MASTER_PORT=str(port))
+    code = cli.main(argv)
+    print("EXIT", code, flush=True)
+    if code:
+        sys.exit(code)
+"""
+
+
+def _run_in_turn(argvs: list[list[str]], env: dict, timeout: float, torchrun: bool = False):
+    """Run ``otbrl`` with each of ``argvs`` in turn in one child process (two ranks under
+    ``torchrun``); the child stops at the first failure, which the assertion names."""
+    from otbrl.engine.world import free_port
+
+    runs = [(argv, free_port() if torchrun else 0) for argv in argvs]
+    command = [sys.executable, "-c", IN_TURN, json.dumps(runs)]
+    if torchrun:
+        command[:0] = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        command[4:4] = ["--nproc_per_node", "2", "--no-python"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    finished = done.stdout.count("EXIT 0") // (2 if torchrun else 1)
+    failed = argvs[finished][1:] if finished < len(argvs) else None
+    assert done.returncode == 0, f"failed: {failed}\n{done.stderr[-3000:]}"
+    assert finished == len(argvs), done.stdout
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize(
-    ("shape", "layout", "extra"), TWO_PROCESSES, ids=[f"{s}-{n}" for s, n, _ in TWO_PROCESSES]
-)
-def test_two_process_layouts_from_torchrun(zoo, shape, layout, extra, tmp_path):
-    """``torchrun --nproc_per_node 2 -m otbrl train ...``: each rank's HF rollout copy is synced
-    from the sharded weights after every update (a tied lm_head stopped every layout here)."""
-    out = tmp_path / "runs" / "new"
-    extra = [e.format(rm=zoo[f"rm-{shape}"]) if "{rm}" in e else e for e in extra]
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        "-m", "otbrl", "train", *_args(zoo, shape, out, extra),
-    ]  # fmt: skip
-    done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    tol = BF16_SYNC_TOL if "model.precision=bf16-mixed" in extra else SYNC_TOL
-    _check_run(out, tol=tol)
+def test_two_process_layouts_from_torchrun(zoo, tmp_path):
+    """``torchrun --nproc_per_node 2 -m otbrl train ...`` for each layout of ``TWO_PROCESSES``:
+    each rank's HF rollout copy is synced from the sharded weights after every update (a tied
+    lm_head stopped every layout here). One torchrun runs the cells in turn, each its own
+    process group (made and torn down by the run, as under its own torchrun)."""
+    outs, argvs = [], []
+    for shape, layout, extra in TWO_PROCESSES:
+        out = tmp_path / f"{shape}-{layout}" / "runs" / "new"
+        extra = [e.format(rm=zoo[f"rm-{shape}"]) if "{rm}" in e else e for e in extra]
+        outs.append((out, BF16_SYNC_TOL if "model.precision=bf16-mixed" in extra else SYNC_TOL))
+        argvs.append(["train", *_args(zoo, shape, out, extra)])
+    _run_in_turn(argvs, _env(), timeout=600, torchrun=True)
+    for out, tol in outs:
+        _check_run(out, tol=tol)
 
 
 # -- vLLM in-process: every shape --------------------------------------------------------------
@@ -333,19 +365,7 @@ def test_vllm_rollout_on_every_shape(zoo, tmp_path):
         ["train", *_args(zoo, shape, out, ["rollout.name=vllm", *extra])]
         for (shape, extra), out in zip(VLLM_CELLS, outs)
     ]
-    script = (
-        "import json, sys\nfrom otbrl import cli\n"
-        "for argv in json.loads(sys.argv[1]):\n"
-        "    code = cli.main(argv)\n"
-        "    print('EXIT', code, flush=True)\n"
-        "    if code: sys.exit(code)\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", script, json.dumps(argvs)],
-        env=_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"),
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    _run_in_turn(argvs, _env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), timeout=600)
     for out in outs:
         _check_run(out)
 
