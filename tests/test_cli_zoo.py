@@ -302,13 +302,14 @@ TWO_PROCESSES = [
 # Under torchrun each run after the first gets a rendezvous store of its own (a port from the
 # test): a process group made again on the agent's store would read the last group's addresses.
 IN_TURN = """
-import json, os, sys
+import json, os, sys, time
 from otbrl import cli
 for i, (argv, port) in enumerate(json.loads(sys.argv[1])):
     if i and port:
         os.environ.update(TORCHELASTIC_USE_AGENT_STORE="False", MASTER_PORT=str(port))
+    start = time.monotonic()
     code = cli.main(argv)
-    print("EXIT", code, flush=True)
+    print("EXIT", code, f"in {time.monotonic() - start:.1f} s:", *argv[1:2], *argv[-3:], flush=True)
     if code:
         sys.exit(code)
 """
@@ -325,10 +326,11 @@ def _run_in_turn(argvs: list[list[str]], env: dict, timeout: float, torchrun: bo
         command[:0] = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         command[4:4] = ["--nproc_per_node", "2", "--no-python"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-    finished = done.stdout.count("EXIT 0") // (2 if torchrun else 1)
+    finished = done.stdout.count("EXIT 0 ") // (2 if torchrun else 1)
     failed = argvs[finished][1:] if finished < len(argvs) else None
     assert done.returncode == 0, f"failed: {failed}\n{done.stderr[-3000:]}"
     assert finished == len(argvs), done.stdout
+    print(done.stdout)  # each run's time, shown by pytest -s or on a failure
 
 
 @pytest.mark.distributed
