@@ -162,7 +162,9 @@ time.sleep(600)
 """
 
 
-def test_second_process_on_a_locked_directory_exits_2(setup, tmp_path):
+def test_second_process_on_a_locked_directory_exits_2(setup, tmp_path, capsys):
+    """A run directory held by another process: ``otbrl train`` on it exits 2 with one line
+    naming the holder (run here, in this process: the lock is the other process's)."""
     overrides, _ = setup
     run = tmp_path / "busy"
     holder = subprocess.Popen(
@@ -170,15 +172,11 @@ def test_second_process_on_a_locked_directory_exits_2(setup, tmp_path):
     )
     try:
         assert holder.stdout.readline().strip() == "ready"
-        second = subprocess.run(
-            [sys.executable, "-m", "otbrl", "train", *overrides(run)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert second.returncode == 2, second.stderr
-        assert f"in use by process {holder.pid}" in second.stderr
-        assert len(second.stderr.strip().splitlines()) == 1
+        capsys.readouterr()
+        assert cli.main(["train", *overrides(run)]) == 2
+        err = capsys.readouterr().err
+        assert f"in use by process {holder.pid}" in err, err
+        assert len(err.strip().splitlines()) == 1, err
     finally:
         holder.kill()
         holder.wait()
