@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -34,21 +33,22 @@ LORA = (
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """An uninterrupted LoRA run and one SIGKILLed after its first checkpoint, then resumed."""
+def runs(tmp_path_factory, one_thread):
+    """An uninterrupted LoRA run and one SIGKILLed after its first checkpoint, then resumed
+    (only the killed run in a child; the others here, on one thread like the child)."""
     root = tmp_path_factory.mktemp("lora_run")
     overrides = tiny_run_factory(root)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     reward = f"reward.function={length_reward_file(root)}:score"
 
-    def command(out):
-        return [sys.executable, "-m", "otbrl", "train", *overrides(out, *LORA, reward)]
+    def args(out):
+        return ["train", *overrides(out, *LORA, reward)]
 
     full, killed = root / "full", root / "killed"
-    subprocess.run(command(full), env=env, check=True, capture_output=True, timeout=300)
-    kill_at_first_checkpoint(command(killed), killed, env)
+    assert cli.main(args(full)) == 0
+    kill_at_first_checkpoint([sys.executable, "-m", "otbrl", *args(killed)], killed, env)
     assert not (killed / "summary.json").exists()
-    subprocess.run(command(killed), env=env, check=True, capture_output=True, timeout=300)
+    assert cli.main(args(killed)) == 0
     return root, full, killed
 
 

@@ -2,13 +2,13 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from otbrl import cli
 from otbrl.data import get_task, write_parquet_rows
 from otbrl.models import build_tiny_model
 from otbrl.store.checkpoint import latest_checkpoint
@@ -49,7 +49,9 @@ def stable_metrics(out_dir):
 
 
 @pytest.mark.slow
-def test_sigkill_and_resume_matches_uninterrupted(tmp_path):
+def test_sigkill_and_resume_matches_uninterrupted(tmp_path, one_thread):
+    """Only the killed run needs a process of its own: the uninterrupted and the resumed run
+    run in this one, on one torch thread as the child's ``OMP_NUM_THREADS=1`` gives it."""
     model_dir = build_tiny_model(
         tmp_path / "model", hidden_size=32, intermediate_size=64, num_hidden_layers=1
     )
@@ -58,9 +60,7 @@ def test_sigkill_and_resume_matches_uninterrupted(tmp_path):
     val = write_parquet_rows(task.rows("val", 8, seed=0), tmp_path / "val.parquet")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # same thread count in both runs
     full = tmp_path / "full"
-    subprocess.run(
-        command(model_dir, full, train, val), check=True, env=env, timeout=300, capture_output=True
-    )
+    assert cli.main(command(model_dir, full, train, val)[3:]) == 0
 
     killed = tmp_path / "killed"
     kill_at_first_checkpoint(command(model_dir, killed, train, val), killed, env)
@@ -70,13 +70,7 @@ def test_sigkill_and_resume_matches_uninterrupted(tmp_path):
     state = json.loads((resumed_from / "state" / "trainer_state.json").read_text())
     first_segment = state["trainer"]["wall_seconds"]
 
-    subprocess.run(
-        command(model_dir, killed, train, val),
-        check=True,
-        env=env,
-        timeout=300,
-        capture_output=True,
-    )
+    assert cli.main(command(model_dir, killed, train, val)[3:]) == 0
     expected, got = stable_metrics(full), stable_metrics(killed)
     assert [r["step"] for r in got] == list(range(7))
     assert got == expected
