@@ -197,6 +197,7 @@ class VLLMRollout:
         # Runs on close(), when this object is collected, or at exit — before vLLM's own
         # finalizer (finalizers run newest first), which it detaches.
         self._finalizer = weakref.finalize(self, _shutdown, self.llm, caller_owns_dist)
+        self._lora_dir = None  # before anything close() may clean up after a failed start-up
         _LIVE_ENGINES.add(self)
         model_config = self.llm.llm_engine.model_config
         if self.on_cpu:
@@ -214,7 +215,6 @@ class VLLMRollout:
         self._draws = np.random.default_rng(seed)
         self.lora = dict(lora) if lora is not None else None
         self._lora_request = None  # the adapter version requests run with (adapter sync)
-        self._lora_dir = None
 
     @property
     def serves_adapter(self) -> bool:
