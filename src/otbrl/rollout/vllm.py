@@ -197,7 +197,9 @@ class VLLMRollout:
         # Runs on close(), when this object is collected, or at exit — before vLLM's own
         # finalizer (finalizers run newest first), which it detaches.
         self._finalizer = weakref.finalize(self, _shutdown, self.llm, caller_owns_dist)
-        self._lora_dir = None  # before anything close() may clean up after a failed start-up
+        # adapter sync: a TemporaryDirectory holding the served adapter, one subdir per version
+        # (set before anything close() may clean up after a failed start-up)
+        self._adapter_files = None
         _LIVE_ENGINES.add(self)
         model_config = self.llm.llm_engine.model_config
         if self.on_cpu:
@@ -231,11 +233,9 @@ class VLLMRollout:
         self._finalizer()
         self.llm = None
         _LIVE_ENGINES.discard(self)
-        if self._lora_dir is not None:  # the served adapter's files (adapter sync)
-            import shutil
-
-            shutil.rmtree(self._lora_dir, ignore_errors=True)
-            self._lora_dir = None
+        if self._adapter_files is not None:
+            self._adapter_files.cleanup()
+            self._adapter_files = None
 
     def generate(
         self,
@@ -297,7 +297,8 @@ class VLLMRollout:
     def _load_adapter(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """The adapter tensors as a new adapter version on disk (PEFT format); the next requests
         load it (a new LoRA id: vLLM never serves a stale cached copy). The previous version's
-        files are removed."""
+        files are removed; all of them go with the engine (``close()``, collection or exit)."""
+        import shutil
         import tempfile
 
         from vllm.lora.request import LoRARequest
@@ -309,15 +310,16 @@ class VLLMRollout:
             raise ValueError(
                 "named_tensors: adapter sync expects the adapter's tensors only (PEFT names)"
             )
-        version = 1 if self._lora_request is None else self._lora_request.lora_int_id + 1
-        old = self._lora_dir
-        self._lora_dir = tempfile.mkdtemp(prefix=f"otbrl-adapter-v{version}-")
-        save_adapter(tensors, self.lora, self._lora_dir)
-        self._lora_request = LoRARequest(f"policy-v{version}", version, self._lora_dir)
+        old = self._lora_request
+        version = 1 if old is None else old.lora_int_id + 1
+        if self._adapter_files is None:
+            self._adapter_files = tempfile.TemporaryDirectory(
+                prefix="otbrl-adapter-", ignore_cleanup_errors=True
+            )
+        path = save_adapter(tensors, self.lora, Path(self._adapter_files.name) / f"v{version}")
+        self._lora_request = LoRARequest(f"policy-v{version}", version, str(path))
         if old is not None:
-            import shutil
-
-            shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
 
     def sleep(self) -> None:
         """Free weights (offloaded to CPU) and KV cache between rollouts (GPU sleep mode).
