@@ -36,7 +36,25 @@ import math
 import torch
 from torch import Tensor
 
-ROLLOUT_CORRECTIONS = ("none", "token_tis", "seq_mis", "decoupled")
+# algorithm.rollout_correction: a weight on the rollout's samples with no proximal policy
+CORRECTIONS = ("none", "token_tis", "seq_mis")
+# algorithm.off_policy -> the mode that implements it (``tis`` is ``token_tis``)
+OFF_POLICY_MODES = {"none": "none", "tis": "token_tis", "decoupled": "decoupled"}
+OFF_POLICY = tuple(OFF_POLICY_MODES)
+ROLLOUT_CORRECTIONS = (*CORRECTIONS, "decoupled")
+
+
+def correction_mode(off_policy: str, rollout_correction: str) -> str:
+    """The one ``rollout_is_weights`` mode that ``algorithm.off_policy`` and
+    ``algorithm.rollout_correction`` set between them: the off-policy mode when it is not
+    ``"none"`` (the config checks refuse both at once), else the correction."""
+    if off_policy not in OFF_POLICY_MODES:
+        raise ValueError(f"off_policy: expected one of {OFF_POLICY}, got {off_policy!r}")
+    if rollout_correction not in CORRECTIONS:
+        raise ValueError(
+            f"rollout_correction: expected one of {CORRECTIONS}, got {rollout_correction!r}"
+        )
+    return rollout_correction if off_policy == "none" else OFF_POLICY_MODES[off_policy]
 
 
 def rollout_mismatch_metrics(

@@ -1,6 +1,7 @@
-"""otbrl.config (beside the floors; imports nothing else from otbrl): the schema
+"""otbrl.config (beside the floors; importing it imports nothing else from otbrl): the schema
 (``schema``), loading from YAML and dotted overrides (``load``) and the schema-level checks
-(``checks``). ``otbrl.run.plan.validate_config`` makes the checks that need more."""
+(``checks``, which read each key's allowed values from the component that owns them when they
+run). ``otbrl.run.plan.validate_config`` makes the checks that need more."""
 
 from otbrl.config.checks import check_config
 from otbrl.config.load import load_config

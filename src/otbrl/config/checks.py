@@ -1,7 +1,7 @@
-"""Schema-level checks: what the configuration alone decides — allowed values, ranges, finite
-numbers, files named by the config. Checks that need the registries, the file system's data or
-the world size are ``otbrl.run.plan.validate_config``'s, which the CLI calls before any model
-loads."""
+"""Schema-level checks: what the configuration alone decides — allowed values (declared by the
+components that own them: ``choices``), ranges, finite numbers, files named by the config.
+Checks that need the registries, the file system's data or the world size are
+``otbrl.run.plan.validate_config``'s, which the CLI calls before any model loads."""
 
 from __future__ import annotations
 
@@ -22,32 +22,49 @@ from otbrl.config.schema import (
     VLLMConfig,
 )
 
-_CHOICES = {
-    "model.precision": ("32-true", "bf16-mixed", "bf16-true"),
-    "model.lora.sync": ("merged", "adapter"),
-    "rollout.name": ("hf", "vllm"),
-    "rollout.mode": ("colocated", "server"),
-    "rollout.stale_samples": ("drop", "wait"),
-    "rollout.vllm.dtype": ("float32", "bfloat16", "float16"),
-    "rollout.multi_turn.format": ("auto", "hermes", "compact"),
-    "algorithm.rollout_correction": ("none", "token_tis", "seq_mis"),
-    "algorithm.off_policy": ("none", "tis", "decoupled"),
-    "actor.loss_agg_mode": (
-        "token-mean",
-        "seq-mean-token-sum",
-        "seq-mean-token-mean",
-        "seq-mean-token-sum-norm",
-    ),
-    "actor.calculate_sum_pi_squared": ("auto", "true", "false"),
-    "actor.engine": ("auto", "single", "fsdp", "tp"),
-    "critic.enable": ("auto", "true", "false"),
-    "algorithm.otb.energy": ("logit_gradient", "uniform"),
-    "reward.on_error": ("raise", "zero"),
-    "data.overlong_prompts": ("error", "filter", "truncate_left"),
-    "reward.math_backend": ("verl", "math_verify"),
-}
+TRISTATE = ("auto", "true", "false")  # a switch that "auto" sets from the rest of the config
 
-_LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+
+def choices() -> dict[str, tuple[str, ...]]:
+    """Every key with a closed set of values -> those values, each read from the component that
+    owns the choice (the one place it is declared; ``tests/test_config_choices.py`` keeps this
+    table complete). Imported here, not at the top: the owners import torch and sit above the
+    config package."""
+    from otbrl.algos import otb, rollout_correction
+    from otbrl.algos.loss_math import LOSS_AGG_MODES
+    from otbrl.data.datasets import OVERLONG_PROMPTS
+    from otbrl.engine.dims import ENGINES
+    from otbrl.engine.precision import PRECISIONS
+    from otbrl.models.hf import DTYPES
+    from otbrl.models.lora import LORA_SYNCS
+    from otbrl.report.metrics_log import BACKENDS as LOGGERS
+    from otbrl.rewards.builtin import MATH_BACKENDS
+    from otbrl.rewards.scoring import ON_ERROR
+    from otbrl.rollout.protocol import ROLLOUT_MODES, ROLLOUT_NAMES
+    from otbrl.run.producer import STALE_SAMPLES
+    from otbrl.tools.formats import FORMATS
+
+    return {
+        "model.precision": PRECISIONS,
+        "model.lora.sync": LORA_SYNCS,
+        "rollout.name": ROLLOUT_NAMES,
+        "rollout.mode": ROLLOUT_MODES,
+        "rollout.stale_samples": STALE_SAMPLES,
+        "rollout.vllm.dtype": tuple(DTYPES),
+        "rollout.multi_turn.format": FORMATS,
+        "algorithm.rollout_correction": rollout_correction.CORRECTIONS,
+        "algorithm.off_policy": rollout_correction.OFF_POLICY,
+        "actor.loss_agg_mode": LOSS_AGG_MODES,
+        "actor.calculate_sum_pi_squared": TRISTATE,
+        "actor.engine": ENGINES,
+        "critic.enable": TRISTATE,
+        "algorithm.otb.energy": otb.ENERGIES,
+        "reward.on_error": ON_ERROR,
+        "data.overlong_prompts": OVERLONG_PROMPTS,
+        "reward.math_backend": MATH_BACKENDS,
+        "trainer.logger": LOGGERS,  # a list: each entry one of these
+    }
+
 
 _POSITIVE = (
     "data.train_batch_size",
@@ -189,12 +206,14 @@ def check_config(cfg: Config) -> None:
         # NaN passes every comparison check below and inf overflows at step 1
         if not math.isfinite(value):
             raise ConfigError(f"'{key}' must be a finite number, got {value}", key)
-    for key, choices in _CHOICES.items():
+    for key, allowed in choices().items():
         value = _get(cfg, key)
-        if value not in choices:
-            close = difflib.get_close_matches(str(value), choices, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise ConfigError(f"'{key}' must be one of {list(choices)}, got '{value}'{hint}", key)
+        for item in value if key == "trainer.logger" else [value]:
+            if item not in allowed:
+                close = difflib.get_close_matches(str(item), allowed, n=1)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                what = "entries must be in" if key == "trainer.logger" else "must be one of"
+                raise ConfigError(f"'{key}' {what} {list(allowed)}, got '{item}'{hint}", key)
     for key in _POSITIVE:
         if not _get(cfg, key) > 0:
             raise ConfigError(f"'{key}' must be > 0, got {_get(cfg, key)}", key)
@@ -278,12 +297,6 @@ def check_config(cfg: Config) -> None:
             f"'sft.target_accuracy' must be in [0, 1], got {cfg.sft.target_accuracy}",
             "sft.target_accuracy",
         )
-    for name in cfg.trainer.logger:
-        if name not in _LOGGERS:
-            raise ConfigError(
-                f"'trainer.logger' entries must be in {list(_LOGGERS)}, got '{name}'",
-                "trainer.logger",
-            )
     if cfg.trainer.resume not in ("auto", "never") and not Path(cfg.trainer.resume).exists():
         raise ConfigError(
             f"'trainer.resume' must be 'auto', 'never' or an existing checkpoint path, "

@@ -184,7 +184,9 @@ def tokenize_prompts(
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
-OVERLONG = ("error", "truncate_left")
+# data.overlong_prompts; "filter" drops the rows before they are encoded (the run's plan)
+OVERLONG_PROMPTS = ("error", "filter", "truncate_left")
+OVERLONG = tuple(mode for mode in OVERLONG_PROMPTS if mode != "filter")  # what encoding does
 
 
 def encode_prompts(

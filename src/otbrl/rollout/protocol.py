@@ -23,6 +23,8 @@ from typing import Any, Protocol, runtime_checkable
 from torch import Tensor
 
 FINISH_REASONS = ("stop", "length")
+ROLLOUT_NAMES = ("hf", "vllm")  # rollout.name: the backends (HFRollout, VLLMRollout/servers)
+ROLLOUT_MODES = ("colocated", "server")  # rollout.mode: in the trainer's process, or servers
 
 
 @dataclass(frozen=True)

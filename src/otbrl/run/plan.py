@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from otbrl.algos import rollout_correction
 from otbrl.algos.advantages import ESTIMATORS, get_estimator
 from otbrl.algos.loss_math import KL_KINDS
 from otbrl.config import Config, ConfigError
@@ -481,16 +482,12 @@ def check_prompt_lengths(
     return rows, limit, [f"{what}: their beginning is cut (data.overlong_prompts=truncate_left)"]
 
 
-# algorithm.off_policy -> the rollout_is_weights mode that implements it
-_OFF_POLICY_MODES = {"tis": "token_tis", "decoupled": "decoupled"}
-
-
 def correction_mode(cfg: Config) -> str:
-    """The ``rollout_is_weights`` mode of the run: ``algorithm.off_policy`` when set
-    (``tis`` -> ``token_tis``, ``decoupled``), else ``algorithm.rollout_correction`` (the
-    schema checks refuse both at once)."""
-    off_policy = cfg.algorithm.off_policy
-    return _OFF_POLICY_MODES.get(off_policy, cfg.algorithm.rollout_correction)
+    """The ``rollout_is_weights`` mode of the run (``otbrl.algos.rollout_correction``'s
+    ``correction_mode`` of ``algorithm.off_policy`` and ``algorithm.rollout_correction``)."""
+    return rollout_correction.correction_mode(
+        cfg.algorithm.off_policy, cfg.algorithm.rollout_correction
+    )
 
 
 def overlong_mode(cfg: Config) -> str:

@@ -32,6 +32,8 @@ from torch import Tensor
 
 from otbrl.run.sampling import Sample
 
+STALE_SAMPLES = ("drop", "wait")  # rollout.stale_samples (module docstring)
+
 
 @dataclass
 class Produced:
@@ -66,8 +68,10 @@ class Producer:
     ) -> None:
         if max_staleness < 1:
             raise ValueError(f"max_staleness: expected an int ≥ 1, got {max_staleness!r}")
-        if stale_samples not in ("wait", "drop"):
-            raise ValueError(f"stale_samples: expected 'wait' or 'drop', got {stale_samples!r}")
+        if stale_samples not in STALE_SAMPLES:
+            raise ValueError(
+                f"stale_samples: expected one of {STALE_SAMPLES}, got {stale_samples!r}"
+            )
         self.produce, self.version = produce, version
         self.k, self.mode = max_staleness, stale_samples
         self.first, self.start_version = first, version()
