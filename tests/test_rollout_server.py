@@ -139,12 +139,13 @@ def test_head_dim_16_is_one_line_before_any_model_loads(tmp_path, capsys, monkey
 def _all_generating(backend, count, thread) -> bool:
     """Waits until the server holds ``count`` requests of ours, each with a token generated
     (True), or the generating ``thread`` has finished first (False)."""
-    from otbrl.rollout.server import _INTERNAL_ID, _http
+    from otbrl.rollout.partial import INTERNAL_ID
+    from otbrl.rollout.server_client import request_json
 
     url = backend.servers[0].url
     while thread.is_alive():
-        answer = _http(f"{url}/collective_rpc", {"method": "otbrl_progress"}, timeout=30)
-        ours = [n for rid, n in answer["results"][0].items() if _INTERNAL_ID.fullmatch(rid)]
+        answer = request_json(f"{url}/collective_rpc", {"method": "otbrl_progress"}, timeout=30)
+        ours = [n for rid, n in answer["results"][0].items() if INTERNAL_ID.fullmatch(rid)]
         if len(ours) == count and min(ours) >= 1:
             return True
         time.sleep(0.002)

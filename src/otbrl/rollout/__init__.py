@@ -1,7 +1,10 @@
 """otbrl.rollout (floor 3): the protocol (``protocol``: ``SamplingParams``, ``Completion``,
 ``Sampler`` / ``RolloutBackend``), batch building and decoding (``batch``), three backends (``hf``:
 in-process HF sampler; ``vllm``: in-process vLLM; ``server``: vLLM OpenAI servers) with weight
-sync, and the agent loop (``agent``: multi-turn tool use) over any of them.
+sync, and the agent loop (``agent``: multi-turn tool use) over any of them. The two vLLM
+backends share ``vllm_common``; the server backend's jobs beside orchestration live in
+``server_process`` (processes), ``server_client`` (HTTP), ``weight_buckets`` (weight files, read
+by the servers' ``server_worker``) and ``partial`` (versions per token).
 
 ``VLLMRollout`` imports vLLM only when an engine is built; ``check_vllm_installed`` imports
 nothing, so config validation can call it cheaply.
@@ -25,7 +28,8 @@ from otbrl.rollout.protocol import (
     SamplingParams,
 )
 from otbrl.rollout.server import ServerError, ServerRollout
-from otbrl.rollout.vllm import INSTALL_HINT, VLLMRollout, check_vllm_installed
+from otbrl.rollout.vllm import VLLMRollout
+from otbrl.rollout.vllm_common import INSTALL_HINT, check_vllm_installed
 
 __all__ = [
     "FINISH_REASONS",

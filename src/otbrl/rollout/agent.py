@@ -57,7 +57,9 @@ class AgentLoop:
     """Runs multi-turn rollouts on ``backend`` with the tools of ``executor`` (a ``Sampler``).
 
     Args:
-        backend: any ``RolloutBackend`` (its ``generate`` with per-prompt ``max_tokens``).
+        backend: any ``RolloutBackend`` (its ``generate`` with per-prompt ``max_tokens``);
+            not owned: whoever built it closes it (the trainer its ``rollout``), so the loop,
+            which holds nothing between calls, has no ``close``.
         turns: the chat-template observation builder (and the tool-call format, ``turns.fmt``).
         executor: runs the parsed calls (timeouts, errors).
         max_turns: model turns per row (≥ 1; 1 never runs a tool).

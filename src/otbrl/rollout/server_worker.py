@@ -2,35 +2,18 @@
 otbrl.rollout.server_worker.WeightLoader``) so otbrl can push weights into it on CPU.
 
 vLLM's weight-transfer engines (NCCL, IPC) are GPU ones; here the trainer writes the weights as
-safetensors buckets into a directory both sides see (``/dev/shm`` on one machine) and calls,
-through the dev-mode ``/collective_rpc`` endpoint (string arguments only),
-``otbrl_load_weights(directory)``: the worker streams the buckets, in their file order, into one
-``reload_weights`` pass (the same in-place reload the in-process backend uses) and repacks a
-tied lm_head on CPU. ``otbrl_progress()`` reports how many tokens each in-flight request has
-generated (partial rollouts: where a weight update falls inside a completion). The extension
+safetensors buckets (``otbrl.rollout.weight_buckets``) into a directory both sides see
+(``/dev/shm`` on one machine) and calls, through the dev-mode ``/collective_rpc`` endpoint (string
+arguments only), ``otbrl_load_weights(directory)``: the worker streams the buckets, in their file
+order, into one ``reload_weights`` pass (the same in-place reload the in-process backend uses) and
+repacks a tied lm_head on CPU. ``otbrl_progress()`` reports how many tokens each in-flight request
+has generated (partial rollouts: where a weight update falls inside a completion). The extension
 imports only torch and safetensors at call time.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
-BUCKET_GLOB = "bucket-*.safetensors"
-
-
-def bucket_files(directory: str | Path) -> list[Path]:
-    """The weight buckets of ``directory`` in the order they were written (by name)."""
-    return sorted(Path(directory).glob(BUCKET_GLOB))
-
-
-def iter_buckets(directory: str | Path):
-    """(HF name, tensor) of every bucket of ``directory``, one bucket open at a time."""
-    from safetensors import safe_open
-
-    for path in bucket_files(directory):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                yield name, f.get_tensor(name)
+from otbrl.rollout.weight_buckets import iter_buckets
 
 
 class WeightLoader:
@@ -41,7 +24,7 @@ class WeightLoader:
         """Load every bucket of ``directory`` (HF names) in place; returns the tensor count."""
         from vllm.platforms import current_platform
 
-        from otbrl.rollout.vllm import _repack_tied_lm_head, _tied_lm_head
+        from otbrl.rollout.vllm_common import repack_tied_lm_head, tied_lm_head
 
         count = 0
 
@@ -52,8 +35,8 @@ class WeightLoader:
                 yield item
 
         self.reload_weights(weights_iterator=counted())
-        if current_platform.is_cpu() and _tied_lm_head(self) is not None:
-            _repack_tied_lm_head(self)
+        if current_platform.is_cpu() and tied_lm_head(self) is not None:
+            repack_tied_lm_head(self)
         return count
 
     def otbrl_progress(self) -> dict[str, int]:

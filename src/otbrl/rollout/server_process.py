@@ -1,0 +1,177 @@
+"""The vLLM servers otbrl starts itself (``rollout.mode=server`` without ``urls``): the command
+line, a free loopback port each, one process each (start, alive, stop, its log's last error),
+and the wait until it answers.
+
+- Start-up: ``python -m vllm.entrypoints.openai.api_server`` (the CPU build's ``vllm`` console
+  script fails on a package-name lookup) with ``VLLM_SERVER_DEV_MODE=1`` (the dev endpoints
+  ``ServerRollout`` uses), ``--served-model-name`` (what ``urls`` are checked against),
+  ``--generation-config vllm`` (no EOS of the model's generation config added to our stops),
+  ``--logprobs-mode processed_logprobs`` and on CPU no chunked prefill — the in-process
+  backend's settings (``otbrl.rollout.vllm``), for the same log-probs and seeded draws.
+- Each server runs in a session of its own, so stopping it takes its engine-core child along.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from otbrl.rollout.server_client import ServerError, request_json
+from otbrl.rollout.vllm_common import CPU_STEP_TOKENS, check_vllm_installed
+
+WORKER_EXTENSION = "otbrl.rollout.server_worker.WeightLoader"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def server_command(
+    model_dir: Path,
+    *,
+    port: int,
+    served_model_name: str,
+    dtype: str,
+    kv_cache_gib: float,
+    seed: int,
+    max_model_len: int | None,
+) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of one server on ``127.0.0.1:port``."""
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--served-model-name", served_model_name,
+        "--dtype", dtype, "--enforce-eager", "--host", "127.0.0.1", "--port", str(port),
+        "--seed", str(seed), "--generation-config", "vllm",
+        "--logprobs-mode", "processed_logprobs", "--skip-tokenizer-init",
+        "--worker-extension-cls", WORKER_EXTENSION,
+    ]  # fmt: skip
+    if max_model_len:
+        command += ["--max-model-len", str(max_model_len)]
+    env = dict(os.environ)
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # the worker extension must import otbrl from this very checkout
+    src = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        command += [
+            "--kv-cache-memory-bytes", str(int(kv_cache_gib * 2**30)),
+            "--no-enable-chunked-prefill",
+            "--max-num-batched-tokens", str(max(CPU_STEP_TOKENS, max_model_len or 0)),
+        ]  # fmt: skip
+    return command, env
+
+
+class Server:
+    """One server: its url, and the process when otbrl started it (``command`` not None)."""
+
+    def __init__(self, url: str, command: list[str] | None, env: dict | None, log: Path | None):
+        self.url, self.command, self.env, self.log = url.rstrip("/"), command, env, log
+        self.process: subprocess.Popen | None = None
+        self.restarts = 0
+
+    @property
+    def owned(self) -> bool:
+        return self.command is not None
+
+    def start(self) -> None:
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(
+                self.command,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # its engine-core child goes with it on stop()
+            )
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=15)
+        self.process = None
+
+    def log_tail(self) -> str:
+        """The server's last error line, for a one-line message."""
+        if self.log is None or not self.log.exists():
+            return ""
+        lines = [ln.strip() for ln in self.log.read_text(errors="replace").splitlines()]
+        errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+        return (errors or lines or [""])[-1][-300:]
+
+    def wait_ready(self, timeout_s: float, model_dir: Path) -> None:
+        """Until ``/health`` answers; a ``ServerError`` (the server stopped) when the process
+        exits first or ``timeout_s`` passes."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise ServerError(
+                    f"vLLM server {self.url} (model {model_dir}) exited during start-up: "
+                    f"{self.log_tail() or 'no output'} (log: {self.log})"
+                )
+            with contextlib.suppress(OSError, ServerError, ValueError):
+                request_json(f"{self.url}/health", timeout=5)
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise ServerError(
+            f"vLLM server {self.url} (model {model_dir}) did not answer within "
+            f"{timeout_s:.0f} s (log: {self.log})"
+        )
+
+
+def start_servers(
+    model_dir: Path,
+    count: int,
+    *,
+    seed: int,
+    startup_timeout_s: float,
+    log_dir: str | os.PathLike | None,
+    **settings,
+) -> list[Server]:
+    """``count`` servers on free loopback ports (server i seeded ``seed + i``, its log
+    ``<log_dir>/server-<i>.log``; None: a fresh temporary directory), started together, each
+    answering; ``settings``: the rest of :func:`server_command`'s. On failure the ones started
+    are stopped."""
+    check_vllm_installed()
+    logs = Path(log_dir or tempfile.mkdtemp(prefix="otbrl-servers-"))
+    logs.mkdir(parents=True, exist_ok=True)  # a run's <output_dir>/servers is new
+    servers: list[Server] = []
+    try:
+        for i in range(count):
+            port = free_port()
+            command, env = server_command(model_dir, port=port, seed=seed + i, **settings)
+            url = f"http://127.0.0.1:{port}"
+            servers.append(Server(url, command, env, logs / f"server-{i}.log"))
+        for server in servers:
+            server.start()
+        for server in servers:
+            server.wait_ready(startup_timeout_s, model_dir)
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
