@@ -183,9 +183,9 @@ def ppo_batch(model, groups: int, n: int, prompt_len: int, resp_len: int, vocab:
 
 
 def _actor_config(micro: int):
-    from otbrl.config import ActorConfig
+    from otbrl.engine.optim import OptimConfig
 
-    return ActorConfig(lr=1e-4, warmup_steps=0, micro_batch_size=micro, grad_clip=1.0)
+    return OptimConfig(lr=1e-4, warmup_steps=0, micro_batch_size=micro, grad_clip=1.0)
 
 
 OUTPUTS = frozenset({"log_probs", "entropy", "sum_pi_squared"})

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     demo = ["actor.ppo_mini_batch_size=16"]
     cfg = load_config(None, [f"trainer.output_dir={out}", *demo, *args.overrides])
     trainer = Trainer(cfg)
-    with_needs = trainer.plan.needs | {"sum_pi_squared"}
+    with_needs = trainer.plan.spec.needs | {"sum_pi_squared"}
     variants = {
         "with Σπ²": (with_needs, cfg.algorithm.otb.energy),
         "without Σπ²": (with_needs - {"sum_pi_squared"}, "uniform"),

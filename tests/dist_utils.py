@@ -161,11 +161,11 @@ OUTPUTS = frozenset({"log_probs", "entropy", "sum_pi_squared"})
 
 
 def actor_config(**overrides):
-    from otbrl.config import ActorConfig
+    from otbrl.engine.optim import OptimConfig
 
     kwargs = dict(lr=1e-3, warmup_steps=0, micro_batch_size=4, grad_clip=0.5, ppo_epochs=1)
     kwargs.update(overrides)
-    return ActorConfig(**kwargs)
+    return OptimConfig(**kwargs)
 
 
 def ppo_batch(groups: int = 4, n: int = 2, seed: int = 7) -> dict[str, torch.Tensor]:
@@ -212,6 +212,22 @@ def split_by_groups(uid: torch.Tensor, dp_rank: int, dp_size: int) -> torch.Tens
     mine = torch.zeros(groups.numel(), dtype=torch.bool)
     mine[order[dp_rank * per_rank : (dp_rank + 1) * per_rank]] = True
     return mine[inverse].nonzero(as_tuple=True)[0]
+
+
+def local_batch(batch: dict[str, torch.Tensor], world) -> dict[str, torch.Tensor]:
+    """The rows of the global ``batch`` that ``world``'s data-parallel rank trains on
+    (``split_by_groups``; the whole batch, in order, at world size 1)."""
+    rows = split_by_groups(batch["uid"], world.dp_rank, world.dp_size)
+    return {k: v[rows] for k, v in batch.items()}
+
+
+def ppo_step(engine, batch: dict[str, torch.Tensor]):
+    """One PPO step of ``engine`` on its rank's rows of the global ``batch``: the old log-probs
+    from its own forward, then ``engine.update`` with ``policy_loss()``; returns the forward's
+    stats and the update's metrics."""
+    local = local_batch(batch, engine.world)
+    stats = engine.compute(local, OUTPUTS)
+    return stats, engine.update({**local, "old_log_probs": stats["log_probs"]}, policy_loss())
 
 
 def start_test_world(rank: int, world_size: int, *, sp: int = 1, tp: int = 1):

@@ -1,46 +1,93 @@
-"""A tiny model, small parquet files and the overrides of a seconds-long ``otbrl train`` run."""
+"""Helpers of the tests that run ``otbrl``: the overrides of a seconds-long ``otbrl train`` run,
+its tiny model and small parquet files, its metrics, and the one-line errors it refuses with."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import time
 from pathlib import Path
 
+from otbrl import cli
 from otbrl.data import get_task, write_parquet_rows
 from otbrl.models import build_tiny_model
+from tiny_models import ONE_LAYER
+
+# measurements of the machine: they differ between two runs of the same config
+VOLATILE = ("timing/", "throughput/", "memory/")
+
+
+def train_overrides(model, out_dir, *extra) -> list[str]:
+    """The ``otbrl train`` overrides the tests' runs share, then ``extra`` (a later value of a
+    key wins): ``model``, the run in ``out_dir`` logged to ``metrics.jsonl``, 4 prompts x 4
+    samples of at most 4 tokens a step."""
+    return [
+        f"model.path={model}",
+        f"trainer.output_dir={out_dir}",
+        "trainer.logger=[jsonl]",
+        "data.train_batch_size=4",
+        "rollout.n=4",
+        "data.max_response_length=4",
+        *extra,
+    ]
+
+
+def data_files(train, val, reward=None) -> list[str]:
+    """The overrides that train on ``train``, validate on ``val`` (parquet files) and, with
+    ``reward`` (a ``.py`` file), score with its ``score`` function."""
+    files = [f"data.train_files=[{train}]", f"data.val_files=[{val}]"]
+    return files if reward is None else [*files, f"reward.function={reward}:score"]
 
 
 def tiny_run_factory(root: Path):
     """Build the model and data under ``root``; returns ``overrides(out_dir, *extra)``: a
     4-step run (4 prompts x 4 samples, 2 optimizer steps per RL step), saved every 2 steps."""
-    model = build_tiny_model(
-        root / "model", hidden_size=32, intermediate_size=64, num_hidden_layers=1
-    )
+    model = build_tiny_model(root / "model", **ONE_LAYER)
     task = get_task("arithmetic")
     train = write_parquet_rows(task.rows("train", 32, seed=0), root / "train.parquet")
     val = write_parquet_rows(task.rows("val", 8, seed=0), root / "val.parquet")
+    run = ["trainer.total_steps=4", "trainer.save_every=2", "trainer.val_every=2"]
+    batches = ["actor.ppo_mini_batch_size=2", "actor.micro_batch_size=4"]
 
     def overrides(out_dir, *extra):
-        return [
-            f"model.path={model}",
-            f"trainer.output_dir={out_dir}",
-            "trainer.total_steps=4",
-            "trainer.save_every=2",
-            "trainer.val_every=2",
-            "trainer.logger=[jsonl]",
-            "data.train_batch_size=4",
-            f"data.train_files=[{train}]",
-            f"data.val_files=[{val}]",
-            "data.max_response_length=4",
-            "rollout.n=4",
-            "actor.ppo_mini_batch_size=2",
-            "actor.micro_batch_size=4",
-            *extra,
-        ]
+        return train_overrides(model, out_dir, *data_files(train, val), *run, *batches, *extra)
 
     return overrides
+
+
+def vllm_run_overrides(model_dir, data, out_dir, *extra) -> list[str]:
+    """A 3-step ``rollout.name=vllm`` run on ``data`` (``length_reward_files``: train, val,
+    reward) with ``actor.lr=1e-2``: large steps, so that a missed weight sync or a stale sample
+    shows in the log-prob mismatch; then ``extra``."""
+    run = ["rollout.name=vllm", "trainer.total_steps=3", "actor.lr=1e-2", "actor.warmup_steps=0"]
+    return train_overrides(model_dir, out_dir, *data_files(*data), *run, *extra)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The records of ``run_dir/metrics.jsonl``, in order."""
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def stable_metrics(run_dir: Path, volatile=VOLATILE) -> list[dict]:
+    """``read_metrics`` without the keys that start with one of ``volatile``: what two runs of
+    the same config must agree on."""
+    return [
+        {k: v for k, v in r.items() if not k.startswith(volatile)} for r in read_metrics(run_dir)
+    ]
+
+
+def refused(argv: list[str], capsys, *fragments: str) -> str:
+    """``otbrl <argv>`` exits 2 with one line on stderr (no traceback) that holds every one of
+    ``fragments``; returns the line. What the test printed before is dropped first."""
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err and "\n" not in err and "Traceback" not in err, err
+    for fragment in fragments:
+        assert fragment in err, err
+    return err
 
 
 # A random tiny model never answers right: a reward that varies inside each group (the parity of

@@ -16,7 +16,6 @@ pytest.importorskip("vllm", reason="vllm is not installed (make setup installs v
 
 from otbrl.data import encode_prompts, get_task
 from otbrl.engine.layout import Layout, forward_outputs
-from otbrl.models import build_tiny_model, load_model_and_tokenizer
 from otbrl.rollout import (
     HFRollout,
     SamplingParams,
@@ -25,38 +24,21 @@ from otbrl.rollout import (
     make_agent,
     unpad_prompts,
 )
-from otbrl.run.sft import run_sft
 from otbrl.tools import resolve_tools
+from tiny_models import VLLM_SIZE, taught_tool_model
 
-SIZE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2)
-SIZE["num_key_value_heads"] = 2
 MAX_TOKENS = 32
 TOL = 1e-5
 # the calculator is deterministic: the same call gets the same observation on both backends
 
 
-def taught_tool_model(root):
-    """A head-size-32 tiny model taught the calculator call by 150 SFT steps on demonstrations
-    that all call it (it then calls on almost every prompt); returns (path, model, tokenizer)."""
-    task = get_task("tool_arithmetic", tool_leading_digits="123456789")
-    path = build_tiny_model(root / "model", task="tool_arithmetic", seed=0, **SIZE)
-    model, tok = load_model_and_tokenizer(path)
-    rows = task.rows("train", 512, seed=0)
-    with torch.random.fork_rng(devices=[]):
-        run_sft(
-            model, tok, rows, [task.demonstration(r) for r in rows],
-            lr=3e-3, batch_size=64, max_steps=150, seed=0, tools=resolve_tools(["calculator"]),
-        )  # fmt: skip
-    model.eval()
-    model.save_pretrained(path)  # vLLM reads the taught weights from the directory
-    return path, model, tok
-
-
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    path, model, tok = taught_tool_model(tmp_path_factory.mktemp("agent_vllm"))
+def setup(one_thread, tmp_path_factory):
+    # head size 32, taught by 150 SFT steps on demonstrations that all call the calculator
+    # (it then calls on almost every prompt)
+    path = tmp_path_factory.mktemp("agent_vllm") / "model"
+    demos = get_task("tool_arithmetic", tool_leading_digits="123456789")
+    model, tok = taught_tool_model(path, demos, rows=512, steps=150, **VLLM_SIZE)
     tools = resolve_tools(["calculator"])
     task = get_task("tool_arithmetic")
     val = task.rows("val", 6, seed=0)
@@ -74,7 +56,6 @@ def setup(tmp_path_factory):
         "hf": HFRollout(model, tok),
     }
     engine.close()
-    torch.set_num_threads(previous)
 
 
 def agent(s, backend):

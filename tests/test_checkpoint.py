@@ -73,11 +73,11 @@ def tiny_llama(vocab_size, seed):
 
 def make_engine(vocab_size, seed, **optim):
     """An engine on a tiny tied-embedding Llama: AdamW (weight decay) + a warmup schedule."""
-    from otbrl.config import ActorConfig
     from otbrl.engine.engine import Engine
+    from otbrl.engine.optim import OptimConfig
 
     settings = dict(lr=1e-3, weight_decay=0.01, warmup_steps=4, micro_batch_size=4, **optim)
-    return Engine(tiny_llama(vocab_size, seed), ActorConfig(**settings), seed=seed)
+    return Engine(tiny_llama(vocab_size, seed), OptimConfig(**settings), seed=seed)
 
 
 def train_step(engine, vocab_size):
@@ -160,20 +160,30 @@ def test_round_trip_is_exact_and_training_continues_identically(tmp_path, tokeni
 def test_critic_and_frozen_engines(tmp_path, tokenizer):
     """A value model goes to critic/ with its own optimizer shards; a checkpoint without the
     critic cannot restore one."""
-    from otbrl.config import CriticConfig
     from otbrl.engine.engine import Engine
+    from otbrl.engine.optim import OptimConfig
     from otbrl.models import load_value_model
 
     vocab = len(tokenizer)
     policy = make_engine(vocab, seed=0)
     policy.model.save_pretrained(tmp_path / "hf")
-    critic = Engine(load_value_model(tmp_path / "hf"), CriticConfig(), name="critic", value=True)
+    critic = Engine(
+        load_value_model(tmp_path / "hf"),
+        OptimConfig(lr=1e-5, warmup_steps=0),
+        name="critic",
+        value=True,
+    )
     ids = torch.randint(3, vocab, (2, 6))
     critic.model(input_ids=ids).logits.sum().backward()
     critic.optimizer.step()
     path = save_checkpoint(tmp_path / "c", 1, engines={"policy": policy, "critic": critic})
     assert (path / "critic" / "model.safetensors").is_file()
-    fresh = Engine(load_value_model(tmp_path / "hf"), CriticConfig(), name="critic", value=True)
+    fresh = Engine(
+        load_value_model(tmp_path / "hf"),
+        OptimConfig(lr=1e-5, warmup_steps=0),
+        name="critic",
+        value=True,
+    )
     load_checkpoint(path, engines={"policy": make_engine(vocab, seed=3), "critic": fresh})
     for (name, a), b in zip(critic.model.state_dict().items(), fresh.model.state_dict().values()):
         assert torch.equal(a, b), name
@@ -263,11 +273,11 @@ def test_load_errors_name_the_problem(tmp_path, tokenizer):
     with pytest.raises(ValueError, match=r"embed_tokens.weight has shape \[\d+, 32\] there"):
         load_checkpoint(path, engines=other)
     qwen = tiny_causal_lm("qwen2", 0, vocab_size=len(tokenizer))  # another architecture
-    from otbrl.config import ActorConfig
     from otbrl.engine.engine import Engine
+    from otbrl.engine.optim import OptimConfig
 
     with pytest.raises(ValueError, match="does not match the model"):
-        load_checkpoint(path, engines={"policy": Engine(qwen, ActorConfig())})
+        load_checkpoint(path, engines={"policy": Engine(qwen, OptimConfig())})
 
 
 def test_no_file_of_a_checkpoint_is_unpickled(tmp_path, tokenizer):
@@ -340,10 +350,10 @@ KILLED_SAVE = """
 import os, signal, sys
 sys.path.insert(0, sys.argv[2])
 import otbrl.store.checkpoint as ckpt
-from otbrl.config import ActorConfig
+from otbrl.engine.optim import OptimConfig
 from otbrl.engine.engine import Engine
 from tiny_models import tiny_causal_lm
-engines = {"policy": Engine(tiny_causal_lm(), ActorConfig())}
+engines = {"policy": Engine(tiny_causal_lm(), OptimConfig())}
 ckpt.save_checkpoint(sys.argv[1], 1, engines=engines, trainer_state={"step": 1})
 real_replace = os.replace
 def replace_then_die(src, dst):
@@ -356,8 +366,8 @@ ckpt.save_checkpoint(sys.argv[1], 2, engines=engines, trainer_state={"step": 2})
 
 
 def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path):
-    from otbrl.config import ActorConfig
     from otbrl.engine.engine import Engine
+    from otbrl.engine.optim import OptimConfig
 
     tests = os.path.dirname(__file__)
     cmd = [sys.executable, "-c", KILLED_SAVE, str(tmp_path), tests]
@@ -366,7 +376,7 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path):
     assert len(leftovers) == 1  # the fully written but unpublished step 2
     assert latest_checkpoint(tmp_path) == tmp_path / "step_1"
     saved = tiny_causal_lm()  # what the child saved
-    engines = {"policy": Engine(tiny_causal_lm(seed=4), ActorConfig())}
+    engines = {"policy": Engine(tiny_causal_lm(seed=4), OptimConfig())}
     assert load_checkpoint(tmp_path / "step_1", engines=engines) == {"step": 1}
     for (name, a), b in zip(
         saved.state_dict().items(), engines["policy"].model.state_dict().values()

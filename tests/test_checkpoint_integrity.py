@@ -11,10 +11,12 @@ import torch
 
 from ckpt_utils import flip_byte, reseal, truncate
 from otbrl import cli
-from otbrl.config import ActorConfig, load_config
+from otbrl.config import load_config
 from otbrl.engine.engine import Engine
+from otbrl.engine.optim import OptimConfig
 from otbrl.models import build_tiny_model, load_model_and_tokenizer
 from otbrl.report.metrics_log import MetricsLogger
+from otbrl.run.rundir import claim_run_dir
 from otbrl.store.checkpoint import (
     IntegrityError,
     export_checkpoint,
@@ -23,7 +25,6 @@ from otbrl.store.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from otbrl.store.rundir import claim_run_dir
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def model_dir(tmp_path_factory):
 
 def engine_and_tokenizer(model_dir):
     model, tokenizer = load_model_and_tokenizer(model_dir)
-    return Engine(model, ActorConfig(lr=1e-3)), tokenizer
+    return Engine(model, OptimConfig(lr=1e-3)), tokenizer
 
 
 def saved(model_dir, root, steps=(1,)):

@@ -18,135 +18,93 @@ from pathlib import Path
 
 import pytest
 
+from memory_utils import needs_peak_reset, rss_gb, trim
+
 TESTS = Path(__file__).resolve().parent
 
-SCRIPT = r"""
-import json, sys
-import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
-from dist_utils import OUTPUTS, actor_config, policy_loss, ppo_batch
-from otbrl.engine.engine import Engine
-from otbrl.engine.memory import peak_memory_gb, reset_peak_memory
-from otbrl.store.checkpoint import save_checkpoint
 
-def trim():  # free heap pages back to the OS: memory the save reuses counts as growth
-    import ctypes
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
+def _qwen2(vocab_size: int, num_hidden_layers: int):
+    """A random-init untied Qwen2 with hidden size 512 (8 heads, 2 KV heads), seed 0."""
+    from otbrl.models import random_causal_lm
 
-def rss_gb():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024 / 1e9
-
-torch.manual_seed(0)
-config = Qwen2Config(vocab_size=32000, hidden_size=512, intermediate_size=1536,
-                     num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2,
-                     tie_word_embeddings=False)
-engine = Engine(Qwen2ForCausalLM(config), actor_config(), mini_batch_size=8, seed=0)
-batch = ppo_batch()
-stats = engine.compute(batch, OUTPUTS)
-engine.update({**batch, "old_log_probs": stats["log_probs"]}, policy_loss())
-weights = sum(t.numel() * t.element_size() for t in engine.model.state_dict().values())
-moments = sum(v.numel() * v.element_size() for s in engine.optimizer.state.values()
-              for v in s.values())
-del batch, stats
-trim()
-reset_peak_memory()
-before = rss_gb()
-save_checkpoint(sys.argv[1], 1, engines={"policy": engine}, trainer_state={"step": 1})
-save = peak_memory_gb() - before
-
-trim()
-reset_peak_memory()
-before = rss_gb()
-copy = {k: v.clone() for k, v in engine.model.state_dict().items()}
-probe = peak_memory_gb() - before
-print(json.dumps({"weights": weights / 1e9, "state": (weights + moments) / 1e9,
-                  "save": save, "probe": probe}))
-"""
+    return random_causal_lm(
+        "qwen2", seed=0, vocab_size=vocab_size, num_hidden_layers=num_hidden_layers,
+        hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )  # fmt: skip
 
 
-def _can_reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _can_reset_peak(), reason="needs Linux's /proc/self/clear_refs")
-def test_a_save_adds_at_most_15_percent_of_the_state_to_peak_memory(tmp_path):
+def _in_fresh_python(call: str, **env) -> dict:
+    """Run ``call`` of this module in a fresh interpreter (nothing else of the test session in
+    its memory) on one thread, with ``env`` set; returns the JSON it printed last."""
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])),
+        **env,
     }
+    code = f"import test_checkpoint_memory as m; m.{call}"
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tmp_path / "ckpt")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _one_process_main(ckpt: str) -> None:
+    """Save a ~51 M-parameter model with its AdamW state; print the state's size, the save's
+    peak growth, and the growth a deliberate copy of the weights shows (the probe's check)."""
+    from dist_utils import actor_config, ppo_batch, ppo_step
+    from otbrl.engine.engine import Engine
+    from otbrl.engine.memory import peak_memory_gb, reset_peak_memory
+    from otbrl.store.checkpoint import save_checkpoint
+
+    engine = Engine(_qwen2(32000, 6), actor_config(), mini_batch_size=8, seed=0)
+    ppo_step(engine, ppo_batch())
+    weights = sum(t.numel() * t.element_size() for t in engine.model.state_dict().values())
+    moments = sum(
+        v.numel() * v.element_size() for s in engine.optimizer.state.values() for v in s.values()
+    )
+    trim()
+    reset_peak_memory()
+    before = rss_gb()
+    save_checkpoint(ckpt, 1, engines={"policy": engine}, trainer_state={"step": 1})
+    save = peak_memory_gb() - before
+
+    trim()
+    reset_peak_memory()
+    before = rss_gb()
+    copy = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    probe = peak_memory_gb() - before
+    del copy  # held until the peak was read
+    state = (weights + moments) / 1e9
+    print(json.dumps({"weights": weights / 1e9, "state": state, "save": save, "probe": probe}))
+
+
+@needs_peak_reset
+def test_a_save_adds_at_most_15_percent_of_the_state_to_peak_memory(tmp_path):
+    got = _in_fresh_python(f"_one_process_main({str(tmp_path / 'ckpt')!r})")
     assert 0.55 < got["state"] < 0.7  # ~51 M parameters, fp32, with AdamW's two moments
     assert got["probe"] > 0.9 * got["weights"], got  # the probe sees a copy of the weights
     assert got["save"] <= 0.15 * got["state"], got
     assert (tmp_path / "ckpt" / "step_1" / "checkpoint.json").is_file()
 
 
-def _rss_gb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024 / 1e9
-    raise RuntimeError("no VmRSS")
-
-
 def _fsdp_worker(rank, world_size, port, ckpt_root):
-    import ctypes
-
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from dist_utils import (
-        OUTPUTS,
-        actor_config,
-        policy_loss,
-        ppo_batch,
-        split_by_groups,
-        start_test_world,
-    )
+    from dist_utils import actor_config, ppo_batch, ppo_step, start_test_world
     from otbrl.engine.engine import Engine
     from otbrl.engine.memory import optimizer_gb, params_gb, peak_memory_gb, reset_peak_memory
     from otbrl.store.checkpoint import save_checkpoint
 
     world = start_test_world(rank, world_size)
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=8000,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
-    model = Qwen2ForCausalLM(config)
+    model = _qwen2(8000, 4)
     largest = max(p.numel() * p.element_size() for p in model.parameters()) / 1e9
     engine = Engine(model, actor_config(), world=world, mini_batch_size=8, seed=0)
-    batch = ppo_batch()
-    rows = split_by_groups(batch["uid"], world.dp_rank, world.dp_size)
-    local = {k: v[rows] for k, v in batch.items()}
-    stats = engine.compute(local, OUTPUTS)
-    engine.update({**local, "old_log_probs": stats["log_probs"]}, policy_loss())
-    del batch, local, stats
+    ppo_step(engine, ppo_batch())
     world.barrier()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # memory the save reuses counts as growth
+    trim()
     reset_peak_memory()
-    before = _rss_gb()
+    before = rss_gb()
     save_checkpoint(ckpt_root, 1, engines={"policy": engine}, trainer_state={"step": 1})
     return {
         "save": peak_memory_gb() - before,
@@ -164,7 +122,7 @@ def _fsdp_main(out: str) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.skipif(not _can_reset_peak(), reason="needs Linux's /proc/self/clear_refs")
+@needs_peak_reset
 def test_fsdp_ranks_gather_one_tensor_at_a_time_during_a_save(tmp_path):
     """2 FSDP2 ranks of a 20 M model: the HF export gathers one full tensor at a time, never the
     model (which every rank gathered before: +218 MB each here), and each rank writes its
@@ -174,18 +132,7 @@ def test_fsdp_ranks_gather_one_tensor_at_a_time_during_a_save(tmp_path):
 
     glibc's dynamic mmap threshold lets freed tensors of this size linger in the heap and the
     RSS creep up over many gathers; a fixed threshold measures what the save itself holds."""
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "MALLOC_MMAP_THRESHOLD_": "131072",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])),
-    }
-    code = f"from test_checkpoint_memory import _fsdp_main; _fsdp_main({str(tmp_path)!r})"
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    got = _in_fresh_python(f"_fsdp_main({str(tmp_path)!r})", MALLOC_MMAP_THRESHOLD_="131072")
     for rank, result in got.items():
         assert result["save"] <= 2.5 * result["largest"], (rank, result)
     assert (tmp_path / "ckpt" / "step_1" / "checkpoint.json").is_file()

@@ -6,19 +6,7 @@ import sys
 import pytest
 
 from otbrl import cli
-
-
-@pytest.fixture
-def no_model_loading(monkeypatch):
-    """Any attempt to build a trainer or warm-start a model fails the test."""
-    import otbrl.run.build as build_mod
-    import otbrl.run.sft as sft_mod
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("a model was loaded before the config was validated")
-
-    monkeypatch.setattr(build_mod, "load_model_and_tokenizer", forbidden)
-    monkeypatch.setattr(sft_mod, "ensure_warm_start", forbidden)
+from run_utils import refused
 
 
 @pytest.mark.parametrize(
@@ -46,9 +34,7 @@ def no_model_loading(monkeypatch):
     ],
 )
 def test_config_errors_exit_2_with_one_line(argv, key, capsys, no_model_loading):
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and key in err and "Traceback" not in err
+    refused(argv, capsys, key)
 
 
 def test_missing_config_file_and_bad_override(tmp_path, capsys, no_model_loading):
@@ -93,24 +79,17 @@ def test_subprocess_exit_code_and_no_traceback():
 
 
 def test_plot_and_export_of_missing_paths_are_one_line_errors(tmp_path, capsys):
-    from otbrl.cli import main
 
-    assert main(["plot", str(tmp_path / "no_run")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("otbrl: error:") and "run_dir" in err and "\n" not in err
-    assert main(["export", str(tmp_path / "no_ckpt"), str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("otbrl: error:") and "\n" not in err
+    err = refused(["plot", str(tmp_path / "no_run")], capsys, "run_dir")
+    assert err.startswith("otbrl: error:")
+    err = refused(["export", str(tmp_path / "no_ckpt"), str(tmp_path / "out")], capsys)
+    assert err.startswith("otbrl: error:")
 
 
 @pytest.mark.parametrize("backend, module", [("tensorboard", "tensorboard"), ("wandb", "wandb")])
 def test_missing_logger_package_is_a_config_error_before_loading(backend, module, capsys):
     import importlib.util
 
-    from otbrl.cli import main
-
     if importlib.util.find_spec(module) is not None:
         pytest.skip(f"{module} is installed here")
-    assert main(["train", f"trainer.logger=[console,{backend}]"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "'trainer.logger'" in err and module in err and "\n" not in err
+    refused(["train", f"trainer.logger=[console,{backend}]"], capsys, "'trainer.logger'", module)

@@ -35,7 +35,7 @@ import pytest
 
 from otbrl import cli
 from otbrl.data import write_parquet_rows
-from run_utils import length_reward_file
+from run_utils import length_reward_file, read_metrics, refused
 from user_model import USER_MESSAGES
 from zoo import QWEN, ZOO_NAMES, build_reward_standin, build_standin
 
@@ -84,13 +84,9 @@ def _args(zoo, shape: str, out: Path, extra) -> list[str]:
     return [f"model.path={zoo[shape]}", *zoo["data"], f"trainer.output_dir={out}", *extra]
 
 
-def _metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def _check_run(out: Path, steps: int = 2, tol: float = SYNC_TOL) -> list[dict]:
     """The run's metrics, checked as the module docstring says."""
-    rows = _metrics(out)
+    rows = read_metrics(out)
     train = {r["step"]: r for r in rows if "policy/grad_norm" in r}
     assert sorted(train) == list(range(1, steps + 1)), sorted(train)
     for row in rows:
@@ -105,17 +101,6 @@ def _train(zoo, shape, out, *extra, capsys=None) -> list[dict]:
     code = cli.main(["train", *_args(zoo, shape, out, extra)])
     assert code == 0, capsys.readouterr().err[-3000:] if capsys else code
     return _check_run(out, tol=BF16_SYNC_TOL if "model.precision=bf16-mixed" in extra else SYNC_TOL)
-
-
-def _refused(argv, capsys, *fragments) -> str:
-    """``otbrl`` exits 2 with one line (no traceback) holding every fragment."""
-    capsys.readouterr()
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "Traceback" not in err, err
-    for fragment in fragments:
-        assert fragment in err, err
-    return err
 
 
 def documented_overrides(test_name: str) -> list[str]:
@@ -241,11 +226,11 @@ def test_a_reward_model_of_the_family(zoo, shape, tmp_path, capsys):
 # -- refused, one line, before any model loads ------------------------------------------------
 def test_cells_that_cannot_work_are_one_line_errors(zoo, tmp_path, capsys):
     from otbrl.config import ConfigError, load_config
-    from otbrl.run.plan import validate_config
+    from otbrl.run.plan import plan_run
 
     def plan(shape, *extra, world_size=1):
         args = _args(zoo, shape, tmp_path / "r", extra)
-        return validate_config(load_config(None, args), world_size=world_size)
+        return plan_run(load_config(None, args), world_size=world_size)
 
     # Gemma-2B's one KV head cannot be split over 2 tensor-parallel ranks
     with pytest.raises(ConfigError, match="num_key_value_heads \\(1") as err:
@@ -257,9 +242,9 @@ def test_cells_that_cannot_work_are_one_line_errors(zoo, tmp_path, capsys):
          world_size=2)  # fmt: skip
     # an adapter sync needs the in-process vLLM engine (it was silently merged before)
     lora = ["model.lora.rank=8", "model.lora.sync=adapter"]
-    _refused(["train", *_args(zoo, QWEN, tmp_path / "a", lora)], capsys, "model.lora.sync")
+    refused(["train", *_args(zoo, QWEN, tmp_path / "a", lora)], capsys, "model.lora.sync")
     server = [*lora, "rollout.name=vllm", "rollout.mode=server"]
-    _refused(["train", *_args(zoo, QWEN, tmp_path / "b", server)], capsys, "rollout.mode=server")
+    refused(["train", *_args(zoo, QWEN, tmp_path / "b", server)], capsys, "rollout.mode=server")
     # LoRA and tensor parallelism
     with pytest.raises(ConfigError, match="LoRA does not compose"):
         plan(QWEN, "model.lora.rank=8", "actor.tensor_parallel_size=2", world_size=2)
@@ -411,7 +396,7 @@ def test_server_mode_from_a_fresh_dir_survives_a_killed_server(zoo, tmp_path):
         servers = _owned_servers(proc.pid)
         assert len(servers) == 1, "the server was not found while the run trained"
         os.killpg(servers[0], signal.SIGKILL)  # the server and its engine-core child
-        trained = [r for r in _metrics(out) if "policy/grad_norm" in r]
+        trained = [r for r in read_metrics(out) if "policy/grad_norm" in r]
         assert len(trained) < steps, "the run ended before the server was killed"
         _, err = proc.communicate(timeout=400)
     finally:
@@ -420,7 +405,7 @@ def test_server_mode_from_a_fresh_dir_survives_a_killed_server(zoo, tmp_path):
     assert proc.returncode == 0, err[-3000:]
     assert "restart 1 of" in err, err[-2000:]
     assert (out / "servers" / "server-0.log").is_file()
-    rows = [r for r in _metrics(out) if "policy/grad_norm" in r]
+    rows = [r for r in read_metrics(out) if "policy/grad_norm" in r]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert max(r["async/staleness_max"] for r in rows) >= 1
     assert all(math.isfinite(r["policy/loss"]) for r in rows)
@@ -458,7 +443,7 @@ def test_server_mode_cells_on_a_user_started_server(zoo, qwen_server, cell, tmp_
     code = cli.main(["train", *_args(zoo, QWEN, out, [*extra, *SERVER_CELLS[cell]])])
     assert code == 0, capsys.readouterr().err[-3000:]
     if cell.startswith("k1"):  # stale rows differ from the trainer by design
-        rows = _metrics(out)
+        rows = read_metrics(out)
         assert all(math.isfinite(r.get("policy/loss", 0.0)) for r in rows)
         assert any(r.get("async/staleness_max", 0) >= 1 for r in rows)
     else:

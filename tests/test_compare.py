@@ -101,16 +101,10 @@ def test_summary_matches_hand_computation():
 
 def _tiny_setup(tmp_path, reward_body="return float(len(text))"):
     from otbrl.models import build_tiny_model
+    from tiny_models import TWO_LAYERS
 
-    model = build_tiny_model(
-        tmp_path / "m",
-        seed=0,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-    )
+    size = {**TWO_LAYERS, "num_attention_heads": 2, "num_key_value_heads": 2}
+    model = build_tiny_model(tmp_path / "m", seed=0, **size)
     reward = tmp_path / "reward.py"
     reward.write_text(f"def length(source, text, truth, extra):\n    {reward_body}\n")
     return [

@@ -19,7 +19,7 @@ OWNERS = {
     "model.lora.sync": ("otbrl.models.lora", "LORA_SYNCS"),
     "rollout.name": ("otbrl.rollout.protocol", "ROLLOUT_NAMES"),
     "rollout.mode": ("otbrl.rollout.protocol", "ROLLOUT_MODES"),
-    "rollout.stale_samples": ("otbrl.run.producer", "STALE_SAMPLES"),
+    "rollout.stale_samples": ("otbrl.rollout.protocol", "STALE_SAMPLES"),
     "rollout.vllm.dtype": ("otbrl.models.hf", "DTYPES"),
     "rollout.multi_turn.format": ("otbrl.tools.formats", "FORMATS"),
     "algorithm.rollout_correction": ("otbrl.algos.rollout_correction", "CORRECTIONS"),

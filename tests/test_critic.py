@@ -3,20 +3,13 @@ PPO with GAE trains end to end."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from otbrl.config import load_config
 from otbrl.models import build_tiny_model, load_model_and_tokenizer, load_value_model
-
-SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0, **SMALL)
+from run_utils import read_metrics
+from tiny_models import ONE_LAYER
 
 
 def test_value_model_starts_from_the_policy_weights(tiny_dir):
@@ -36,7 +29,7 @@ def test_value_model_starts_from_the_policy_weights(tiny_dir):
 def test_critic_follows_the_model_path_and_config(tiny_dir, tmp_path):
     from otbrl.run.trainer import Trainer
 
-    other = build_tiny_model(tmp_path / "critic", seed=5, **SMALL)
+    other = build_tiny_model(tmp_path / "critic", seed=5, **ONE_LAYER)
     cfg = load_config(
         None,
         [
@@ -76,7 +69,7 @@ def gae_run(root, seed: int) -> list[dict]:
     from otbrl import cli
     from otbrl.data import get_task, write_parquet_rows
 
-    model = build_tiny_model(root / "model", seed=0, **SMALL)
+    model = build_tiny_model(root / "model", seed=0, **ONE_LAYER)
     train = write_parquet_rows(get_task("arithmetic").rows("train", 64, seed=0), root / "t.parquet")
     (root / "reward.py").write_text(FIRST_DIGIT_LOW)
     code = cli.main(
@@ -102,8 +95,7 @@ def gae_run(root, seed: int) -> list[dict]:
         ]
     )
     assert code == 0
-    lines = (root / "run" / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "critic/explained_variance" in r]
+    return [r for r in read_metrics(root / "run") if "critic/explained_variance" in r]
 
 
 def test_ppo_with_gae_learns_a_signal_and_its_critic_explains_the_returns(tmp_path, one_thread):

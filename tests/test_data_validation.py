@@ -6,29 +6,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from otbrl import cli
 from otbrl.config import ConfigError, load_config
 from otbrl.data import get_task, read_parquet_rows, write_parquet_rows
 from otbrl.rewards import score_responses
-from otbrl.run.plan import validate_config
-from run_utils import tiny_run_factory
-
-
-@pytest.fixture(scope="module")
-def overrides(tmp_path_factory):
-    return tiny_run_factory(tmp_path_factory.mktemp("data"))
-
-
-@pytest.fixture
-def no_model_loading(monkeypatch):
-    import otbrl.run.build as build_mod
-    import otbrl.run.sft as sft_mod
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("a model was loaded before the data was checked")
-
-    monkeypatch.setattr(build_mod, "load_model_and_tokenizer", forbidden)
-    monkeypatch.setattr(sft_mod, "ensure_warm_start", forbidden)
+from otbrl.run.plan import plan_run
+from run_utils import refused
 
 
 def rows(n=32, **change):
@@ -92,32 +74,29 @@ def make_bad_files(root):
 )
 @pytest.mark.parametrize("key", ["data.train_files", "data.val_files"])
 def test_file_problems_are_one_line_before_loading(
-    which, key, overrides, tmp_path, capsys, no_model_loading
+    which, key, tiny_run, tmp_path, capsys, no_model_loading
 ):
     path, fragment = make_bad_files(tmp_path)[which]
-    assert cli.main(["train", *overrides(tmp_path / "run"), f"{key}=[{path}]"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    assert f"'{key}'" in err and str(path) in err and fragment in err
+    argv = ["train", *tiny_run(tmp_path / "run"), f"{key}=[{path}]"]
+    refused(argv, capsys, f"'{key}'", str(path), fragment)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_unknown_data_sources_are_listed_with_counts_before_loading(
-    overrides, tmp_path, capsys, no_model_loading
+    tiny_run, tmp_path, capsys, no_model_loading
 ):
     """The issue's probe: one rare data_source failed only when first sampled (step 11)."""
     data = rows(29) + rows(2, data_source="my/source") + rows(1, data_source="other/set")
     path = write_parquet_rows(data, tmp_path / "mixed.parquet")
-    assert cli.main(["train", *overrides(tmp_path / "run"), f"data.train_files=[{path}]"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "'reward.function'" in err
+    argv = ["train", *tiny_run(tmp_path / "run"), f"data.train_files=[{path}]"]
+    err = refused(argv, capsys, "'reward.function'")
     assert "3 rows" in err and "'my/source' (2 rows)" in err and "'other/set' (1 row)" in err
     # with a reward function for every row, the same data is fine
     cfg = load_config(
         None,
-        [*overrides(tmp_path / "run"), f"data.train_files=[{path}]", "reward.function=exact_match"],
+        [*tiny_run(tmp_path / "run"), f"data.train_files=[{path}]", "reward.function=exact_match"],
     )
-    assert len(validate_config(cfg).train_rows) == 32
+    assert len(plan_run(cfg).train_rows) == 32
 
 
 def test_ground_truth_types_compare_the_way_a_user_means(tmp_path):
@@ -153,17 +132,17 @@ def test_ground_truth_types_compare_the_way_a_user_means(tmp_path):
             read_parquet_rows(tmp_path / "bad.parquet")
 
 
-def test_too_few_rows_for_a_batch_is_a_config_error(overrides, tmp_path):
+def test_too_few_rows_for_a_batch_is_a_config_error(tiny_run, tmp_path):
     path = write_parquet_rows(rows(3), tmp_path / "small.parquet")
-    cfg = load_config(None, [*overrides(tmp_path / "run"), f"data.train_files=[{path}]"])
+    cfg = load_config(None, [*tiny_run(tmp_path / "run"), f"data.train_files=[{path}]"])
     with pytest.raises(ConfigError, match=r"'data.train_batch_size' \(4\) is larger .*\(3 rows\)"):
-        validate_config(cfg)
+        plan_run(cfg)
 
 
-def test_val_files_are_used_with_the_built_in_task(overrides, tmp_path):
+def test_val_files_are_used_with_the_built_in_task(tmp_path):
     """data.val_files without data.train_files: the files are the validation set (they were
     ignored, and the task's own validation rows used, before)."""
     path = write_parquet_rows(rows(5), tmp_path / "val.parquet")
     cfg = load_config(None, ["data.train_batch_size=4", f"data.val_files=[{path}]"])
-    plan = validate_config(cfg)
+    plan = plan_run(cfg)
     assert len(plan.val_rows) == 5 and len(plan.train_rows) > 1000

@@ -8,28 +8,16 @@ import torch
 
 from ckpt_utils import plant_pickle, reseal
 from dist_utils import (
-    OUTPUTS,
     actor_config,
     check_ok,
     launch,
-    policy_loss,
     ppo_batch,
-    split_by_groups,
+    ppo_step,
     start_test_world,
     tiny_llama,
 )
 
 pytestmark = pytest.mark.distributed
-
-
-def _ppo_step(engine, batch):
-    world = engine.world
-    local = {
-        k: v[split_by_groups(batch["uid"], world.dp_rank, world.dp_size)] for k, v in batch.items()
-    }
-    stats = engine.compute(local, OUTPUTS)
-    metrics = engine.update({**local, "old_log_probs": stats["log_probs"]}, policy_loss())
-    return stats, metrics
 
 
 def _worker(rank, world_size, port, ckpt_root, save):
@@ -42,12 +30,12 @@ def _worker(rank, world_size, port, ckpt_root, save):
     model = tiny_llama(seed=0 if save else 123)
     engine = Engine(model, actor_config(), world=world, mini_batch_size=8, seed=0 if save else 5)
     if save:
-        _ppo_step(engine, ppo_batch(seed=7))
+        ppo_step(engine, ppo_batch(seed=7))
         save_checkpoint(ckpt_root, 1, engines={"policy": engine}, trainer_state={"step": 1})
     else:
         state = load_checkpoint(latest_checkpoint(ckpt_root), engines={"policy": engine})
         assert state == {"step": 1}
-    stats, metrics = _ppo_step(engine, ppo_batch(seed=8))
+    stats, metrics = ppo_step(engine, ppo_batch(seed=8))
     full = dict(engine.full_tensors())
     return {"stats": stats, "metrics": metrics, "state": full if rank == 0 else None}
 

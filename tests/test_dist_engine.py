@@ -10,8 +10,10 @@ from dist_utils import (
     actor_config,
     check_ok,
     launch,
+    local_batch,
     policy_loss,
     ppo_batch,
+    ppo_step,
     split_by_groups,
     start_test_world,
     tiny_llama,
@@ -67,9 +69,7 @@ def _engine_worker(
 
     world = start_test_world(rank, world_size, sp=sp, tp=tp)
     batch = ppo_batch()
-    local = {
-        k: v[split_by_groups(batch["uid"], world.dp_rank, world.dp_size)] for k, v in batch.items()
-    }
+    local = local_batch(batch, world)
     model = tiny_llama(**(model_kwargs or {}))
     shapes = []  # the logits each forward produced: their vocabulary / sequence extent
     model.register_forward_hook(lambda _m, _i, out: shapes.append(tuple(out.logits.shape[-2:])))
@@ -254,15 +254,12 @@ def _lora_worker(rank, world_size, port):
 
     world = start_test_world(rank, world_size)
     batch = ppo_batch()
-    local = {
-        k: v[split_by_groups(batch["uid"], world.dp_rank, world.dp_size)] for k, v in batch.items()
-    }
+    local = local_batch(batch, world)
     model = add_lora(tiny_llama(), rank=4, alpha=8.0)
     actor = Engine(model, actor_config(lr=5e-2), world=world, mini_batch_size=8)
     reference = actor.without_adapters(micro_batch_size=4)
     for _ in range(2):
-        stats = actor.compute(local, OUTPUTS)
-        actor.update({**local, "old_log_probs": stats["log_probs"]}, policy_loss())
+        ppo_step(actor, batch)
     return {
         "rows": split_by_groups(batch["uid"], world.dp_rank, world.dp_size),
         "policy": actor.compute(local, OUTPUTS)["log_probs"],
@@ -284,8 +281,7 @@ def test_lora_under_fsdp2_matches_one_process(tmp_path):
         add_lora(tiny_llama(), rank=4, alpha=8.0), actor_config(lr=5e-2), mini_batch_size=8
     )
     for _ in range(2):
-        stats = actor.compute(batch, OUTPUTS)
-        actor.update({**batch, "old_log_probs": stats["log_probs"]}, policy_loss())
+        ppo_step(actor, batch)
     want = actor.compute(batch, OUTPUTS)["log_probs"]
     base = Engine(tiny_llama(), None, micro_batch_size=4).compute(batch, OUTPUTS)["log_probs"]
     merged = dict(actor.full_tensors())

@@ -178,11 +178,11 @@ def test_collective_guard_names_the_step():
 )
 def test_parallel_config_errors_name_the_key(overrides, world_size, key):
     from otbrl.config import ConfigError, load_config
-    from otbrl.run.plan import validate_config
+    from otbrl.run.plan import plan_run
 
     cfg = load_config(None, overrides)
     with pytest.raises(ConfigError) as info:
-        validate_config(cfg, world_size)
+        plan_run(cfg, world_size)
     assert info.value.key == key and key in str(info.value)
 
 
@@ -190,13 +190,13 @@ def test_parallel_defaults_fit_any_world_size():
     """engine=auto picks FSDP2 on several processes, one process otherwise; the micro-batch
     size is a cap (8 > each rank's 4 sequences is fine)."""
     from otbrl.config import load_config
-    from otbrl.run.plan import validate_config
+    from otbrl.run.plan import plan_run
 
     small = ["data.train_batch_size=4", "rollout.n=2", "actor.micro_batch_size=8"]
-    assert validate_config(load_config(None, small), 2).dims.engine == "fsdp"
-    assert validate_config(load_config(None, small), 1).dims.engine == "single"
-    tp = validate_config(load_config(None, ["actor.tensor_parallel_size=2"]), 4)
-    assert tp.dims.engine == "tp" and tp.dims.dp == 2 and tp.mini_batch_size == 32
+    assert plan_run(load_config(None, small), 2).spec.dims.engine == "fsdp"
+    assert plan_run(load_config(None, small), 1).spec.dims.engine == "single"
+    tp = plan_run(load_config(None, ["actor.tensor_parallel_size=2"]), 4)
+    assert tp.spec.dims.engine == "tp" and tp.spec.dims.dp == 2 and tp.spec.mini_batch_size == 32
 
 
 def test_warm_start_comes_before_the_process_group_and_its_timeout_is_configured(

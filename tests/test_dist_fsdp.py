@@ -52,30 +52,16 @@ def _fsdp_worker(rank, world_size, port, die_mid_step=False):
     ids, attention_mask, advantages = padded_batch()
     global_tokens = attention_mask[:, 1:].sum()
     rows = slice(rank * 2, rank * 2 + 2)
+    # policy_step's arguments after the model and optimizer: this rank's rows of the batch
+    shard = (ids[rows], attention_mask[rows], advantages[rows], global_tokens, clip_grad_norm)
     if die_mid_step:
         model(input_ids=ids[rows], attention_mask=attention_mask[rows])
         if rank == 1:
             os._exit(3)  # a crash between forward and backward: rank 0 waits in reduce-scatter
         with collective_guard("the FSDP backward"):
-            policy_step(
-                model,
-                optimizer,
-                ids[rows],
-                attention_mask[rows],
-                advantages[rows],
-                global_tokens,
-                clip_grad_norm,
-            )
+            policy_step(model, optimizer, *shard)
         return None
-    stats, norm = policy_step(
-        model,
-        optimizer,
-        ids[rows],
-        attention_mask[rows],
-        advantages[rows],
-        global_tokens,
-        clip_grad_norm,
-    )
+    stats, norm = policy_step(model, optimizer, *shard)
     full = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )

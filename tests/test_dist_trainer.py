@@ -12,16 +12,11 @@ import pytest
 import torch
 
 from dist_utils import check_ok, launch
+from tiny_models import TWO_LAYERS
 
 pytestmark = pytest.mark.distributed
 
-SMALL = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
+SMALL = {**TWO_LAYERS, "num_key_value_heads": 2}  # 4 heads
 
 
 def _train_worker(rank, world_size, port, overrides):

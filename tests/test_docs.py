@@ -126,7 +126,7 @@ def _check(command: str, rest: list[str], world_size: int = 1) -> None:
     """Parse the command line with the CLI's own parser and validate its configuration as the
     command would (for ``world_size`` processes), without training."""
     from otbrl.config import load_config
-    from otbrl.run.plan import validate_config
+    from otbrl.run.plan import plan_run
 
     if command == "compare":
         from otbrl.research.compare import build_parser
@@ -134,7 +134,7 @@ def _check(command: str, rest: list[str], world_size: int = 1) -> None:
         ns = build_parser().parse_args(rest)
     else:
         ns = cli._build_parser().parse_args([command, *rest])
-    validate_config(load_config(ns.config, ns.overrides), world_size=world_size)
+    plan_run(load_config(ns.config, ns.overrides), world_size=world_size)
 
 
 def _torchrun(args: list[str]) -> None:

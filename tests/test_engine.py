@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from otbrl.algos.loss_terms import build_loss
-from otbrl.config import ActorConfig
+from otbrl.config import load_config
 from otbrl.engine.engine import Engine, warmup_schedule
 from otbrl.engine.layout import Layout, forward_outputs, sequence_inputs
-from tiny_models import tiny_causal_lm
+from otbrl.engine.optim import OptimConfig
+from tiny_models import TEST_SIZE, tiny_causal_lm
 
 ALL = frozenset({"log_probs", "entropy", "sum_pi_squared"})
 
@@ -136,10 +137,26 @@ def test_bad_inputs():
             batch["prompts"][:1], batch["prompts"][:1], batch["responses"], batch["response_mask"]
         )
     with pytest.raises(ValueError, match="micro_batch_size"):
-        Engine(model, ActorConfig(micro_batch_size=0))
+        Engine(model, OptimConfig(micro_batch_size=0))
     with pytest.raises(ValueError, match="micro_batch_size"):
         Engine(model, None)  # a frozen engine needs its own cap
-    engine = Engine(model, ActorConfig(micro_batch_size=2))
+    for bad in (
+        {"lr": 0.0},
+        {"lr": float("nan")},
+        {"warmup_steps": -1},
+        {"ppo_epochs": 0},
+        {"grad_clip": -1.0},
+        {"weight_decay": float("inf")},
+        {"micro_batch_size": 2.0},
+    ):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            OptimConfig(**bad)
+    # the engine takes its own settings, never a raw config group (keys it may not read)
+    with pytest.raises(TypeError, match="OptimConfig"):
+        Engine(model, load_config(overrides=[]).actor)
+    group = load_config(overrides=["actor.lr=0.5", "actor.micro_batch_size=3"]).actor
+    assert OptimConfig.from_group(group) == OptimConfig(lr=0.5, micro_batch_size=3)
+    engine = Engine(model, OptimConfig(micro_batch_size=2))
     batch = rl_batch(engine)
     del batch["ref_log_probs"]
     with pytest.raises(ValueError, match="ref_log_probs"):
@@ -178,7 +195,7 @@ def test_gradient_accumulation_is_exact(mode, micro):
     grads, metrics = [], []
     for cap in (8, micro):
         model = tiny_model()
-        engine = Engine(model, ActorConfig(micro_batch_size=cap))
+        engine = Engine(model, OptimConfig(micro_batch_size=cap))
         batch = rl_batch(engine)
         engine.model.train()
         metrics.append(engine.accumulate_gradients(batch, loss))
@@ -192,7 +209,7 @@ def test_gradient_accumulation_is_exact(mode, micro):
 
 def test_update_metrics_and_steps():
     model = tiny_model()
-    cfg = ActorConfig(lr=1e-3, warmup_steps=2, ppo_epochs=2, micro_batch_size=2, grad_clip=0.5)
+    cfg = OptimConfig(lr=1e-3, warmup_steps=2, ppo_epochs=2, micro_batch_size=2, grad_clip=0.5)
     engine = Engine(model, cfg, mini_batch_size=4)
     batch = rl_batch(engine)
     before = [p.detach().clone() for p in model.parameters()]
@@ -211,7 +228,7 @@ def test_update_metrics_and_steps():
 
 def test_non_finite_gradient_skips_the_step():
     model = tiny_model()
-    engine = Engine(model, ActorConfig(micro_batch_size=8))
+    engine = Engine(model, OptimConfig(micro_batch_size=8))
     batch = rl_batch(engine)
     batch["advantages"] = torch.where(batch["response_mask"] > 0, float("inf"), 0.0)
     before = [p.detach().clone() for p in model.parameters()]
@@ -226,7 +243,7 @@ def test_warmup_schedule():
 
 
 def test_state_dict_round_trip():
-    cfg = ActorConfig(micro_batch_size=4)
+    cfg = OptimConfig(micro_batch_size=4)
     a = Engine(tiny_model(), cfg, mini_batch_size=4, seed=3)
     a.update(rl_batch(a), build_loss())
     b = Engine(tiny_model(), cfg, mini_batch_size=4, seed=99)
@@ -238,7 +255,7 @@ def test_state_dict_round_trip():
 def test_update_moves_log_probs_along_the_advantage():
     """After PPO steps, responses with A > 0 gain log-probability relative to A < 0 ones."""
     model = tiny_model()
-    cfg = ActorConfig(lr=3e-3, warmup_steps=0, ppo_epochs=3, micro_batch_size=8)
+    cfg = OptimConfig(lr=3e-3, warmup_steps=0, ppo_epochs=3, micro_batch_size=8)
     engine = Engine(model, cfg, mini_batch_size=8)
     batch = make_batch(bsz=8, seed=3)
     mask = batch["response_mask"]
@@ -276,14 +293,6 @@ def _value_model():
     from transformers import LlamaConfig, LlamaForTokenClassification
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_labels=1,
-    )
+    config = LlamaConfig(**{**TEST_SIZE, "vocab_size": VOCAB}, num_labels=1)  # the tests' size
     config.classifier_dropout = 0.0
     return LlamaForTokenClassification(config).eval()

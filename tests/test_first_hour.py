@@ -17,8 +17,8 @@ from otbrl.config.schema import all_keys
 from otbrl.data import get_task, write_parquet_rows
 from otbrl.models import load_model_and_tokenizer, resolve_model_dir
 from otbrl.rollout import HFRollout, SamplingParams
-from otbrl.run.plan import validate_config
-from run_utils import tiny_run_factory
+from otbrl.run.plan import plan_run
+from run_utils import refused, tiny_run_factory
 from user_model import build_user_style_model
 
 
@@ -32,16 +32,6 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def user_dir(tmp_path_factory):
     return build_user_style_model(tmp_path_factory.mktemp("user"))
-
-
-def _one_line_exit_2(argv, capsys, *fragments):
-    capsys.readouterr()  # what the test itself printed (save_pretrained's bar)
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "Traceback" not in err, err
-    for fragment in fragments:
-        assert fragment in err, err
-    return err
 
 
 # -- defaults for real models, the demo's settings in presets -------------------------------------
@@ -66,20 +56,20 @@ def test_a_user_model_gets_the_fields_defaults_and_the_built_in_model_its_preset
 def test_no_silent_fallback_to_a_built_in_task_for_a_user_model(tiny, tmp_path, capsys):
     overrides, _ = tiny
     model = next(o for o in overrides(tmp_path) if o.startswith("model.path="))
-    _one_line_exit_2(["train", model], capsys, "data.train_files", "data.task=arithmetic")
+    refused(["train", model], capsys, "data.train_files", "data.task=arithmetic")
     # asked for by name, the task and its preset are used
     cfg = load_config(None, [model, "data.task=arithmetic"])
     assert cfg.data.max_response_length == 4
-    assert len(validate_config(cfg).val_rows) == 500
+    assert len(plan_run(cfg).val_rows) == 500
 
 
 def test_val_size_caps_a_validation_file_with_a_seeded_sample(tiny, tmp_path):
     overrides, _ = tiny
     val = write_parquet_rows(get_task("arithmetic").rows("val", 40, seed=3), tmp_path / "v.parquet")
     base = [*overrides(tmp_path), f"data.val_files=[{val}]"]
-    every = validate_config(load_config(None, base)).val_rows
-    capped = validate_config(load_config(None, [*base, "data.val_size=10"])).val_rows
-    again = validate_config(load_config(None, [*base, "data.val_size=10"])).val_rows
+    every = plan_run(load_config(None, base)).val_rows
+    capped = plan_run(load_config(None, [*base, "data.val_size=10"])).val_rows
+    again = plan_run(load_config(None, [*base, "data.val_size=10"])).val_rows
     assert len(every) == 40 and len(capped) == 10 and capped == again
     positions = [every.index(row) for row in capped]
     assert positions == sorted(positions) and positions != list(range(10))  # sampled, in order
@@ -98,12 +88,12 @@ def test_prompts_over_the_budget_error_filter_or_truncate(tiny, tmp_path, capsys
         f"data.train_files=[{train}]",
         "data.max_prompt_length=20",
     ]
-    _one_line_exit_2(["train", *base], capsys, "3 of 16 train prompts", "data.overlong_prompts")
-    plan = validate_config(load_config(None, [*base, "data.overlong_prompts=filter"]))
+    refused(["train", *base], capsys, "3 of 16 train prompts", "data.overlong_prompts")
+    plan = plan_run(load_config(None, [*base, "data.overlong_prompts=filter"]))
     assert len(plan.train_rows) == 13 and plan.longest_prompt <= 20
     assert any("dropped" in note for note in plan.notes)
     cut = load_config(None, [*base, "data.overlong_prompts=truncate_left"])
-    plan = validate_config(cut)
+    plan = plan_run(cut)
     assert len(plan.train_rows) == 16 and plan.longest_prompt == 20
     from otbrl.data import encode_prompts
     from otbrl.run.plan import plan_tokenizer
@@ -122,9 +112,7 @@ def test_the_hf_rollout_refuses_what_exceeds_the_models_positions(tiny, tmp_path
     hf = HFRollout(model, tok)
     with pytest.raises(ValueError, match="max_model_len"):
         hf.generate([[5] * 40], SamplingParams(n=1, max_tokens=30, stop_token_ids=(2,)))
-    _one_line_exit_2(
-        ["train", *overrides(tmp_path), "data.max_response_length=60"], capsys, "64 positions"
-    )
+    refused(["train", *overrides(tmp_path), "data.max_response_length=60"], capsys, "64 positions")
 
 
 # -- one line for the usual first mistakes --------------------------------------------------------
@@ -133,7 +121,7 @@ def test_a_model_directory_without_weights_is_one_line(user_dir, tiny, tmp_path,
     bare = tmp_path / "bare"
     bare.mkdir()
     shutil.copy(user_dir / "config.json", bare)
-    _one_line_exit_2(["train", *overrides(tmp_path), f"model.path={bare}"], capsys, "no weights")
+    refused(["train", *overrides(tmp_path), f"model.path={bare}"], capsys, "no weights")
 
 
 def test_a_tokenizer_without_a_chat_template(tmp_path, capsys):
@@ -148,8 +136,8 @@ def test_a_tokenizer_without_a_chat_template(tmp_path, capsys):
     argv = ["train", f"model.path={base_model}", f"data.train_files=[{train}]",
             "data.train_batch_size=4", "data.max_response_length=8",
             f"trainer.output_dir={tmp_path / 'run'}"]  # fmt: skip
-    _one_line_exit_2(argv, capsys, "no chat template", "data.apply_chat_template=false")
-    plan = validate_config(load_config(None, [*argv[1:], "data.apply_chat_template=false"]))
+    refused(argv, capsys, "no chat template", "data.apply_chat_template=false")
+    plan = plan_run(load_config(None, [*argv[1:], "data.apply_chat_template=false"]))
     assert plan.longest_prompt > 0
     from otbrl.data import render_prompts
     from otbrl.run.plan import plan_tokenizer

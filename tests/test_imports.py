@@ -11,7 +11,10 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "otbrl"
 # the floors of docs/architecture.md: a module may import its own floor or a lower one
 FLOORS = {
-    "otbrl.config": 0,
+    "otbrl.errors": 0,
+    # the CLI's schema, loading and checks: beside the run layer, it reads each key's allowed
+    # values from the component that declares them (nothing below the run layer imports it)
+    "otbrl.config": 4,
     "otbrl.user_code": 0,
     "otbrl.quiet": 0,
     "otbrl.ops": 1,

@@ -16,9 +16,13 @@ from otbrl import cli
 from otbrl.engine.layout import Layout, forward_outputs
 from otbrl.models import load_model_and_tokenizer
 from otbrl.models.lora import add_lora
-from run_utils import kill_at_first_checkpoint, length_reward_file, tiny_run_factory
+from run_utils import (
+    kill_at_first_checkpoint,
+    length_reward_file,
+    stable_metrics,
+    tiny_run_factory,
+)
 from test_engine import make_batch
-from test_resume import stable_metrics
 
 pytest.importorskip("peft")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from memory_utils import needs_peak_reset
 from otbrl.engine.memory import (
     optimizer_gb,
     params_gb,
@@ -47,16 +48,7 @@ def test_tensors_sharing_a_storage_count_once():
     assert tensors_gb([]) == 0.0
 
 
-def _can_reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _can_reset_peak(), reason="needs Linux's /proc/self/clear_refs")
+@needs_peak_reset
 def test_cpu_peak_sees_a_freed_allocation_until_reset():
     import mmap
 

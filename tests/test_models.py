@@ -12,18 +12,18 @@ from otbrl.models import (
     eos_token_ids,
     load_model_and_tokenizer,
 )
+from tiny_models import TWO_LAYERS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
 ALPHABET = get_task("arithmetic").alphabet
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def saved(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
-    build_tiny_model(path, arch=request.param, seed=3, **SMALL)
+    build_tiny_model(path, arch=request.param, seed=3, **TWO_LAYERS)
     return request.param, path
 
 
@@ -42,7 +42,7 @@ def reloaded_tokenizers(tmp_path_factory):
     out = []
     for arch in ("llama", "qwen2"):
         path = tmp_path_factory.mktemp(f"tok-{arch}")
-        build_tiny_model(path, arch=arch, **SMALL)
+        build_tiny_model(path, arch=arch, **TWO_LAYERS)
         out.append(AutoTokenizer.from_pretrained(path))
     return out
 
@@ -90,9 +90,9 @@ def test_load_sets_left_padding_pad_and_eos(saved):
 
 
 def test_saved_weights_load_back_identically(tmp_path):
-    build_tiny_model(tmp_path / "a", seed=7, **SMALL)
-    build_tiny_model(tmp_path / "b", seed=7, **SMALL)
-    build_tiny_model(tmp_path / "c", seed=8, **SMALL)
+    build_tiny_model(tmp_path / "a", seed=7, **TWO_LAYERS)
+    build_tiny_model(tmp_path / "b", seed=7, **TWO_LAYERS)
+    build_tiny_model(tmp_path / "c", seed=8, **TWO_LAYERS)
     a, _tok = load_model_and_tokenizer(tmp_path / "a")
     b, _ = load_model_and_tokenizer(tmp_path / "b")
     c, _ = load_model_and_tokenizer(tmp_path / "c")
@@ -106,12 +106,12 @@ def test_build_leaves_global_rng_untouched(tmp_path):
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)
-    build_tiny_model(tmp_path, seed=0, **SMALL)
+    build_tiny_model(tmp_path, seed=0, **TWO_LAYERS)
     assert torch.equal(torch.rand(3), expected)
 
 
 def test_missing_pad_token_falls_back_to_eos(tmp_path):
-    build_tiny_model(tmp_path, **SMALL)
+    build_tiny_model(tmp_path, **TWO_LAYERS)
     tok = AutoTokenizer.from_pretrained(tmp_path)
     tok.pad_token = None
     tok.save_pretrained(tmp_path)
@@ -128,7 +128,7 @@ def test_bad_arguments(tmp_path):
         build_tiny_model(tmp_path, task="chess")
     with pytest.raises(ValueError, match="path"):
         load_model_and_tokenizer(tmp_path / "nothing")
-    build_tiny_model(tmp_path, **SMALL)
+    build_tiny_model(tmp_path, **TWO_LAYERS)
     with pytest.raises(ValueError, match="dtype"):
         load_model_and_tokenizer(tmp_path, dtype="fp8")
     with pytest.raises(ValueError, match="alphabet"):

@@ -1,46 +1,21 @@
 """Numbers that cannot work are refused before a model loads; weights that go non-finite, or a
 run that only skips its steps, stop the run before anything broken is saved."""
 
-import json
 import math
 import re
 
 import pytest
 import torch
 
-from dist_utils import OUTPUTS, actor_config, policy_loss, ppo_batch, tiny_llama
+from dist_utils import actor_config, ppo_batch, ppo_step, tiny_llama
 from otbrl import cli
 from otbrl.config import Config, ConfigError, load_config
 from otbrl.config.checks import float_values
 from otbrl.engine.engine import Engine, NumericsError
 from otbrl.store.checkpoint import list_checkpoints
-from run_utils import tiny_run_factory
+from run_utils import read_metrics, refused
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def overrides(tmp_path_factory):
-    return tiny_run_factory(tmp_path_factory.mktemp("numerics"))
-
-
-@pytest.fixture
-def no_model_loading(monkeypatch):
-    import otbrl.run.build as build_mod
-    import otbrl.run.sft as sft_mod
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("a model was loaded before the config was validated")
-
-    monkeypatch.setattr(build_mod, "load_model_and_tokenizer", forbidden)
-    monkeypatch.setattr(sft_mod, "ensure_warm_start", forbidden)
-
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 FLOAT_KEYS = [key for key, _ in float_values(Config())]
 
@@ -90,17 +65,13 @@ def test_values_out_of_range_are_refused(override, fragment):
     ],
 )
 def test_the_issue_numbers_exit_2_before_loading(override, key, capsys, no_model_loading):
-    assert cli.main(["train", override]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and f"'{key}'" in err and "Traceback" not in err
+    err = refused(["train", override], capsys, f"'{key}'")
     if key == "model.dtype":  # the key was replaced: the message names its successor
         assert "removed" in err and "model.precision" in err and "bf16-mixed" in err
 
 
 def _update(engine):
-    batch = ppo_batch()
-    stats = engine.compute(batch, OUTPUTS)
-    return engine.update({**batch, "old_log_probs": stats["log_probs"]}, policy_loss())
+    return ppo_step(engine, ppo_batch())[1]
 
 
 def test_pure_fp16_step_is_caught_not_trained_on():
@@ -131,11 +102,7 @@ def test_the_check_names_the_parameter_that_went_bad(monkeypatch):
         _update(engine)
 
 
-def _read(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def test_trainer_stops_before_saving_non_finite_weights(overrides, tmp_path, capsys, monkeypatch):
+def test_trainer_stops_before_saving_non_finite_weights(tiny_run, tmp_path, capsys, monkeypatch):
     """Weights poisoned by the 3rd optimizer step (RL step 2): exit 1 with one line, step 1's
     checkpoint kept, nothing of step 2 logged or saved."""
     calls = []
@@ -151,24 +118,24 @@ def test_trainer_stops_before_saving_non_finite_weights(overrides, tmp_path, cap
 
     monkeypatch.setattr(torch.optim.AdamW, "step", poisoning_step)
     run = tmp_path / "run"
-    assert cli.main(["train", *overrides(run, "trainer.save_every=1")]) == 1
+    assert cli.main(["train", *tiny_run(run, "trainer.save_every=1")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("otbrl: error: policy: an optimizer step left non-finite")
     assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step_1"]
-    assert [r["step"] for r in _read(run / "metrics.jsonl")] == [0, 1]
+    assert [r["step"] for r in read_metrics(run)] == [0, 1]
 
 
-def test_a_run_that_only_skips_stops(overrides, tmp_path, capsys, monkeypatch):
+def test_a_run_that_only_skips_stops(tiny_run, tmp_path, capsys, monkeypatch):
     import otbrl.engine.engine as engine_mod
 
     monkeypatch.setattr(engine_mod.parallel, "clip_grad_norm", lambda *a: torch.tensor(math.nan))
     run = tmp_path / "run"
-    argv = ["train", *overrides(run, "trainer.save_every=1", "trainer.max_skipped_steps=2")]
+    argv = ["train", *tiny_run(run, "trainer.save_every=1", "trainer.max_skipped_steps=2")]
     assert cli.main(argv) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "the last 4 optimizer steps were all skipped" in err
     assert "trainer.max_skipped_steps=2" in err and "step 2" in err
-    records = _read(run / "metrics.jsonl")
+    records = read_metrics(run)
     assert [r["step"] for r in records] == [0, 1, 2]
     assert records[1]["policy/skipped_steps"] == 2 and records[2]["policy/skipped_steps"] == 2
     # step 1 (2 skips in a row, not more than 2) was saved; step 2 was not

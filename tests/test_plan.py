@@ -10,9 +10,10 @@ from otbrl.config import ConfigError, load_config
 from otbrl.data import get_task, write_parquet_rows
 from otbrl.engine.dims import ParallelDims
 from otbrl.models import build_tiny_model
-from otbrl.run.plan import SOURCES, validate_config
-
-TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
+from otbrl.ops.token_stats import HEAD_OUTPUTS
+from otbrl.run.plan import plan_run
+from otbrl.run.spec import SOURCES
+from tiny_models import ONE_LAYER
 
 
 @pytest.mark.parametrize(
@@ -62,20 +63,27 @@ def test_parallel_dims_split_batches_over_data_parallel_ranks():
 def test_the_plan_asks_each_engine_for_what_its_sources_list():
     cfg = load_config(None, ["algorithm.adv_estimator=optimal_token_baseline",
                              "actor.use_kl_loss=true"])  # fmt: skip
-    plan = validate_config(cfg)
-    assert plan.outputs("policy") == {"log_probs", "entropy", "sum_pi_squared"}
-    assert plan.outputs("reference") == {"log_probs"} and plan.outputs("critic") == frozenset()
-    assert plan.batch_stats("reference", {"log_probs": 1}) == {"ref_log_probs": 1}
-    stats = plan.batch_stats("policy", {"log_probs": 1, "entropy": 2, "sum_pi_squared": 3})
+    plan = plan_run(cfg)
+    assert plan.spec.outputs("policy") == {"log_probs", "entropy", "sum_pi_squared"}
+    assert (
+        plan.spec.outputs("reference") == {"log_probs"}
+        and plan.spec.outputs("critic") == frozenset()
+    )
+    assert plan.spec.batch_stats("reference", {"log_probs": 1}) == {"ref_log_probs": 1}
+    stats = plan.spec.batch_stats("policy", {"log_probs": 1, "entropy": 2, "sum_pi_squared": 3})
     assert stats == {"old_log_probs": 1, "entropy": 2, "sum_pi_squared": 3}
-    grpo = validate_config(load_config(None, ["algorithm.adv_estimator=grpo"]))
-    assert grpo.outputs("policy") == {"log_probs", "entropy"} and not grpo.use_reference
+    grpo = plan_run(load_config(None, ["algorithm.adv_estimator=grpo"]))
+    assert grpo.spec.outputs("policy") == {"log_probs", "entropy"} and not grpo.spec.use_reference
     # critic.enable=true with GRPO: the critic is trained, so its values are a need
-    critic = validate_config(load_config(None, ["critic.enable=true"]))
-    assert critic.use_critic and critic.outputs("critic") == {"values"}
+    critic = plan_run(load_config(None, ["critic.enable=true"]))
+    assert critic.spec.use_critic and critic.spec.outputs("critic") == {"values"}
+    heads = {"policy": "policy", "reference": "policy", "critic": "value"}
+    for src in SOURCES.values():  # every source names an output its engine's head can compute
+        if src.engine in heads:
+            assert src.output in HEAD_OUTPUTS[heads[src.engine]], src
     assert {s.engine for s in SOURCES.values()} == {"policy", "reference", "critic",
                                                     "reward_model"}  # fmt: skip
-    assert not critic.use_reward_model and critic.outputs("reward_model") == frozenset()
+    assert not critic.spec.use_reward_model and critic.spec.outputs("reward_model") == frozenset()
 
 
 def test_eval_reads_each_data_file_once(tmp_path, monkeypatch, capsys):
@@ -83,7 +91,7 @@ def test_eval_reads_each_data_file_once(tmp_path, monkeypatch, capsys):
     second read of the parquet files."""
     import otbrl.run.plan as plan_mod
 
-    model = build_tiny_model(tmp_path / "model", **TINY)
+    model = build_tiny_model(tmp_path / "model", **ONE_LAYER)
     task = get_task("arithmetic")
     train = write_parquet_rows(task.rows("train", 8, seed=0), tmp_path / "train.parquet")
     val = write_parquet_rows(task.rows("val", 4, seed=0), tmp_path / "val.parquet")
@@ -127,3 +135,78 @@ def test_train_applies_a_built_in_tasks_preset(tmp_path, monkeypatch):
     assert cfg.rollout.multi_turn.tools == ["calculator"]
     assert cfg.data.max_response_length == 32 and cfg.trainer.total_steps == 7
     assert set(seen["plan"].tools) == {"calculator"}
+
+
+def test_resolve_is_pure_and_takes_every_decision(tmp_path, monkeypatch):
+    """resolve opens no file and no socket, loads no tokenizer or model: a config naming files
+    and a model that do not exist and servers nobody runs still resolves; the decisions the
+    trainer follows are in the spec."""
+    import builtins
+    import socket
+
+    import otbrl.run.spec as spec_module
+
+    missing = tmp_path / "nowhere"
+    cfg = load_config(
+        None,
+        [
+            f"model.path={missing}/model",
+            f"data.train_files=[{missing}/train.parquet]",
+            "rollout.name=vllm", "rollout.mode=server",
+            "rollout.server.urls=[http://10.255.255.1:8000]",
+            "algorithm.adv_estimator=optimal_token_baseline", "algorithm.off_policy=tis",
+            "algorithm.use_kl_in_reward=true", "algorithm.kl_coef=0.05",
+            "data.overlong_prompts=truncate_left", "rollout.n=4", "rollout.temperature=0.7",
+            "trainer.val_greedy=false", "trainer.val_temperature=0.5",
+            "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "trainer.max_staleness=1",
+        ],
+    )  # fmt: skip
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"resolve did I/O: {args[:1]}")
+
+    monkeypatch.setattr(builtins, "open", refuse)
+    monkeypatch.setattr(socket, "socket", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    spec = spec_module.resolve(cfg, world_size=2)
+    monkeypatch.undo()
+    assert {"sum_pi_squared", "ref_log_probs", "old_log_probs"} <= spec.needs
+    assert (spec.dims.dp, spec.mini_batch_size) == (2, 4)
+    assert spec.correction == "token_tis" and spec.kl_in_reward_coef == 0.05
+    assert spec.estimator == "optimal_token_baseline" and spec.overlong == "truncate_left"
+    assert spec.estimator_options["energy"] == "logit_gradient"
+    assert (spec.sampling.n, spec.sampling.temperature) == (4, 0.7)
+    assert (spec.validation.n, spec.validation.greedy, spec.validation.temperature) == (
+        1, False, 0.5,
+    )  # fmt: skip
+    # and it refuses what the config alone rules out, naming the key
+    with pytest.raises(ConfigError, match=r"critic\.enable") as err:
+        spec_module.resolve(
+            load_config(None, ["algorithm.adv_estimator=gae", "critic.enable=false"])
+        )
+    assert err.value.key == "critic.enable"
+
+
+@pytest.mark.parametrize(("items", "dp"), [(8, 4), (10, 4), (3, 4), (0, 2), (5, 1)])
+def test_one_sharding_rule_covers_every_item_once(items, dp):
+    """Training (even) and validation (uneven) shard by the same rule: contiguous shares in
+    rank order that together are the items, each once, sizes differing by at most one."""
+    from otbrl.engine.world import World
+
+    class Rank(World):
+        def __init__(self, rank):
+            super().__init__()
+            self._rank = rank
+
+        dp_rank = property(lambda self: self._rank)
+        dp_size = property(lambda self: dp)
+
+    rows = list(range(items))
+    shares = [Rank(r).shard(rows, even=False) for r in range(dp)]
+    assert [x for share in shares for x in share] == rows
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    if items % dp:
+        with pytest.raises(ValueError, match="multiple of the data-parallel size"):
+            Rank(0).shard(rows)
+    else:
+        assert [Rank(r).shard(rows) for r in range(dp)] == shares

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from otbrl import cli
-from otbrl.config import ActorConfig, ConfigError, load_config
+from otbrl.config import ConfigError, load_config
 from otbrl.engine import layout as layout_module
 from otbrl.engine.engine import Engine
+from otbrl.engine.optim import OptimConfig
 from otbrl.engine.precision import check_precision_device, get_precision
 from test_engine import make_batch, rl_batch, tiny_model
 
@@ -20,7 +21,7 @@ LAYOUTS = {"padded": {}, "packed": {"packed": True}, "fused": {"fused": True}}
 
 def actor(**kw):
     settings = dict(lr=1e-3, warmup_steps=0, micro_batch_size=3, grad_clip=1.0)
-    return ActorConfig(**{**settings, **kw})
+    return OptimConfig(**{**settings, **kw})
 
 
 def float64_stats(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -17,9 +17,9 @@ from otbrl.data import get_task
 from otbrl.models import build_tiny_model
 from otbrl.rewards.reward_model import RewardModel, check_reward_model_dir
 from otbrl.rollout import SamplingParams
-from otbrl.run.plan import validate_config
+from otbrl.run.plan import plan_run
 from otbrl.run.sampling import Scoring, sample_batch
-from run_utils import tiny_run_factory
+from run_utils import read_metrics
 from test_rewards_shaping import ScriptedSampler
 
 
@@ -84,11 +84,11 @@ def test_trained_reward_adds_the_weighted_score(rm_dir):
     assert scoring.for_validation().reward_model is None
 
 
-def test_the_plan_checks_the_directory_before_loading(rm_dir, tmp_path):
-    overrides = tiny_run_factory(tmp_path)(tmp_path / "run")
-    plan = validate_config(load_config(None, [*overrides, f"reward.model.path={rm_dir}"]))
-    assert plan.use_reward_model and "rm_scores" in plan.needs
-    assert plan.outputs("reward_model") == {"scores"}
+def test_the_plan_checks_the_directory_before_loading(rm_dir, tiny_run, tmp_path):
+    overrides = tiny_run(tmp_path / "run")
+    plan = plan_run(load_config(None, [*overrides, f"reward.model.path={rm_dir}"]))
+    assert plan.spec.use_reward_model and "rm_scores" in plan.spec.needs
+    assert plan.spec.outputs("reward_model") == {"scores"}
     two = tmp_path / "two_labels"
     two.mkdir()
     config = json.loads((rm_dir / "config.json").read_text())
@@ -96,7 +96,7 @@ def test_the_plan_checks_the_directory_before_loading(rm_dir, tmp_path):
     (two / "config.json").write_text(json.dumps(config))
     for path, why in ((two, "2 labels"), (tmp_path, "no config.json")):
         with pytest.raises(ConfigError, match=why) as err:
-            validate_config(load_config(None, [*overrides, f"reward.model.path={path}"]))
+            plan_run(load_config(None, [*overrides, f"reward.model.path={path}"]))
         assert err.value.key == "reward.model.path"
     lm = build_tiny_model(tmp_path / "lm")
     with pytest.raises(ValueError, match="AutoModelForSequenceClassification"):
@@ -106,19 +106,18 @@ def test_the_plan_checks_the_directory_before_loading(rm_dir, tmp_path):
     assert err.value.key == "reward.model.weight"
 
 
-def test_a_run_trains_on_the_reward_model(rm_dir, tmp_path):
+def test_a_run_trains_on_the_reward_model(rm_dir, tiny_run, tmp_path):
     """Two RL steps with the reward model and overlong shaping: both reach the step's
     metrics (built, loaded and wired by the run itself)."""
     from otbrl.run.trainer import Trainer
 
     torch.set_num_threads(1)
-    overrides = tiny_run_factory(tmp_path)(tmp_path / "run")
+    overrides = tiny_run(tmp_path / "run")
     extra = ["trainer.total_steps=2", "trainer.save_every=0", f"reward.model.path={rm_dir}",
              "reward.model.weight=0.1", "reward.overlong_buffer.len=2"]  # fmt: skip
     cfg = load_config(None, [*overrides, *extra])
     trainer = Trainer(cfg)
     trainer.fit()
-    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    step = next(line for line in lines if line["step"] == 1)
+    step = next(line for line in read_metrics(tmp_path / "run") if line["step"] == 1)
     assert "reward/model_mean" in step and "timing/reward_model" in step
     assert step["reward/overlong_penalty_mean"] <= 0.0

@@ -28,12 +28,18 @@ def _row(truth, source="otbrl/arithmetic", extra=None):
     }
 
 
-def test_exact_match_strips_whitespace_only():
-    assert exact_match("s", " 46\n", "46", {}) == 1.0
-    assert exact_match("s", "46", " 46 ", {}) == 1.0
-    assert exact_match("s", "4 6", "46", {}) == 0.0
-    assert exact_match("s", "460", "46", {}) == 0.0
-    assert exact_match("s", "", "46", {}) == 0.0
+@pytest.mark.parametrize(
+    ("response", "truth", "score"),
+    [
+        (" 46\n", "46", 1.0),
+        ("46", " 46 ", 1.0),
+        ("4 6", "46", 0.0),
+        ("460", "46", 0.0),
+        ("", "46", 0.0),
+    ],
+)
+def test_exact_match_strips_whitespace_only(response, truth, score):
+    assert exact_match("s", response, truth, {}) == score
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,7 @@ from otbrl.data import get_task, normalize_ground_truth, write_parquet_rows
 from otbrl.rewards import compute_score, score_responses
 from otbrl.rewards.math_grader import safe_arithmetic, safe_sympy_text
 from otbrl.run import plan as plan_mod
-from otbrl.run.plan import validate_config
-from run_utils import tiny_run_factory
+from otbrl.run.plan import plan_run
 
 CODE_TRUTH = '{"inputs": ["2\\n", "3\\n"], "outputs": ["4\\n", "6\\n"]}'
 VERL_ROWS = [  # (data_source, ground truth as stored, a right response, a wrong one)
@@ -49,11 +48,11 @@ def _files(tmp_path) -> str:
     return f"data.train_files=[{first},{second}]"
 
 
-def test_verl_rows_validate_and_score_by_data_source(tmp_path, monkeypatch):
+def test_verl_rows_validate_and_score_by_data_source(tiny_run, tmp_path, monkeypatch):
     monkeypatch.setattr(plan_mod, "sandbox_problem", lambda: None)
-    overrides = tiny_run_factory(tmp_path)(tmp_path / "run")
+    overrides = tiny_run(tmp_path / "run")
     cfg = load_config(None, [*overrides, _files(tmp_path), "data.train_batch_size=4"])
-    loaded = validate_config(cfg).train_rows
+    loaded = plan_run(cfg).train_rows
     rows = sorted(
         {r["extra_info"]["i"]: r for r in loaded}.values(), key=lambda r: r["extra_info"]["i"]
     )
@@ -68,21 +67,21 @@ def test_verl_rows_validate_and_score_by_data_source(tmp_path, monkeypatch):
     assert info["reward/acc"] == 0.5 and info["reward/sandbox_violations"] == 0.0
 
 
-def test_code_rows_without_a_sandbox_are_refused_before_loading(tmp_path, monkeypatch):
+def test_code_rows_without_a_sandbox_are_refused_before_loading(tiny_run, tmp_path, monkeypatch):
     monkeypatch.setattr(plan_mod, "sandbox_problem", lambda: "no namespaces on this OS")
-    overrides = tiny_run_factory(tmp_path)(tmp_path / "run")
+    overrides = tiny_run(tmp_path / "run")
     args = [*overrides, _files(tmp_path), "data.train_batch_size=4"]
     with pytest.raises(ConfigError, match=r"5 rows .* no namespaces on this OS") as err:
-        validate_config(load_config(None, args))
+        plan_run(load_config(None, args))
     assert err.value.key == "reward.code.allow_unsandboxed"
-    validate_config(load_config(None, [*args, "reward.code.allow_unsandboxed=true"]))
+    plan_run(load_config(None, [*args, "reward.code.allow_unsandboxed=true"]))
 
 
-def test_math_verify_backend_needs_its_package(tmp_path, monkeypatch):
+def test_math_verify_backend_needs_its_package(tiny_run, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "math_verify", None)  # import fails
-    overrides = tiny_run_factory(tmp_path)(tmp_path / "run")
+    overrides = tiny_run(tmp_path / "run")
     with pytest.raises(ConfigError, match="math-verify") as err:
-        validate_config(load_config(None, [*overrides, "reward.math_backend=math_verify"]))
+        plan_run(load_config(None, [*overrides, "reward.math_backend=math_verify"]))
     assert err.value.key == "reward.math_backend"
     with pytest.raises(ConfigError, match=r"'reward\.math_backend' must be one of"):
         load_config(None, [*overrides, "reward.math_backend=sympy"])

@@ -2,8 +2,6 @@ import pytest
 import torch
 
 from hf_sample import generate
-from otbrl.data import encode_prompts, get_task
-from otbrl.models import build_tiny_model, load_model_and_tokenizer
 from otbrl.rollout import (
     HFRollout,
     SamplingParams,
@@ -11,26 +9,16 @@ from otbrl.rollout import (
     sample_next_token,
     unpad_prompts,
 )
+from tiny_models import sharpened_policy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def policy(request, tmp_path_factory):
-    path = build_tiny_model(
-        tmp_path_factory.mktemp("tiny"), arch=request.param, hidden_size=32,
-        intermediate_size=64, num_hidden_layers=2,
-    )  # fmt: skip
-    model, tok = load_model_and_tokenizer(path)
-    with torch.no_grad():
-        # Random init gives near-uniform logits; spread them so greedy has no near-ties and
-        # EOS is likely enough to show up.
-        model.lm_head.weight.mul_(60.0)
-        model.lm_head.weight[tok.eos_token_id] += 0.5 * model.lm_head.weight.mean(0)
-    rows = get_task("arithmetic").rows("val", 12, seed=0)
-    rows[0] = {**rows[0], "prompt": [{"role": "user", "content": "1+2="}]}  # a shorter prompt
-    enc = encode_prompts(rows, tok, max_prompt_length=16)
-    return model, tok, enc["input_ids"], enc["attention_mask"]
+    # greedy has no near-ties, and EOS is likely enough to show up
+    root = tmp_path_factory.mktemp("tiny")
+    return sharpened_policy(root, request.param, scale=60.0, eos_boost=0.5, prompts=12)
 
 
 def _mask_reference(responses, eos):

@@ -9,9 +9,8 @@ import copy
 import pytest
 import torch
 
-from otbrl.data import encode_prompts, get_task
 from otbrl.engine.layout import Layout, forward_outputs
-from otbrl.models import build_tiny_model, eos_token_ids, load_model_and_tokenizer
+from otbrl.models import eos_token_ids
 from otbrl.rollout import (
     HFRollout,
     RolloutBackend,
@@ -19,33 +18,18 @@ from otbrl.rollout import (
     completions_to_batch,
     unpad_prompts,
 )
+from tiny_models import sharpened_policy
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 LOG_PROBS = frozenset({"log_probs"})  # the trainer forward's sampled-token log-probs
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def policy(request, tmp_path_factory):
-    path = build_tiny_model(
-        tmp_path_factory.mktemp("tiny"), arch=request.param, hidden_size=32,
-        intermediate_size=64, num_hidden_layers=2,
-    )  # fmt: skip
-    model, tok = load_model_and_tokenizer(path)
-    with torch.no_grad():
-        # Spread the near-uniform random-init logits so EOS shows up and samples differ.
-        model.lm_head.weight.mul_(20.0)
-        model.lm_head.weight[tok.eos_token_id] += 0.4 * model.lm_head.weight.mean(0)
-    rows = get_task("arithmetic").rows("val", 10, seed=0)
-    rows[0] = {**rows[0], "prompt": [{"role": "user", "content": "1+2="}]}  # a shorter prompt
-    enc = encode_prompts(rows, tok, max_prompt_length=16)
-    return model, tok, enc["input_ids"], enc["attention_mask"]
+    # EOS shows up and samples differ
+    root = tmp_path_factory.mktemp("tiny")
+    return sharpened_policy(root, request.param, scale=20.0, eos_boost=0.4, prompts=10)
 
 
 def _batch(engine, tok, ids, mask, params, max_tokens=None):

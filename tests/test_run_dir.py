@@ -8,64 +8,30 @@ import sys
 import time
 
 import pytest
-import torch
 
 from ckpt_utils import flip_byte, truncate
-from otbrl import cli
 from otbrl.config import ConfigError, load_config
+from otbrl.run.rundir import RESUME_MAY_DIFFER, claim_run_dir, config_sha256
 from otbrl.run.trainer import Trainer
 from otbrl.store.checkpoint import list_checkpoints, verify_checkpoint
-from otbrl.store.rundir import RESUME_MAY_DIFFER, claim_run_dir, config_sha256
-from run_utils import tiny_run_factory
+from run_utils import refused, stable_metrics
 
-VOLATILE = ("timing/", "throughput/", "memory/")  # measurements of the machine differ between runs
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads cost more than they give, and stay exact
-    yield
-    torch.set_num_threads(previous)
+# tiny models: threads cost more than they give, and stay exact
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """A tiny model, small parquet files, and a finished 4-step run saved at steps 2 and 4."""
-    root = tmp_path_factory.mktemp("rundir")
-    overrides = tiny_run_factory(root)
-    finished = root / "finished"
-    Trainer(load_config(None, overrides(finished))).fit()
-    return overrides, finished
+def setup(tiny_run, tmp_path_factory):
+    """The tiny run's overrides, and its run finished: 4 steps, saved at steps 2 and 4."""
+    finished = tmp_path_factory.mktemp("rundir") / "finished"
+    Trainer(load_config(None, tiny_run(finished))).fit()
+    return tiny_run, finished
 
 
 def copy_run(setup, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(setup[1], run)
     return run
-
-
-def stable(run):
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(x).items() if not k.startswith(VOLATILE)} for x in lines]
-
-
-@pytest.fixture
-def no_model_loading(monkeypatch):
-    import otbrl.run.build as build_mod
-    import otbrl.run.sft as sft_mod
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("a model was loaded before the run directory was checked")
-
-    monkeypatch.setattr(build_mod, "load_model_and_tokenizer", forbidden)
-    monkeypatch.setattr(sft_mod, "ensure_warm_start", forbidden)
-
-
-def one_line_error(capsys):
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    return err
 
 
 def test_manifest_and_lock_of_a_run(setup):
@@ -90,9 +56,8 @@ def test_resume_never_twice_loses_no_metrics(setup, tmp_path, capsys, no_model_l
     run = copy_run(setup, tmp_path)
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != "run.lock"}
     for _ in range(2):
-        assert cli.main(["train", *overrides(run, "trainer.resume=never")]) == 2
-        err = one_line_error(capsys)
-        assert "'trainer.resume'" in err and str(run) in err and "trainer.overwrite" in err
+        argv = ["train", *overrides(run, "trainer.resume=never")]
+        refused(argv, capsys, "'trainer.resume'", str(run), "trainer.overwrite")
     after = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != "run.lock"}
     assert after == before
 
@@ -107,11 +72,11 @@ def test_overwrite_moves_the_old_run_aside(setup, tmp_path, capsys):
     assert f"moved the previous run in {run} to {moved}" in capsys.readouterr().err
     assert (moved / "metrics.jsonl").read_bytes() == old_metrics  # nothing deleted
     assert [p.name for p in list_checkpoints(moved / "checkpoints")] == ["step_2", "step_4"]
-    assert [r["step"] for r in stable(run)] == [0, 1, 2]
+    assert [r["step"] for r in stable_metrics(run)] == [0, 1, 2]
     assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step_2"]
     # the next resume=auto continues the new run, never the old one's step_4
     Trainer(load_config(None, overrides(run))).fit()
-    assert [r["step"] for r in stable(run)] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in stable_metrics(run)] == [0, 1, 2, 3, 4]
     starts = json.loads((run / "run.json").read_text())["starts"]
     assert starts[0]["previous_run_moved_to"] == str(moved)
     assert starts[1]["resumed_from"] == str(run / "checkpoints" / "step_2")
@@ -124,10 +89,10 @@ def test_resume_with_another_config_is_refused_before_loading(
     run = copy_run(setup, tmp_path)
     manifest = (run / "run.json").read_bytes()
     argv = ["train", *overrides(run, "actor.lr=1e-4", "algorithm.adv_estimator=grpo")]
-    assert cli.main(argv) == 2
-    err = one_line_error(capsys)
-    assert "another configuration" in err and "actor.lr" in err and "adv_estimator" in err
-    assert "'optimal_token_baseline' in the run, 'grpo' now" in err
+    refused(
+        argv, capsys, "another configuration", "actor.lr", "adv_estimator",
+        "'optimal_token_baseline' in the run, 'grpo' now",
+    )  # fmt: skip
     assert (run / "run.json").read_bytes() == manifest  # nothing written
     # allow-listed keys may change: the claim succeeds and records them
     allowed = ("trainer.total_steps=6", "trainer.save_every=3", "trainer.logger=[jsonl,console]")
@@ -155,7 +120,7 @@ def test_a_legacy_run_without_manifest_is_compared_with_its_config_yaml(setup, t
 HOLDER = """
 import sys, time
 from otbrl.config import load_config
-from otbrl.store.rundir import claim_run_dir
+from otbrl.run.rundir import claim_run_dir
 run = claim_run_dir(load_config(None, [f"trainer.output_dir={sys.argv[1]}"]))
 print("ready", flush=True)
 time.sleep(600)
@@ -172,11 +137,7 @@ def test_second_process_on_a_locked_directory_exits_2(setup, tmp_path, capsys):
     )
     try:
         assert holder.stdout.readline().strip() == "ready"
-        capsys.readouterr()
-        assert cli.main(["train", *overrides(run)]) == 2
-        err = capsys.readouterr().err
-        assert f"in use by process {holder.pid}" in err, err
-        assert len(err.strip().splitlines()) == 1, err
+        refused(["train", *overrides(run)], capsys, f"in use by process {holder.pid}")
     finally:
         holder.kill()
         holder.wait()
@@ -193,7 +154,7 @@ def test_flipped_bytes_fall_back_to_the_previous_checkpoint(setup, tmp_path, cap
     assert "damaged checkpoint" in err and "'model.safetensors'" in err and "SHA-256" in err
     assert f"resuming from {run / 'checkpoints' / 'step_2'}" in err
     # steps 3 and 4 were redone from step 2: the same metrics as the uninterrupted run
-    assert stable(run) == stable(finished)
+    assert stable_metrics(run) == stable_metrics(finished)
     assert (run / "checkpoints" / "corrupt-step_4").is_dir()  # moved aside, not deleted
     assert verify_checkpoint(run / "checkpoints" / "step_4") == 4
     damaged = json.loads((run / "run.json").read_text())["starts"][-1]["damaged_checkpoints"]
@@ -207,11 +168,10 @@ def test_explicit_resume_of_a_damaged_checkpoint_names_the_file(
     run = copy_run(setup, tmp_path)
     step = run / "checkpoints" / "step_4"
     truncate(step / "state" / "trainer_state.safetensors")
-    assert cli.main(["train", *overrides(tmp_path / "new", f"trainer.resume={step}")]) == 2
-    err = one_line_error(capsys)
-    assert "'trainer.resume'" in err and "trainer_state.safetensors" in err and "bytes" in err
-    assert cli.main(["train", *overrides(tmp_path / "new", f"trainer.resume={run}")]) == 2
-    assert "complete checkpoint directory" in one_line_error(capsys)
+    argv = ["train", *overrides(tmp_path / "new", f"trainer.resume={step}")]
+    refused(argv, capsys, "'trainer.resume'", "trainer_state.safetensors", "bytes")
+    argv = ["train", *overrides(tmp_path / "new", f"trainer.resume={run}")]
+    refused(argv, capsys, "complete checkpoint directory")
 
 
 def test_output_dir_problems_are_one_line_before_loading(setup, tmp_path, capsys, no_model_loading):
@@ -227,9 +187,9 @@ def test_output_dir_problems_are_one_line_before_loading(setup, tmp_path, capsys
         read_only.mkdir(mode=0o500)
         cases.append((read_only, "not writable"))
     for out_dir, fragment in cases:
-        assert cli.main(["train", *overrides(out_dir)]) == 2
-        err = one_line_error(capsys)
-        assert "'trainer.output_dir'" in err and fragment in err and str(out_dir) in err
+        refused(
+            ["train", *overrides(out_dir)], capsys, "'trainer.output_dir'", fragment, str(out_dir)
+        )
 
 
 def test_a_failed_start_leaves_nothing_that_blocks_a_fixed_config(setup, tmp_path):

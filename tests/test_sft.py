@@ -12,16 +12,14 @@ from otbrl.data import encode_prompts, get_task
 from otbrl.models import build_tiny_model, eos_token_ids, load_model_and_tokenizer
 from otbrl.rollout import HFRollout, decode_responses
 from otbrl.run.evaluate import evaluate_accuracy
+from tiny_models import TWO_LAYERS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
-
-
 @pytest.fixture
 def tiny(tmp_path):
-    path = build_tiny_model(tmp_path / "m", seed=1, **SMALL)
+    path = build_tiny_model(tmp_path / "m", seed=1, **TWO_LAYERS)
     return load_model_and_tokenizer(path)
 
 
@@ -141,7 +139,7 @@ def test_evaluate_accuracy_counts_exact_greedy_answers(tiny):
 
 def test_warm_start_is_cached_and_keyed_by_settings(tmp_path, monkeypatch):
     kwargs = {
-        "size": SMALL,
+        "size": TWO_LAYERS,
         "max_steps": 2,
         "eval_every": 2,
         "target_accuracy": 1.0,
@@ -169,7 +167,7 @@ def test_concurrent_builders_wait_for_one_warm_start(tmp_path, monkeypatch):
     """A second process asking for the same warm start blocks on the lock, then reuses it."""
     import threading
 
-    settings = {"size": SMALL, "max_steps": 2, "n_eval": 8, "n_train": 64}
+    settings = {"size": TWO_LAYERS, "max_steps": 2, "n_eval": 8, "n_train": 64}
     builds = []
     monkeypatch.setattr(sft, "_build_warm_start", lambda *a: builds.append(a))
     final = sft.ensure_warm_start(tmp_path, **settings)  # where the model would go

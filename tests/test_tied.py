@@ -31,10 +31,10 @@ def test_the_kept_names_are_the_ones_transformers_saves(zoo_dirs, shape):
 
 
 def _engine(model, **settings):
-    from otbrl.config import ActorConfig
     from otbrl.engine.engine import Engine
+    from otbrl.engine.optim import OptimConfig
 
-    return Engine(model, ActorConfig(lr=1e-3, micro_batch_size=4, **settings))
+    return Engine(model, OptimConfig(lr=1e-3, micro_batch_size=4, **settings))
 
 
 def test_every_stream_carries_a_tied_parameter_once(zoo_dirs):

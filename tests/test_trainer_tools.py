@@ -2,7 +2,6 @@
 old statistics computed with the observations in context), config errors before any model
 loads, and the single-turn path unchanged when no tool is configured."""
 
-import json
 import math
 
 import pytest
@@ -20,8 +19,9 @@ from otbrl.rollout import HFRollout, SamplingParams, completions_to_batch, unpad
 from otbrl.run.evaluate import evaluate_accuracy
 from otbrl.run.sampling import Sample, Scoring
 from otbrl.run.seeds import step_seed
+from run_utils import data_files, read_metrics, stable_metrics, train_overrides
+from tiny_models import ONE_LAYER
 
-TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
 TOOL_METRICS = (
     "tool/calls_per_sample",
     "tool/errors",
@@ -32,7 +32,7 @@ TOOL_METRICS = (
 
 @pytest.fixture(scope="module")
 def tool_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tool"), task="tool_arithmetic", **TINY)
+    return build_tiny_model(tmp_path_factory.mktemp("tool"), task="tool_arithmetic", **ONE_LAYER)
 
 
 @pytest.fixture(scope="module")
@@ -49,20 +49,10 @@ def tool_files(tmp_path_factory):
 
 
 def overrides(model_dir, files, out, *extra):
-    return [
-        f"model.path={model_dir}",
-        f"data.train_files=[{files[0]}]",
-        f"data.val_files=[{files[1]}]",
-        f"trainer.output_dir={out}",
-        "trainer.total_steps=2",
-        "trainer.val_every=2",
-        "trainer.logger=[jsonl]",
-        "data.train_batch_size=4",
-        "data.max_response_length=24",
-        "rollout.n=4",
-        "actor.micro_batch_size=8",
-        *extra,
-    ]
+    """2 steps with validation at the end, on ``files`` (train, val), 24-token responses."""
+    run = ["trainer.total_steps=2", "trainer.val_every=2", "actor.micro_batch_size=8"]
+    files = data_files(*files)
+    return train_overrides(model_dir, out, *files, *run, "data.max_response_length=24", *extra)
 
 
 def steer_to_calls(model, tokenizer):
@@ -73,10 +63,6 @@ def steer_to_calls(model, tokenizer):
     bias[tokenizer.convert_tokens_to_ids("<tool_call>")] = 3.0
     bias[tokenizer.convert_tokens_to_ids("</tool_call>")] = 2.5
     model.lm_head.register_forward_hook(lambda module, args, out: out + bias)
-
-
-def read(out):
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_multi_turn_training_steps(tool_dir, tool_files, tmp_path, monkeypatch):
@@ -113,7 +99,7 @@ def test_multi_turn_training_steps(tool_dir, tool_files, tmp_path, monkeypatch):
 
     monkeypatch.setattr(trainer.policy, "compute", spy)
     summary = trainer.fit()
-    records = read(tmp_path / "run")
+    records = read_metrics(tmp_path / "run")
     steps = [r for r in records if r["step"] > 0]
     for record in steps:
         for key in TOOL_METRICS:
@@ -227,7 +213,7 @@ def _single_turn_validate(self, logger=None):
 def test_without_tools_the_metrics_equal_the_single_turn_trainer(tmp_path, monkeypatch):
     """No tool configured: every metric of a 3-step run equals the one of the trainer whose
     rollout, reward and validation are the single-turn code from before this feature."""
-    path = build_tiny_model(tmp_path / "tiny", task="arithmetic", **TINY)
+    path = build_tiny_model(tmp_path / "tiny", task="arithmetic", **ONE_LAYER)
     task = get_task("arithmetic")
     train = write_parquet_rows(task.rows("train", 32, seed=0), tmp_path / "train.parquet")
     val = write_parquet_rows(task.rows("val", 16, seed=0), tmp_path / "val.parquet")
@@ -238,10 +224,7 @@ def test_without_tools_the_metrics_equal_the_single_turn_trainer(tmp_path, monke
                             "data.max_response_length=4")
         )  # fmt: skip
         trainer_mod.Trainer(cfg).fit()
-        return [
-            {k: v for k, v in r.items() if not k.startswith(("timing/", "throughput/", "memory/"))}
-            for r in read(tmp_path / name)
-        ]
+        return stable_metrics(tmp_path / name)
 
     today = run("today")
     monkeypatch.setattr(trainer_mod.Trainer, "sample", _single_turn_sample)

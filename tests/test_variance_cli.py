@@ -13,16 +13,12 @@ from otbrl.data import get_task
 from otbrl.engine.layout import Layout, forward_outputs
 from otbrl.models import build_tiny_model, load_model_and_tokenizer
 from otbrl.research.gradient_probe import EstimatorSpec, GradientProbe, parse_estimators
+from run_utils import refused
+from tiny_models import TWO_LAYERS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SMALL = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-}
+SMALL = {**TWO_LAYERS, "num_attention_heads": 2, "num_key_value_heads": 2}
 
 
 @pytest.fixture(scope="module")
@@ -205,13 +201,5 @@ def test_two_repeat_smoke_run(tiny_model, tmp_path, capsys):
         (["--n=4,x"], "invalid literal"),
     ],
 )
-def test_bad_flags_exit_2_before_loading(flags, word, capsys, monkeypatch):
-    import otbrl.run.sft as sft_mod
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("a model was loaded before the flags were checked")
-
-    monkeypatch.setattr(sft_mod, "ensure_warm_start", forbidden)
-    assert cli.main(["variance", *flags]) == 2
-    err = capsys.readouterr().err.strip()
-    assert word in err and "\n" not in err
+def test_bad_flags_exit_2_before_loading(flags, word, capsys, no_model_loading):
+    refused(["variance", *flags], capsys, word)

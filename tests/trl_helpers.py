@@ -14,6 +14,7 @@ from otbrl.algos import compute_advantage
 from otbrl.integrations.trl import OTBGRPOConfig, OTBGRPOTrainer
 from otbrl.models import build_tiny_model
 from otbrl.ops import token_stats
+from tiny_models import TWO_LAYERS
 
 TEMPERATURE = 0.9
 # Several "end of completion" ids, so completion lengths vary a lot on a random model.
@@ -23,7 +24,7 @@ STOP_CHARS = "0123"
 def make_model_dir(path: Path) -> Path:
     """A tiny Llama (hidden 32, 2 layers) with a character tokenizer; generation stops at EOS
     or at any of ``STOP_CHARS`` (TRL reads the same ids from generation_config)."""
-    out = build_tiny_model(path, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    out = build_tiny_model(path, **TWO_LAYERS)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(out)

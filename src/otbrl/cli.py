@@ -9,6 +9,7 @@ checkpoint to resume from): a second run on it, or a mismatched resume, exits 2 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections.abc import Callable
@@ -126,16 +127,16 @@ def _load(args: argparse.Namespace, extra: list[str] | None = None, *, base: dic
 
 def _config(args: argparse.Namespace, extra: list[str] | None = None, *, train: bool = True):
     """The loaded config and its ``Plan`` (validated once, before any model loads)."""
-    from otbrl.run.plan import validate_config
+    from otbrl.run.plan import plan_run
 
     cfg = _load(args, extra)
-    return cfg, validate_config(cfg, train=train)
+    return cfg, plan_run(cfg, train=train)
 
 
 def _train(args: argparse.Namespace) -> int:
     cfg, plan = _config(args)
+    from otbrl.run.rundir import claim_run_dir
     from otbrl.run.trainer import Trainer
-    from otbrl.store.rundir import claim_run_dir
 
     run = claim_run_dir(cfg)  # still before any model loads
     # one process, or one per device under torchrun: the same loop
@@ -145,8 +146,8 @@ def _train(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     cfg, plan = _config(args, DEMO_PRESET)
+    from otbrl.run.rundir import claim_run_dir
     from otbrl.run.trainer import Trainer
-    from otbrl.store.rundir import claim_run_dir
 
     start = time.perf_counter()
     run = claim_run_dir(cfg)
@@ -210,9 +211,9 @@ def _eval(args: argparse.Namespace) -> int:
     cfg = _load(args, base=base)
     if base is not None:
         print(f"evaluating {ckpt} with the configuration it was trained with", file=sys.stderr)
-    from otbrl.run.plan import validate_config
+    from otbrl.run.plan import plan_run
 
-    plan = validate_config(cfg, train=False)
+    plan = plan_run(cfg, train=False)
     from otbrl.engine.world import World
     from otbrl.models import eos_token_ids
     from otbrl.rollout import HFRollout
@@ -223,9 +224,14 @@ def _eval(args: argparse.Namespace) -> int:
     model, tokenizer = load_policy(cfg, path)
     eos = eos_token_ids(model, tokenizer)
     sampler = build_sampler(cfg, plan.tools, HFRollout(model, tokenizer), tokenizer, eos, str(path))
+    params = dataclasses.replace(
+        plan.spec.validation, stop_token_ids=tuple(eos), seed=cfg.trainer.seed
+    )
     result = validate(
-        sampler, tokenizer, plan.val_rows, cfg, world=World(), stop_token_ids=eos,
-        seed=cfg.trainer.seed, scoring=scoring(cfg, plan).for_validation(), label="evaluating",
+        sampler, tokenizer, plan.val_rows, params, world=World(),
+        batch_size=cfg.trainer.val_batch_size, max_prompt_length=cfg.data.max_prompt_length,
+        overlong=plan.spec.overlong, scoring=scoring(cfg, plan).for_validation(),
+        label="evaluating",
     ).metrics  # fmt: skip
     rate = result.get("val/tool_call_rate")
     print(

@@ -39,12 +39,14 @@ from otbrl.algos.loss_math import (
     value_token_loss,
 )
 from otbrl.algos.reductions import masked_sum
+from otbrl.ops.token_stats import HEAD_OUTPUTS, NO_GRADIENT
 
 __all__ = [
     "LOSSES", "Loss", "LossTerm", "SumOfTerms", "build_loss", "build_value_loss", "register_loss",
 ]  # fmt: skip
 
-FORWARD_OUTPUTS = frozenset({"log_probs", "entropy", "values"})
+# what a loss term may differentiate: every forward output but the gradient-free statistics
+FORWARD_OUTPUTS = frozenset().union(*HEAD_OUTPUTS.values()) - NO_GRADIENT
 ROLES = ("policy", "entropy", "kl", "value")
 
 

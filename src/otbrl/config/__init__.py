@@ -1,7 +1,8 @@
-"""otbrl.config (beside the floors; importing it imports nothing else from otbrl): the schema
+"""otbrl.config (beside the run layer, floor 4: nothing below it imports this package; importing
+it imports nothing else from otbrl but the error type): the schema
 (``schema``), loading from YAML and dotted overrides (``load``) and the schema-level checks
 (``checks``, which read each key's allowed values from the component that owns them when they
-run). ``otbrl.run.plan.validate_config`` makes the checks that need more."""
+run). ``otbrl.run.plan.plan_run`` makes the checks that need more."""
 
 from otbrl.config.checks import check_config
 from otbrl.config.load import load_config

@@ -1,7 +1,7 @@
 """Schema-level checks: what the configuration alone decides — allowed values (declared by the
 components that own them: ``choices``), ranges, finite numbers, files named by the config.
 Checks that need the registries, the file system's data or the world size are
-``otbrl.run.plan.validate_config``'s, which the CLI calls before any model loads."""
+``otbrl.run.plan.plan_run``'s, which the CLI calls before any model loads."""
 
 from __future__ import annotations
 
@@ -40,8 +40,7 @@ def choices() -> dict[str, tuple[str, ...]]:
     from otbrl.report.metrics_log import BACKENDS as LOGGERS
     from otbrl.rewards.builtin import MATH_BACKENDS
     from otbrl.rewards.scoring import ON_ERROR
-    from otbrl.rollout.protocol import ROLLOUT_MODES, ROLLOUT_NAMES
-    from otbrl.run.producer import STALE_SAMPLES
+    from otbrl.rollout.protocol import ROLLOUT_MODES, ROLLOUT_NAMES, STALE_SAMPLES
     from otbrl.tools.formats import FORMATS
 
     return {

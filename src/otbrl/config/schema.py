@@ -1,6 +1,6 @@
 """The configuration schema: OmegaConf structured dataclasses, one per group, with their defaults.
 
-Imports nothing from otbrl (it sits beside the floors). Loading (YAML + dotted overrides) is
+Imports nothing from otbrl but the error type. Loading (YAML + dotted overrides) is
 ``otbrl.config.load``; the checks the schema alone can decide are ``otbrl.config.checks``.
 """
 
@@ -11,13 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-
-class ConfigError(ValueError):
-    """A user configuration problem; ``str(err)`` is one line naming the key."""
-
-    def __init__(self, message: str, key: str | None = None):
-        super().__init__(message)
-        self.key = key
+from otbrl.errors import ConfigError  # noqa: F401  (the public name is otbrl.config.ConfigError)
 
 
 @dataclass

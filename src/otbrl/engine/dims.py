@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from otbrl.config import ConfigError
+from otbrl.errors import ConfigError
 
 ENGINES = ("auto", "single", "fsdp", "tp")
 # field -> the config key that sets it (errors name the key a user can change)
@@ -99,17 +99,6 @@ class ParallelDims:
                 "'actor.use_fused_kernels' is supported by the single-process engine only",
                 KEYS["fused"],
             )
-
-    @classmethod
-    def from_config(cls, actor, world_size: int) -> ParallelDims:
-        """The layout the ``actor`` config group asks for on ``world_size`` processes."""
-        return cls(
-            world_size=world_size,
-            tp=actor.tensor_parallel_size,
-            sp=actor.ulysses_sequence_parallel_size,
-            engine=actor.engine,
-            fused=actor.use_fused_kernels,
-        )
 
     @property
     def dp(self) -> int:

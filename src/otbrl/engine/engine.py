@@ -28,6 +28,7 @@ from otbrl.algos.loss_math import Normalizers, loss_normalizers
 from otbrl.algos.loss_terms import Loss
 from otbrl.engine import parallel
 from otbrl.engine.layout import Layout, forward_outputs
+from otbrl.engine.optim import OptimConfig, warmup_schedule
 from otbrl.engine.precision import get_precision
 from otbrl.engine.world import World
 from otbrl.models.lora import adapter_tensors, adapters_disabled, lora_settings, merged_tensors
@@ -38,15 +39,6 @@ class NumericsError(RuntimeError):
     """Training cannot go on: the weights became non-finite, or every step is being skipped."""
 
 
-def warmup_schedule(warmup_steps: int):
-    """LR multiplier: linear from 1/(warmup+1) to 1 over ``warmup_steps`` steps, then constant."""
-
-    def factor(step: int) -> float:
-        return min(1.0, (step + 1) / (warmup_steps + 1))
-
-    return factor
-
-
 class Engine:
     """A model with its optimizer on this process's share of the job.
 
@@ -54,10 +46,9 @@ class Engine:
         model: a plain HF model — a causal LM (policy, reference) or a
             ``*ForTokenClassification`` with one label (critic). Sharded in place when
             ``world`` has a mesh.
-        optim: the optimizer settings (the ``actor`` or ``critic`` config group: ``lr``,
-            ``warmup_steps``, ``weight_decay``, ``ppo_epochs``, ``micro_batch_size``,
-            ``grad_clip``; nothing else is read), or None for a frozen model (``compute`` only;
-            ``micro_batch_size`` then comes from ``micro_batch_size``).
+        optim: the training settings (``otbrl.engine.optim.OptimConfig``), or None for a
+            frozen model (``compute`` only; its cap on sequences per forward then comes from
+            ``micro_batch_size``).
         world: where this process sits (``World()``: one process).
         name: metric prefix of ``update`` (``policy``, ``critic``).
         parallelism: ``"fsdp"`` or ``"tp"`` on a multi-process world (ignored without a mesh).
@@ -80,7 +71,7 @@ class Engine:
     def __init__(
         self,
         model: nn.Module,
-        optim: Any = None,
+        optim: OptimConfig | None = None,
         *,
         world: World | None = None,
         name: str = "policy",
@@ -95,6 +86,11 @@ class Engine:
         precision: str = "32-true",
         gradient_checkpointing: bool = False,
     ):
+        if optim is not None and not isinstance(optim, OptimConfig):
+            raise TypeError(
+                "optim: expected an otbrl.engine.optim.OptimConfig (from a config group: "
+                f"OptimConfig.from_group(cfg.actor)) or None, got {type(optim).__name__}"
+            )
         self.world = world or World()
         self.name = name
         self.optim = optim

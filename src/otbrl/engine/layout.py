@@ -34,9 +34,8 @@ from torch import Tensor, nn
 from otbrl.data.packing import pack, packed_position_ids
 from otbrl.engine import ulysses
 from otbrl.ops import fused_linear_token_stats, token_stats, vocab_parallel_token_stats
+from otbrl.ops.token_stats import HEAD_OUTPUTS
 
-POLICY_OUTPUTS = frozenset({"log_probs", "entropy", "sum_pi_squared"})
-VALUE_OUTPUTS = frozenset({"values"})
 HEADS = ("logits", "fused", "vocab_parallel", "value")
 
 
@@ -121,7 +120,7 @@ class Layout:
     @property
     def outputs(self) -> frozenset[str]:
         """The outputs this layout's head can produce."""
-        return VALUE_OUTPUTS if self.head == "value" else POLICY_OUTPUTS
+        return HEAD_OUTPUTS["value" if self.head == "value" else "policy"]
 
 
 def forward_outputs(

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from otbrl.config.schema import ConfigError
+from otbrl.errors import ConfigError
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 

@@ -185,15 +185,18 @@ class World:
     def dp_size(self) -> int:
         return 1 if self.mesh is None else self.mesh["dp"].size()
 
-    def shard(self, items: Sequence[T]) -> list[T]:
-        """This data-parallel rank's contiguous share of ``items`` (all of them at dp = 1)."""
-        if len(items) % self.dp_size:
-            raise ValueError(
-                f"items: expected a multiple of the data-parallel size {self.dp_size}, "
-                f"got {len(items)}"
-            )
-        share = len(items) // self.dp_size
-        return list(items[self.dp_rank * share : (self.dp_rank + 1) * share])
+    def shard(self, items: Sequence[T], *, even: bool = True) -> list[T]:
+        """This data-parallel rank's contiguous share of ``items`` (all of them at dp = 1): the
+        one sharding rule of training and evaluation. ``even=True``: ``len(items)`` must be a
+        multiple of the data-parallel size (every rank trains whole groups, the same number);
+        ``even=False``: the first ``len(items) % dp`` ranks take one item more (some may get
+        none)."""
+        n, dp = len(items), self.dp_size
+        if even and n % dp:
+            raise ValueError(f"items: expected a multiple of the data-parallel size {dp}, got {n}")
+        share, extra = divmod(n, dp)
+        start = self.dp_rank * share + min(self.dp_rank, extra)
+        return list(items[start : start + share + (self.dp_rank < extra)])
 
     def sum(self, values: Sequence[float], *, over: str = "world") -> list[float]:
         """Element-wise float64 sum over every rank (``over="world"``) or over the

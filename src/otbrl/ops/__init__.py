@@ -4,7 +4,6 @@ Pure tensor math, no config and no I/O; see ``otbrl.ops.token_stats`` for the sh
 policies (ignored labels, NaN rows, output dtypes).
 """
 
-from otbrl.ops.compiled import compiled_token_stats
 from otbrl.ops.fused_linear import fused_linear_token_stats
 from otbrl.ops.token_stats import IGNORE_INDEX, TokenStats, sum_pi_squared, token_stats
 from otbrl.ops.vocab_parallel import vocab_parallel_token_stats
@@ -12,7 +11,6 @@ from otbrl.ops.vocab_parallel import vocab_parallel_token_stats
 __all__ = [
     "IGNORE_INDEX",
     "TokenStats",
-    "compiled_token_stats",
     "fused_linear_token_stats",
     "sum_pi_squared",
     "token_stats",

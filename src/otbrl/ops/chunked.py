@@ -31,11 +31,10 @@ import math
 import torch
 from torch import Tensor
 
-# The compiled and Triton kernels work in base 2 (exp2 is the native GPU instruction); the
+# The Triton kernel works in base 2 (exp2 is the native GPU instruction); the
 # eager kernels here use exp, which measured 1.5 × (AVX-512) to 2.5 × (AVX2) faster than exp2
 # with torch 2.13 on the development CPU.
 LOG2E = 1.0 / math.log(2.0)
-LN2 = math.log(2.0)
 
 # ~128K elements (512 KiB in float32) per intra-op thread and chunk: the logits and the two
 # scratch slices a thread touches then stay in its 2 MiB L2; twice that measured 10–17 % slower.

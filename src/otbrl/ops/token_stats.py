@@ -51,6 +51,13 @@ class TokenStats(NamedTuple):
     sum_pi_squared: Tensor | None
 
 
+# The forward outputs an engine can be asked for, by head: a policy's token statistics (the
+# fields above) and a value head's values. The one table the engine's layout, the loss registry
+# and the run's statistic sources read.
+HEAD_OUTPUTS = {"policy": frozenset(TokenStats._fields), "value": frozenset({"values"})}
+NO_GRADIENT = frozenset({"sum_pi_squared"})  # outputs a loss cannot differentiate through
+
+
 def check_temperature(temperature: float) -> float:
     """Validate ``temperature`` (a positive finite number) and return it as a float."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):

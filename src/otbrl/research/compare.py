@@ -65,7 +65,7 @@ def parse_arms(text: str) -> list[tuple[str, int]]:
 def arm_estimator_overrides(name: str) -> list[str]:
     """Config overrides that select arm estimator ``name`` (an alias also sets its options)."""
     from otbrl.algos import ESTIMATOR_ALIASES
-    from otbrl.run.plan import ESTIMATOR_OPTION_KEYS
+    from otbrl.run.spec import ESTIMATOR_OPTION_KEYS
 
     estimator, options = ESTIMATOR_ALIASES.get(name, (name, {}))
     return [f"algorithm.adv_estimator={estimator}"] + [
@@ -317,7 +317,7 @@ def run_compare(
     """
     from otbrl.config import load_config, to_dict
     from otbrl.run.build import model_path
-    from otbrl.run.plan import validate_config
+    from otbrl.run.plan import plan_run
     from otbrl.run.trainer import Trainer
     from otbrl.store.files import atomic_write_text
     from otbrl.store.plain import json_safe
@@ -326,7 +326,7 @@ def run_compare(
     check_settings(seeds, budget_responses, prompts, updates_per_step, jobs)
     out = Path(out_dir)
     base_cfg = load_config(config_file, overrides)  # with the built-in model's and task's presets
-    validate_config(base_cfg)
+    plan_run(base_cfg)
     # every arm starts from the base's resolved settings: pointing model.path at the shared
     # warm start must not drop the built-in model's preset
     base = to_dict(base_cfg)
@@ -350,7 +350,7 @@ def run_compare(
             )
             # fail before training anything if one arm's config is wrong
             cfg = load_config(None, run, base=base)
-            validate_config(cfg)
+            plan_run(cfg)
             plan.append(_Run(arm_label(name, n), seed, steps, prompts * n, run_dir, cfg, run))
     todo = [run for run in plan if not _finished(run)]
     done = 0

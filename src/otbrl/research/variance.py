@@ -24,8 +24,9 @@ from otbrl.research.gradient_variance import GradientVarianceAccumulator, varian
 from otbrl.rewards import resolve_reward_function
 from otbrl.rollout import HFRollout
 from otbrl.run.build import build_sampler, load_policy, model_path, policy_loss
-from otbrl.run.plan import estimator_options, load_rows
+from otbrl.run.plan import load_rows
 from otbrl.run.seeds import seed_everything, step_seed
+from otbrl.run.spec import estimator_options
 from otbrl.store.files import atomic_write_text
 from otbrl.store.plain import json_safe
 from otbrl.tools import resolve_tools

@@ -8,7 +8,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from otbrl.rewards.builtin import BUILTIN_REWARDS, RewardFunction, reward_for_data_source
 from otbrl.rewards.sandbox import SandboxConfig
@@ -65,58 +65,18 @@ class Outcome(NamedTuple):
 
 
 def score_responses(
-    responses: Sequence[str],
-    rows: Sequence[dict],
-    *,
-    function: RewardFunction | str | None = None,
-    on_error: str = "raise",
-    timeout_s: float | None = None,
-    math_backend: str = "verl",
-    sandbox: SandboxConfig | None = None,
-    batched: bool = False,
+    responses: Sequence[str], rows: Sequence[dict], **options: Any
 ) -> tuple[list[float], dict[str, float]]:
-    """Score each response against its row's ground truth.
-
-    Args:
-        responses: B decoded responses.
-        rows: B schema rows (``data_source``, ``reward_model.ground_truth``, ``extra_info``);
-            with n samples per prompt, repeat each row n times.
-        function: the reward for every row (a callable, or a spec for
-            ``resolve_reward_function``); ``None`` picks the built-in for each row's
-            ``data_source`` (an unknown one is a ``ValueError`` naming it, whatever
-            ``on_error`` says: that is a configuration problem, not a bad sample).
-        on_error: ``"raise"`` (a ``RewardError`` naming the sample index and function) or
-            ``"zero"`` (the sample scores 0.0 and is counted).
-        timeout_s: the longest one sample's scoring may take (None or 0: no limit); a call
-            that runs longer is an error handled by ``on_error``. In the main thread a
-            ``SIGALRM`` timer interrupts the call; elsewhere the call runs in a helper thread
-            that is abandoned (Python cannot stop a thread) when it runs late.
-        math_backend, sandbox: how the built-in rewards score MATH rows and run code
-            (``reward_for_data_source``); unused with ``function``.
-        batched: ``function`` takes lists — ``fn(data_sources, solution_strs, ground_truths,
-            extra_infos)`` — and returns one result per sample (verl's batched convention);
-            one call for the batch, ``timeout_s`` × B long at most.
+    """Score each response against its row's ground truth: ``score_each`` over the whole batch
+    (its keyword ``options``: ``function``, ``on_error``, ``timeout_s``, ``math_backend``,
+    ``sandbox``, ``batched``), summarized.
 
     Returns:
         ``(scores, info)``: B floats and ``{"reward/errors": count, "reward/timeouts": count}``
-        (timeouts are errors too). A function may return a number (NumPy scalars and 0-d
-        tensors included), a bool, or a dict with a ``"score"`` entry; the dict's other
-        numeric entries become ``reward/<key>``: the batch mean (over the samples that
-        reported it), or the count for ``sandbox_violations``. A list ground truth means
-        "any of these": the sample gets the best score over its items (and that item's
-        entries); a batched function gets the ground truths as they are.
+        (timeouts are errors too), plus the batch mean of each other numeric entry a function
+        returned in a dict (``reward/<key>``; the count for ``sandbox_violations``).
     """
-    outcome = score_each(
-        responses,
-        rows,
-        function=function,
-        on_error=on_error,
-        timeout_s=timeout_s,
-        math_backend=math_backend,
-        sandbox=sandbox,
-        batched=batched,
-    )
-    return summarize([outcome])
+    return summarize([score_each(responses, rows, **options)])
 
 
 def summarize(outcomes: Sequence[Outcome]) -> tuple[list[float], dict[str, float]]:
@@ -147,8 +107,40 @@ def score_each(
     batched: bool = False,
     offset: int = 0,
 ) -> Outcome:
-    """``score_responses`` before the summary (arguments as there); ``offset``: the index of
-    the first sample in the whole batch, for error messages (a pool scores chunks)."""
+    """Score each response against its row's ground truth (``score_responses`` before the
+    summary).
+
+    Args:
+        responses: B decoded responses.
+        rows: B schema rows (``data_source``, ``reward_model.ground_truth``, ``extra_info``);
+            with n samples per prompt, repeat each row n times.
+        function: the reward for every row (a callable, or a spec for
+            ``resolve_reward_function``); ``None`` picks the built-in for each row's
+            ``data_source`` (an unknown one is a ``ValueError`` naming it, whatever
+            ``on_error`` says: that is a configuration problem, not a bad sample).
+        on_error: ``"raise"`` (a ``RewardError`` naming the sample index and function) or
+            ``"zero"`` (the sample scores 0.0 and is counted).
+        timeout_s: the longest one sample's scoring may take (None or 0: no limit); a call
+            that runs longer is an error handled by ``on_error``. In the main thread a
+            ``SIGALRM`` timer interrupts the call; elsewhere the call runs in a helper thread
+            that is abandoned (Python cannot stop a thread) when it runs late.
+        math_backend, sandbox: how the built-in rewards score MATH rows and run code
+            (``reward_for_data_source``); unused with ``function``.
+        batched: ``function`` takes lists — ``fn(data_sources, solution_strs, ground_truths,
+            extra_infos)`` — and returns one result per sample (verl's batched convention);
+            one call for the batch, ``timeout_s`` × B long at most.
+        offset: the index of the first sample in the whole batch, for error messages (a pool
+            scores chunks).
+
+    Returns:
+        an ``Outcome``: B scores, each sample's extra entries, the error and timeout counts
+        (timeouts are errors too). A function may return a number (NumPy scalars and 0-d
+        tensors included), a bool, or a dict with a ``"score"`` entry; the dict's other
+        numeric entries become ``reward/<key>``: the batch mean (over the samples that
+        reported it), or the count for ``sandbox_violations``. A list ground truth means
+        "any of these": the sample gets the best score over its items (and that item's
+        entries); a batched function gets the ground truths as they are.
+    """
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error: expected one of {list(ON_ERROR)}, got {on_error!r}")
     if timeout_s is not None and not (isinstance(timeout_s, int | float) and timeout_s >= 0):

@@ -17,6 +17,7 @@ from otbrl.config import Config, ConfigError
 from otbrl.data import PromptDataset
 from otbrl.engine import parallel
 from otbrl.engine.engine import Engine
+from otbrl.engine.optim import OptimConfig
 from otbrl.engine.precision import get_precision
 from otbrl.engine.world import World
 from otbrl.models import (
@@ -313,32 +314,42 @@ def build_run(cfg: Config, plan: Plan, world: World, path: Path) -> RunParts:
     a = cfg.actor
     common = {
         "world": world,
-        "parallelism": plan.dims.engine,
+        "parallelism": plan.spec.dims.engine,
         "packed": cfg.model.use_remove_padding,
         "temperature": cfg.rollout.temperature,
         "seed": cfg.trainer.seed,
         "precision": cfg.model.precision,
         "gradient_checkpointing": cfg.model.gradient_checkpointing,
     }
-    sequences = plan.mini_batch_size * cfg.rollout.n
+    sequences = plan.spec.mini_batch_size * cfg.rollout.n
     engines = {
         "policy": Engine(
-            model, a, name="policy", fused=a.use_fused_kernels, mini_batch_size=sequences, **common
+            model,
+            OptimConfig.from_group(a),
+            name="policy",
+            fused=a.use_fused_kernels,
+            mini_batch_size=sequences,
+            **common,
         )
     }
-    if plan.use_critic:
+    if plan.spec.use_critic:
         # the critic stays full-parameter (a fresh value head has nothing to adapt from)
         value_model = load_value_model(
             cfg.critic.model_path or path, dtype=get_precision(cfg.model.precision).storage_name
         )
         engines["critic"] = Engine(
-            value_model, cfg.critic, name="critic", value=True, mini_batch_size=sequences, **common
+            value_model,
+            OptimConfig.from_group(cfg.critic),
+            name="critic",
+            value=True,
+            mini_batch_size=sequences,
+            **common,
         )
     reference = None
-    if plan.use_reference and cfg.model.lora.rank:
+    if plan.spec.use_reference and cfg.model.lora.rank:
         # the base model is the policy with its adapters disabled: no second copy
         reference = engines["policy"].without_adapters(micro_batch_size=a.micro_batch_size)
-    elif plan.use_reference:
+    elif plan.spec.use_reference:
         # the policy's precision, so that KL = 0 before the first update
         ref_model, _ = load_model_and_tokenizer(path, dtype=policy_dtype(cfg))
         reference = Engine(
@@ -348,7 +359,7 @@ def build_run(cfg: Config, plan: Plan, world: World, path: Path) -> RunParts:
         # the engine started from the base model: it must sample with the saved adapter
         sync_rollout(backend, engines["policy"])
     reward_model = None
-    if plan.use_reward_model:
+    if plan.spec.use_reward_model:
         reward_model = build_reward_model(cfg, world)
     return RunParts(
         tokenizer=tokenizer,
@@ -359,6 +370,6 @@ def build_run(cfg: Config, plan: Plan, world: World, path: Path) -> RunParts:
         engines=engines,
         reference=reference,
         policy_loss=policy_loss(cfg),
-        critic_loss=critic_loss(cfg) if plan.use_critic else None,
+        critic_loss=critic_loss(cfg) if plan.spec.use_critic else None,
         reward_model=reward_model,
     )

@@ -10,10 +10,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from otbrl.config import Config
 from otbrl.engine.world import World
 from otbrl.rollout import Sampler, SamplingParams
-from otbrl.run.plan import overlong_mode
 from otbrl.run.sampling import Scoring, sample_batch
 
 
@@ -120,20 +118,23 @@ def validate(
     sampler: Sampler,
     tokenizer,
     rows: Sequence[dict],
-    cfg: Config,
+    params: SamplingParams,
     *,
     world: World,
-    stop_token_ids: Sequence[int],
-    seed: int,
+    batch_size: int,
+    max_prompt_length: int,
+    overlong: str,
     scoring: Scoring,
     label: str = "validating",
     generations: int = 0,
 ) -> Validation:
-    """The run's validation with the ``trainer.val_*`` settings: the metrics averaged over the
-    whole of ``rows`` and ``generations`` sample rows. Collective: each rank evaluates its share
-    (rows ``rank::size``); rank 0 shows a progress bar under ``label``."""
-    t = cfg.trainer
-    share = list(rows[world.rank :: world.size])
+    """The run's validation: the metrics averaged over the whole of ``rows`` and
+    ``generations`` sample rows. ``params``: one response per prompt, its stop ids and seed set
+    (the run's ``RunSpec.validation``); the other keywords as in ``evaluate``. Collective: each
+    data-parallel rank evaluates its contiguous share of the rows (``World.shard``, as training
+    shards its prompts; the ranks of one model replica sample the same rows); rank 0 shows a
+    progress bar under ``label``."""
+    share = world.shard(rows, even=False)
     accuracy = rate = 0.0
     kept: list[dict] = []
     if share:
@@ -141,21 +142,23 @@ def validate(
             sampler,
             tokenizer,
             share,
-            stop_token_ids=stop_token_ids,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            greedy=t.val_greedy,
-            temperature=t.val_temperature,
-            batch_size=t.val_batch_size,
-            seed=seed,
+            stop_token_ids=params.stop_token_ids,
+            max_new_tokens=params.max_tokens,
+            greedy=params.greedy,
+            temperature=params.temperature,
+            batch_size=batch_size,
+            seed=params.seed or 0,
             scoring=scoring,
-            max_prompt_length=cfg.data.max_prompt_length,
-            overlong=overlong_mode(cfg),
+            max_prompt_length=max_prompt_length,
+            overlong=overlong,
             progress=f"{label} ({len(rows)} prompts)" if world.is_main else None,
             generations=generations,
         )
         accuracy, rate = result["accuracy"], result.get("tool_call_rate", 0.0)
         kept = result.get("generations", [])
-    total, called, count = world.sum([accuracy * len(share), rate * len(share), len(share)])
+    total, called, count = world.sum(
+        [accuracy * len(share), rate * len(share), len(share)], over="dp"
+    )
     out = {"val/accuracy": total / max(count, 1.0)}
     if sampler.tools:
         out["val/tool_call_rate"] = called / max(count, 1.0)

@@ -1,19 +1,15 @@
-"""Plan a run: every check that can be made before a model loads, once, and what it decided.
+"""Plan a run: ``resolve`` the config (``otbrl.run.spec``: pure), then ``preflight`` it — every
+check that needs the file system, imports or the network, once, before a model loads.
 
-``validate_config`` decides everything that can be known from the configuration and the file
-system: the estimator and its needs, which engine provides each need (so a need no layer
-provides is a one-line ``ConfigError`` naming the key to set, not a crash deep in a run), the
-parallel layout for this world size (``ParallelDims``), the batch sizes, the user's reward
-function (imported once), the tools and the chat template that must carry them, and the data:
-every file read and every row checked (schema, ground truth, a reward for its ``data_source``)
-now, not when the row is first sampled hours into a run. It returns a ``Plan``;
-``otbrl.run.build`` builds the run from it.
+The preflight imports the user's reward function once, loads the tokenizer (no model), resolves
+the tools and checks the chat template that must carry them, asks vLLM servers who they serve,
+and reads the data: every file read and every row checked (schema, ground truth, a reward for
+its ``data_source``) now, not when the row is first sampled hours into a run. It returns a
+``Plan``; ``otbrl.run.build`` builds the run from it.
 """
 
 from __future__ import annotations
 
-import difflib
-import functools
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -22,9 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from otbrl.algos import rollout_correction
-from otbrl.algos.advantages import ESTIMATORS, get_estimator
-from otbrl.algos.loss_math import KL_KINDS
 from otbrl.config import Config, ConfigError
 from otbrl.data import get_task, read_parquet_rows, tokenize_prompts
 from otbrl.engine.dims import KEYS as DIM_KEYS
@@ -51,141 +44,31 @@ from otbrl.rewards import (
 from otbrl.rewards.reward_model import check_reward_model_dir
 from otbrl.rollout import check_vllm_installed, make_agent
 from otbrl.rollout.server import ServerError, check_cpu_head_dim, check_server_url
+from otbrl.run.spec import RunSpec, resolve
 from otbrl.tools import resolve_tools, tools_for_row
 
 TASK_VAL_SIZE = 500  # validation prompts of a built-in task when data.val_size is unset
-# estimator option -> the config key that sets it
-ESTIMATOR_OPTION_KEYS = {
-    "gamma": "algorithm.gamma",
-    "lam": "algorithm.lam",
-    "norm_adv_by_std_in_grpo": "algorithm.norm_adv_by_std_in_grpo",
-    "handle_zero_tail": "algorithm.handle_zero_tail",
-    "leave_one_out": "algorithm.otb.leave_one_out",
-    "energy": "algorithm.otb.energy",
-}
-
-
-@dataclass(frozen=True)
-class Source:
-    """Where a batch statistic comes from: the ``engine`` that computes it (``policy``,
-    ``reference`` or ``critic``), the name of that engine's forward ``output``, and the config
-    key that switches the provider on (None: always on)."""
-
-    engine: str
-    output: str
-    switch: str | None = None
-
-
-# batch key -> its source: the one table of who provides what (the plan reads it, the trainer
-# asks each engine for exactly the outputs the plan lists)
-SOURCES = {
-    "old_log_probs": Source("policy", "log_probs"),
-    "entropy": Source("policy", "entropy"),
-    "sum_pi_squared": Source("policy", "sum_pi_squared", "actor.calculate_sum_pi_squared"),
-    "ref_log_probs": Source("reference", "log_probs", "actor.use_kl_loss"),
-    "values": Source("critic", "values", "critic.enable"),
-    # the learned reward model scores the decoded conversations in the sampling step (its own
-    # tokenizer and template), before the policy's forward; it adds to token_level_scores
-    "rm_scores": Source("reward_model", "scores", "reward.model.path"),
-}
 
 
 @dataclass(frozen=True)
 class Plan:
-    """What ``validate_config`` decided; ``otbrl.run.build`` builds exactly this.
+    """The run's ``RunSpec`` and what the preflight found; ``otbrl.run.build`` builds from it.
 
-    ``needs``: batch statistics the estimator, the losses and the enabled metrics need (each
-    has a ``SOURCES`` entry). ``dims``: the parallel layout. ``mini_batch_size``: prompts per
-    optimizer step. ``reward_fn``: the resolved ``reward.function`` (None: by data_source).
-    ``train_rows`` / ``val_rows``: the checked data rows (``load_rows``). ``tools``: the
-    resolved ``rollout.multi_turn.tools`` (None when empty: single-turn). ``longest_prompt``:
-    the longest prompt in tokens after ``data.overlong_prompts``; ``notes``: one line per
-    change that policy made (rows dropped or cut), printed when the run starts.
+    ``spec``: every decision the config fixes (``otbrl.run.spec.resolve``). ``reward_fn``: the
+    resolved ``reward.function`` (None: by data_source). ``train_rows`` / ``val_rows``: the
+    checked data rows (``load_rows``). ``tools``: the resolved ``rollout.multi_turn.tools``
+    (None when empty: single-turn). ``longest_prompt``: the longest prompt in tokens after
+    ``data.overlong_prompts``; ``notes``: one line per change that policy made (rows dropped or
+    cut), printed when the run starts.
     """
 
-    needs: frozenset[str]
-    dims: ParallelDims
-    mini_batch_size: int
+    spec: RunSpec
     reward_fn: Any = None
     train_rows: list = field(default_factory=list, repr=False)
     val_rows: list = field(default_factory=list, repr=False)
     tools: Any = None  # {name: otbrl.tools.Tool} of rollout.multi_turn.tools; None: single-turn
     longest_prompt: int = 0  # tokens, over all kept rows (a rollout engine's context: + budget)
     notes: tuple[str, ...] = ()  # what the plan changed in the data, for the run's start-up lines
-
-    @property
-    def use_reference(self) -> bool:
-        """A frozen reference policy is built (a KL loss or KL reward needs its log-probs)."""
-        return "ref_log_probs" in self.needs
-
-    @property
-    def use_reward_model(self) -> bool:
-        """A learned reward model is loaded (``reward.model.path``)."""
-        return "rm_scores" in self.needs
-
-    @property
-    def use_critic(self) -> bool:
-        """A critic is built and trained (its values are needed)."""
-        return "values" in self.needs
-
-    def outputs(self, engine: str) -> frozenset[str]:
-        """The forward outputs ``engine`` computes for the step's batch (may be empty)."""
-        return frozenset(SOURCES[k].output for k in self.needs if SOURCES[k].engine == engine)
-
-    def batch_stats(self, engine: str, outputs: dict) -> dict:
-        """``engine``'s forward ``outputs`` renamed to the batch keys the plan needs."""
-        return {
-            key: outputs[src.output]
-            for key, src in SOURCES.items()
-            if src.engine == engine and key in self.needs
-        }
-
-
-def estimator_options(cfg: Config) -> dict:
-    """Options that change what the configured estimator computes (and may change its needs)."""
-    return {
-        option: functools.reduce(getattr, key.split("."), cfg)
-        for option, key in ESTIMATOR_OPTION_KEYS.items()
-    }
-
-
-def stat_needs(cfg: Config) -> frozenset[str]:
-    """The statistics the estimator (with its options), the losses and the enabled metrics
-    need: ``entropy`` feeds ``policy/entropy_mean`` (always on); Σπ² is needed by OTB and, with
-    ``actor.calculate_sum_pi_squared=true``, by the variance-proxy metrics of any estimator."""
-    estimator = get_estimator(cfg.algorithm.adv_estimator)
-    needs = set(estimator.needs_for(**estimator_options(cfg))) | {"old_log_probs", "entropy"}
-    if cfg.actor.calculate_sum_pi_squared == "true":
-        needs.add("sum_pi_squared")
-    if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-        needs.add("ref_log_probs")
-    if cfg.reward.model.path is not None:
-        needs.add("rm_scores")
-    return frozenset(needs)
-
-
-def _check_providers(cfg: Config, needs: frozenset[str], use_critic: bool) -> None:
-    """Every need has a provider that is switched on; else a ConfigError naming the key."""
-    name = cfg.algorithm.adv_estimator
-    for need in sorted(needs):
-        if need not in SOURCES:
-            raise ConfigError(
-                f"'algorithm.adv_estimator' '{name}' needs '{need}', which no engine provides "
-                f"(providers: {sorted(SOURCES)})",
-                "algorithm.adv_estimator",
-            )
-    if "sum_pi_squared" in needs and cfg.actor.calculate_sum_pi_squared == "false":
-        raise ConfigError(
-            f"'actor.calculate_sum_pi_squared' is false but 'algorithm.adv_estimator' "
-            f"'{name}' needs Σπ²; use 'auto' or 'true'",
-            "actor.calculate_sum_pi_squared",
-        )
-    if "values" in needs and not use_critic:
-        raise ConfigError(
-            f"'critic.enable' is false but 'algorithm.adv_estimator' '{name}' needs values "
-            "from a critic; use 'auto' or 'true'",
-            "critic.enable",
-        )
 
 
 def _check_files(cfg: Config) -> None:
@@ -221,30 +104,21 @@ def _check_task(cfg: Config) -> None:
         )
 
 
-def validate_config(cfg: Config, world_size: int | None = None, *, train: bool = True) -> Plan:
-    """Every check that needs the registries, the file system or the world size; returns the
-    ``Plan``. Runs once, before any model is loaded (the tokenizer is: prompts are measured
-    now); raises ``ConfigError`` naming the key.
-
-    ``world_size`` defaults to torchrun's ``WORLD_SIZE`` (1 without torchrun). ``train=False``
-    (``otbrl eval``): no training rows are needed.
-    """
-    name = cfg.algorithm.adv_estimator
-    if name not in ESTIMATORS:
-        close = difflib.get_close_matches(name, list(ESTIMATORS), n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise ConfigError(
-            f"'algorithm.adv_estimator' must be one of {sorted(ESTIMATORS)}, got '{name}'{hint}",
-            "algorithm.adv_estimator",
-        )
-    if cfg.actor.kl_loss_type not in KL_KINDS:
-        raise ConfigError(
-            f"'actor.kl_loss_type' must be one of {sorted(KL_KINDS)}, got "
-            f"'{cfg.actor.kl_loss_type}'",
-            "actor.kl_loss_type",
-        )
+def plan_run(cfg: Config, world_size: int | None = None, *, train: bool = True) -> Plan:
+    """``resolve`` the config, then ``preflight`` it: the ``Plan`` of the run, made once before
+    any model loads; raises ``ConfigError`` naming the key. ``world_size`` defaults to
+    torchrun's ``WORLD_SIZE`` (1 without torchrun)."""
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    return preflight(cfg, resolve(cfg, world_size), train=train)
+
+
+def preflight(cfg: Config, spec: RunSpec, *, train: bool = True) -> Plan:
+    """The checks that need the file system, imports or the network, each made once: model and
+    data files, the logger's package, the user's reward function, the tokenizer (prompts are
+    measured now), the tools and their template, vLLM and its servers, every data row, prompt
+    lengths and the model's shape (a meta model). ``train=False`` (``otbrl eval``): no training
+    rows are needed."""
     _check_files(cfg)
     try:  # an optional logger package missing is reported now, not after the model loads
         check_backends(cfg.trainer.logger)
@@ -266,15 +140,6 @@ def validate_config(cfg: Config, world_size: int | None = None, *, train: bool =
         except ImportError as err:
             raise ConfigError(f"'rollout.name': {err}", "rollout.name") from None
         _check_vllm_serves(cfg)
-    needs = stat_needs(cfg)
-    use_critic = cfg.critic.enable == "true" or (cfg.critic.enable == "auto" and "values" in needs)
-    _check_providers(cfg, needs, use_critic)
-    if use_critic:  # critic.enable=true with any estimator: the value loss reads the values
-        needs = needs | {"values"}
-    dims = ParallelDims.from_config(cfg.actor, world_size)
-    mini = cfg.actor.ppo_mini_batch_size or cfg.data.train_batch_size
-    dims.check_divisible("data.train_batch_size", cfg.data.train_batch_size)
-    dims.check_divisible("actor.ppo_mini_batch_size", mini)
     train_rows, val_rows = load_rows(cfg, train=train)
     if reward_fn is None:
         _check_rewards_resolvable(train_rows + val_rows)
@@ -284,7 +149,7 @@ def validate_config(cfg: Config, world_size: int | None = None, *, train: bool =
     train_rows, longest, notes = check_prompt_lengths(cfg, train_rows, tokenizer, tools, "train")
     val_rows, longest_val, val_notes = check_prompt_lengths(cfg, val_rows, tokenizer, tools, "val")
     _check_context(cfg, max(longest, longest_val))
-    notes = [*notes, *check_model_settings(cfg, dims)]
+    notes = [*notes, *check_model_settings(cfg, spec.dims)]
     if train and len(train_rows) < cfg.data.train_batch_size:
         raise ConfigError(
             f"'data.train_batch_size' ({cfg.data.train_batch_size}) is larger than the training "
@@ -292,9 +157,7 @@ def validate_config(cfg: Config, world_size: int | None = None, *, train: bool =
             "data.train_batch_size",
         )
     return Plan(
-        needs=needs,
-        dims=dims,
-        mini_batch_size=mini,
+        spec=spec,
         reward_fn=reward_fn,
         train_rows=train_rows,
         val_rows=val_rows,
@@ -480,20 +343,6 @@ def check_prompt_lengths(
         longest = max((n for i, n in enumerate(lengths) if i not in dropped), default=0)
         return kept, longest, [f"{what}: dropped (data.overlong_prompts=filter)"]
     return rows, limit, [f"{what}: their beginning is cut (data.overlong_prompts=truncate_left)"]
-
-
-def correction_mode(cfg: Config) -> str:
-    """The ``rollout_is_weights`` mode of the run (``otbrl.algos.rollout_correction``'s
-    ``correction_mode`` of ``algorithm.off_policy`` and ``algorithm.rollout_correction``)."""
-    return rollout_correction.correction_mode(
-        cfg.algorithm.off_policy, cfg.algorithm.rollout_correction
-    )
-
-
-def overlong_mode(cfg: Config) -> str:
-    """The sampling step's mode for prompts over ``data.max_prompt_length``: the plan dropped
-    them under ``filter`` (any left would be a bug: ``error``); ``truncate_left`` cuts them."""
-    return "truncate_left" if cfg.data.overlong_prompts == "truncate_left" else "error"
 
 
 def _check_vllm_serves(cfg: Config) -> None:

@@ -30,9 +30,8 @@ from typing import Any
 
 from torch import Tensor
 
+from otbrl.rollout.protocol import STALE_SAMPLES
 from otbrl.run.sampling import Sample
-
-STALE_SAMPLES = ("drop", "wait")  # rollout.stale_samples (module docstring)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """A run directory belongs to one run: a manifest, a lock, and the checkpoint to resume from.
 
 ``claim_run_dir(cfg)`` runs before any model loads (the CLI calls it right after
-``validate_config``; ``Trainer`` calls it when not handed one) and, on rank 0:
+``plan_run``; ``Trainer`` calls it when not handed one) and, on rank 0:
 
 1. checks ``trainer.output_dir`` (not a file, creatable, writable);
 2. takes an exclusive ``flock`` on ``<output_dir>/run.lock`` for the run's life and writes its

@@ -24,6 +24,7 @@ directory; checkpoints are collective and resume on any engine and world size.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -41,21 +42,14 @@ from otbrl.engine.memory import optimizer_gb, peak_memory_gb, reset_peak_memory,
 from otbrl.engine.world import collective_guard, start_world, teardown_distributed
 from otbrl.report.metrics_log import MetricsLogger
 from otbrl.report.plots import plot_run
-from otbrl.rollout import SamplingParams
 from otbrl.run.build import build_run, model_path, scoring, sync_rollout
 from otbrl.run.evaluate import validate
-from otbrl.run.plan import (
-    Plan,
-    correction_mode,
-    estimator_options,
-    overlong_mode,
-    validate_config,
-)
+from otbrl.run.plan import Plan, plan_run
 from otbrl.run.producer import Produced, Producer, version_metrics
+from otbrl.run.rundir import RunDir, claim_run_dir
 from otbrl.run.sampling import sample_batch
 from otbrl.run.seeds import seed_everything, step_seed
 from otbrl.store import checkpoint
-from otbrl.store.rundir import RunDir, claim_run_dir
 
 # the timing key of each engine's statistics forward
 TIMING = {"policy": "old_stats", "reference": "ref", "critic": "values"}
@@ -86,13 +80,13 @@ class Trainer:
     """Builds the run from a ``Config`` (and the ``Plan`` that validated it) and runs ``fit()``.
 
     Every process of a ``torchrun`` job constructs one; on one process no process group is
-    created. ``plan`` defaults to ``validate_config(cfg)`` and ``run_dir`` to
+    created. ``plan`` defaults to ``plan_run(cfg)`` and ``run_dir`` to
     ``claim_run_dir(cfg)`` (the CLI passes the ones it made); the run directory's lock is held
     until ``fit()`` returns.
     """
 
     def __init__(self, cfg: Config, plan: Plan | None = None, run_dir: RunDir | None = None):
-        plan = plan or validate_config(cfg)
+        plan = plan or plan_run(cfg)
         self.run = run_dir if run_dir is not None else claim_run_dir(cfg)
         try:
             self._build(cfg, plan)
@@ -101,11 +95,11 @@ class Trainer:
             raise
 
     def _build(self, cfg: Config, plan: Plan) -> None:
-        self.cfg, self.plan = cfg, plan
+        self.cfg, self.plan, self.spec = cfg, plan, plan.spec
         # Before the process group exists: every rank takes the warm-start cache's lock, the
         # first builds it and the others wait there, not in a collective that would time out.
         path = model_path(cfg)
-        self.world = start_world(plan.dims, timeout_s=cfg.trainer.dist_timeout_s)
+        self.world = start_world(plan.spec.dims, timeout_s=cfg.trainer.dist_timeout_s)
         seed_everything(cfg.trainer.seed)
         self.output_dir = Path(cfg.trainer.output_dir)
         self.ckpt_root = self.output_dir / "checkpoints"
@@ -136,15 +130,10 @@ class Trainer:
         """This rank's share of the next prompts, ``rollout.n`` responses each, seeded by
         ``step`` (default: the current one); its scores may still be on their way
         (``sample.resolve()`` waits for them)."""
-        r = self.cfg.rollout
         step = self.step if step is None else step
         rows = self.world.shard(self.dataset.next_batch())
-        params = SamplingParams(
-            n=r.n,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            max_tokens=r.max_new_tokens,
+        params = dataclasses.replace(
+            self.spec.sampling,
             stop_token_ids=tuple(self.eos_ids),
             seed=step_seed(self.cfg.trainer.seed, step, self.world.dp_rank),
         )
@@ -155,7 +144,7 @@ class Trainer:
             params,
             scoring=self.scoring,
             max_prompt_length=self.cfg.data.max_prompt_length,
-            overlong=overlong_mode(self.cfg),
+            overlong=self.spec.overlong,
             uid_offset=self.world.dp_rank * len(rows),  # the global prompt index
             defer=True,  # scored (in reward.workers processes) during the policy's forward
         )
@@ -183,11 +172,11 @@ class Trainer:
         """Each engine's share of the plan's needs, from one forward of the sampled batch."""
         engines = {**self.engines, "reference": self.reference}
         for name, key in TIMING.items():
-            outputs = self.plan.outputs(name)
+            outputs = self.spec.outputs(name)
             if outputs:
                 with _timed(timing, key):
                     stats = engines[name].compute(batch, outputs)
-                batch.update(self.plan.batch_stats(name, stats))
+                batch.update(self.spec.batch_stats(name, stats))
 
     def rollout_correction(self, batch: dict[str, Tensor]) -> dict[str, float]:
         """How far the rollout engine's log-probs are from the trainer's, and (with
@@ -195,8 +184,7 @@ class Trainer:
         that correct for it: they reach the policy loss and OTB's energy W as
         ``rollout_is_weights``; ``seq_mis`` drops the sequences outside the band from
         ``response_mask``. ``old_log_probs`` is π_prox: computed once before the update."""
-        cfg = self.cfg.algorithm
-        mode = correction_mode(self.cfg)
+        mode = self.spec.correction
         old, rollout, mask = (
             batch["old_log_probs"],
             batch["rollout_log_probs"],
@@ -205,7 +193,7 @@ class Trainer:
         metrics = rollout_mismatch_metrics(old, rollout, mask)
         if mode != "none":
             weights, keep, extra = rollout_is_weights(
-                old, rollout, mask, mode=mode, cap=cfg.rollout_is_cap
+                old, rollout, mask, mode=mode, cap=self.spec.correction_cap
             )
             batch["rollout_is_weights"] = weights
             batch["response_mask"] = mask * keep
@@ -214,21 +202,20 @@ class Trainer:
 
     def advantage(self, batch: dict[str, Tensor]) -> dict[str, float]:
         """Token rewards (minus the in-reward KL when on), then the registry's estimator."""
-        cfg = self.cfg.algorithm
         metrics = {}
         rewards = batch["token_level_scores"]
-        if cfg.use_kl_in_reward:
+        if self.spec.kl_in_reward_coef is not None:
             rewards, kl = kl_in_reward(
                 rewards,
                 batch["old_log_probs"],
                 batch["ref_log_probs"],
                 batch["response_mask"],
-                coef=cfg.kl_coef,
+                coef=self.spec.kl_in_reward_coef,
             )
             metrics["train/kl_in_reward"] = float(kl)
         batch["token_level_rewards"] = rewards
         batch["advantages"], batch["returns"] = compute_advantage(
-            cfg.adv_estimator, **batch, index=batch["uid"], **estimator_options(self.cfg)
+            self.spec.estimator, **batch, index=batch["uid"], **self.spec.estimator_options
         )
         metrics["train/advantage_mean"] = float(
             masked_mean(batch["advantages"], batch["response_mask"])
@@ -298,10 +285,15 @@ class Trainer:
             self.sampler if with_tools else self.rollout,
             self.tokenizer,
             self.plan.val_rows,
-            self.cfg,
+            dataclasses.replace(
+                self.spec.validation,
+                stop_token_ids=tuple(self.eos_ids),
+                seed=step_seed(self.cfg.trainer.seed, self.step),
+            ),
             world=self.world,
-            stop_token_ids=self.eos_ids,
-            seed=step_seed(self.cfg.trainer.seed, self.step),
+            batch_size=self.cfg.trainer.val_batch_size,
+            max_prompt_length=self.cfg.data.max_prompt_length,
+            overlong=self.spec.overlong,
             scoring=self.scoring.for_validation(),
             generations=self.cfg.trainer.log_generations if logger is not None else 0,
         )
@@ -380,9 +372,7 @@ class Trainer:
         finally:
             if self.producer is not None:
                 self.producer.close()  # before the servers go
-            close = getattr(self.rollout, "close", None)
-            if close is not None:
-                close()  # before the process group goes: a vLLM engine holds groups of its own
+            self.rollout.close()  # before the process group goes: a vLLM engine holds groups
             if self.scoring.pool is not None:
                 self.scoring.pool.close()
             if self.world.mesh is not None:  # only the group this run created
@@ -492,7 +482,7 @@ class Trainer:
                 "steps": self.step,
                 "wall_seconds": self._earlier_wall_seconds + segment,
                 "segment_wall_seconds": segment,
-                "adv_estimator": self.cfg.algorithm.adv_estimator,
+                "adv_estimator": self.spec.estimator,
             }
             if validating and self.plan.tools:
                 final.update(self._tool_summary())

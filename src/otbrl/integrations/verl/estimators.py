@@ -23,73 +23,59 @@ VERL_NAMES = ("optimal_token_baseline", "tir_optimal_token_baseline")
 ORIGINALS: dict[str, object] = {}
 
 
-def _otb(fn, name, *, epsilon, **kwargs) -> tuple[Tensor, Tensor]:
-    if epsilon != OTB_EPS and name in ORIGINALS:
-        # otbrl's ε is fixed; verl's own loop honours any other value exactly.
-        return ORIGINALS[name](epsilon=epsilon, **kwargs)
-    if epsilon != OTB_EPS:
-        raise ValueError(f"epsilon: otbrl's OTB uses {OTB_EPS}, got {epsilon}")
-    with torch.no_grad():
-        return fn(**kwargs)
+def _verl_signature(fn, name: str, doc: str):
+    """``fn`` (``otbrl.algos.otb``) behind the signature verl calls its estimator ``name`` with;
+    verl's own function serves a non-default ``epsilon`` (otbrl's ε is fixed)."""
+
+    def estimator(
+        token_level_rewards: Tensor,
+        response_mask: Tensor,
+        index,
+        old_log_probs: Tensor,
+        sum_pi_squared: Tensor,
+        rollout_is_weights: Tensor | None = None,
+        handle_zero_tail: bool = True,
+        epsilon: float = 1e-8,
+        **kwargs,
+    ) -> tuple[Tensor, Tensor]:
+        tensors = dict(
+            token_level_rewards=token_level_rewards,
+            response_mask=response_mask,
+            index=index,
+            old_log_probs=old_log_probs,
+            sum_pi_squared=sum_pi_squared,
+            rollout_is_weights=rollout_is_weights,
+            handle_zero_tail=handle_zero_tail,
+        )
+        if epsilon != OTB_EPS and name in ORIGINALS:
+            return ORIGINALS[name](epsilon=epsilon, **tensors)
+        if epsilon != OTB_EPS:
+            raise ValueError(f"epsilon: otbrl's OTB uses {OTB_EPS}, got {epsilon}")
+        with torch.no_grad():
+            return fn(**tensors)
+
+    estimator.__name__ = estimator.__qualname__ = f"{name}_advantage"
+    estimator.__doc__ = doc
+    return estimator
 
 
-def optimal_token_baseline_advantage(
-    token_level_rewards: Tensor,
-    response_mask: Tensor,
-    index,
-    old_log_probs: Tensor,
-    sum_pi_squared: Tensor,
-    rollout_is_weights: Tensor | None = None,
-    handle_zero_tail: bool = True,
-    epsilon: float = 1e-8,
-    **kwargs,
-) -> tuple[Tensor, Tensor]:
+optimal_token_baseline_advantage = _verl_signature(
+    optimal_token_baseline,
+    "optimal_token_baseline",
     """verl's ``compute_optimal_token_baseline_advantage`` signature, otbrl's vectorized OTB.
 
     Shapes: ``[B, L]`` tensors, ``index`` ``[B]`` (verl's uid array: strings or ints) ->
     ``(advantages, returns)`` ``[B, L]`` float32. Extra keyword arguments verl passes
     (``config``, ...) are ignored, as verl's own function ignores them.
-    """
-    return _otb(
-        optimal_token_baseline,
-        "optimal_token_baseline",
-        epsilon=epsilon,
-        token_level_rewards=token_level_rewards,
-        response_mask=response_mask,
-        index=index,
-        old_log_probs=old_log_probs,
-        sum_pi_squared=sum_pi_squared,
-        rollout_is_weights=rollout_is_weights,
-        handle_zero_tail=handle_zero_tail,
-    )
-
-
-def tir_optimal_token_baseline_advantage(
-    token_level_rewards: Tensor,
-    response_mask: Tensor,
-    index,
-    old_log_probs: Tensor,
-    sum_pi_squared: Tensor,
-    rollout_is_weights: Tensor | None = None,
-    handle_zero_tail: bool = True,
-    epsilon: float = 1e-8,
-    **kwargs,
-) -> tuple[Tensor, Tensor]:
+    """,
+)
+tir_optimal_token_baseline_advantage = _verl_signature(
+    tir_optimal_token_baseline,
+    "tir_optimal_token_baseline",
     """verl's ``compute_multi_turn_optimal_token_baseline_advantage`` signature, otbrl's
     vectorized TIR-OTB (tool-output holes in ``response_mask``). Shapes as in
-    :func:`optimal_token_baseline_advantage`."""
-    return _otb(
-        tir_optimal_token_baseline,
-        "tir_optimal_token_baseline",
-        epsilon=epsilon,
-        token_level_rewards=token_level_rewards,
-        response_mask=response_mask,
-        index=index,
-        old_log_probs=old_log_probs,
-        sum_pi_squared=sum_pi_squared,
-        rollout_is_weights=rollout_is_weights,
-        handle_zero_tail=handle_zero_tail,
-    )
+    :func:`optimal_token_baseline_advantage`.""",
+)
 
 
 REPLACEMENTS = {
