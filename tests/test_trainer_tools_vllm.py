@@ -12,7 +12,7 @@ from otbrl.data import get_task, write_parquet_rows
 
 pytest.importorskip("vllm")
 
-from test_agent_loop_vllm import taught_tool_model
+from tiny_models import VLLM_SIZE, taught_tool_model
 
 LENGTH_REWARD = """
 def score(data_source, solution_str, ground_truth, extra_info):
@@ -24,7 +24,10 @@ def test_three_tir_otb_steps_on_vllm_with_tools(tmp_path):
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        path, _, _ = taught_tool_model(tmp_path)
+        # head size 32, taught by 150 SFT steps on demonstrations that all call the calculator
+        path = tmp_path / "model"
+        demos = get_task("tool_arithmetic", tool_leading_digits="123456789")
+        taught_tool_model(path, demos, rows=512, steps=150, **VLLM_SIZE)
         task = get_task("tool_arithmetic")
         train = write_parquet_rows(task.rows("train", 16, seed=0), tmp_path / "train.parquet")
         val = write_parquet_rows(task.rows("val", 8, seed=0), tmp_path / "val.parquet")
