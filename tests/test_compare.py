@@ -10,10 +10,12 @@ from otbrl.research.compare import (
     arm_label,
     arm_steps,
     check_settings,
-    late_mean,
-    markdown_table,
     parse_arms,
     run_compare,
+)
+from otbrl.research.compare_report import (
+    late_mean,
+    markdown_table,
     run_curves,
     summarize,
     tokens_to_target,

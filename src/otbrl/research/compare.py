@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import statistics
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+from otbrl.research.compare_report import markdown_table, plot_compare, run_curves, summarize
 
 ARMS = "optimal_token_baseline:4,grpo:4,grpo:16,optimal_token_baseline:16"
 # the default preset (docs/when-does-otb-help.md): 800 steps at n = 4, 200 at n = 16
@@ -82,129 +82,6 @@ def arm_label(name: str, n: int) -> str:
 def arm_steps(budget_responses: int, prompts: int, n: int) -> int:
     """Steps that spend ``budget_responses`` sampled responses at ``prompts`` × ``n`` per step."""
     return max(1, budget_responses // (prompts * n))
-
-
-def run_curves(run_dir: Path, responses_per_step: int) -> dict:
-    """From ``metrics.jsonl``: validation accuracy against generated tokens, and grad norms.
-
-    Returns ``{"tokens": [...], "accuracy": [...], "grad_norm": [...], "final_accuracy",
-    "late_accuracy"}``; tokens at a validation point = Σ over the steps so far of mean response
-    length × responses; ``late_accuracy`` = mean of the validations in the last quarter of the
-    run's tokens (one validation is a noisy end point: a few prompts flipping moves it).
-    """
-    from otbrl.report.metrics_log import read_metrics
-
-    tokens, acc_tokens, accuracy, grad_norm = 0.0, [], [], []
-    for record in read_metrics(run_dir):
-        step = record.get("step", 0)
-        if step > 0 and record.get("train/response_length_mean") is not None:
-            tokens += record["train/response_length_mean"] * responses_per_step
-        if record.get("policy/grad_norm") is not None:
-            grad_norm.append(record["policy/grad_norm"])
-        if record.get("val/accuracy") is not None:
-            acc_tokens.append(tokens)
-            accuracy.append(record["val/accuracy"])
-    return {
-        "tokens": acc_tokens,
-        "accuracy": accuracy,
-        "grad_norm": grad_norm,
-        "final_accuracy": accuracy[-1] if accuracy else math.nan,
-        "late_accuracy": late_mean(acc_tokens, accuracy),
-    }
-
-
-def late_mean(tokens: list[float], accuracy: list[float], fraction: float = 0.25) -> float:
-    """Mean accuracy of the validations at tokens ≥ (1 − fraction) × the last one's tokens."""
-    if not accuracy:
-        return math.nan
-    start = (1.0 - fraction) * tokens[-1]
-    late = [a for t, a in zip(tokens, accuracy) if t >= start]
-    return statistics.fmean(late)
-
-
-def tokens_to_target(curve: dict, target: float) -> float:
-    """Generated tokens at the first validation with accuracy ≥ target (inf if never)."""
-    for tokens, acc in zip(curve["tokens"], curve["accuracy"]):
-        if acc >= target:
-            return tokens
-    return math.inf
-
-
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    finite = [v for v in values if math.isfinite(v)]
-    if not finite:
-        return math.inf, math.nan
-    return statistics.fmean(finite), statistics.stdev(finite) if len(finite) > 1 else 0.0
-
-
-def summarize(curves: dict[str, list[dict]], target: float) -> dict[str, dict]:
-    """Per arm over its seeds: tokens to target (mean ± std over the seeds that reached it, and
-    how many did), final accuracy mean ± std, mean over seeds of the max and median grad norm."""
-    out = {}
-    for label, runs in curves.items():
-        reach = [tokens_to_target(c, target) for c in runs]
-        t_mean, t_std = _mean_std(reach)
-        finals = [c["final_accuracy"] for c in runs]
-        lates = [c.get("late_accuracy", c["final_accuracy"]) for c in runs]
-        out[label] = {
-            "seeds": len(runs),
-            "reached_target": sum(math.isfinite(t) for t in reach),
-            "tokens_to_target_mean": t_mean,
-            "tokens_to_target_std": t_std,
-            "final_accuracy_mean": statistics.fmean(finals),
-            "final_accuracy_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
-            "late_accuracy_mean": statistics.fmean(lates),
-            "late_accuracy_std": statistics.stdev(lates) if len(lates) > 1 else 0.0,
-            "grad_norm_max": statistics.fmean(max(c["grad_norm"]) for c in runs),
-            "grad_norm_median": statistics.fmean(statistics.median(c["grad_norm"]) for c in runs),
-        }
-    return out
-
-
-def markdown_table(summary: dict[str, dict], target: float) -> str:
-    """The comparison as a markdown table."""
-    lines = [
-        f"| arm | tokens to acc ≥ {target:g} (mean ± std, reached) | final acc (mean ± std) "
-        "| acc over the last 25 % (mean ± std) | max grad norm | median grad norm |",
-        "|---|---|---|---|---|---|",
-    ]
-    for label, s in summary.items():
-        if s["reached_target"]:
-            reach = f"{s['tokens_to_target_mean']:,.0f} ± {s['tokens_to_target_std']:,.0f}"
-        else:
-            reach = "not reached"
-        lines.append(
-            f"| {label} | {reach} ({s['reached_target']}/{s['seeds']}) "
-            f"| {s['final_accuracy_mean']:.3f} ± {s['final_accuracy_std']:.3f} "
-            f"| {s['late_accuracy_mean']:.3f} ± {s['late_accuracy_std']:.3f} "
-            f"| {s['grad_norm_max']:.3g} | {s['grad_norm_median']:.3g} |"
-        )
-    return "\n".join(lines)
-
-
-def plot_compare(curves: dict[str, list[dict]], target: float, out_png: Path) -> Path:
-    """Validation accuracy against generated tokens: faint line per seed, bold mean per arm."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 4.5), constrained_layout=True)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    colors = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
-    for (label, runs), color in zip(curves.items(), colors * 4):
-        for c in runs:
-            ax.plot(c["tokens"], c["accuracy"], color=color, alpha=0.25, lw=0.8)
-        length = min(len(c["accuracy"]) for c in runs)
-        if length:
-            xs = [statistics.fmean(c["tokens"][i] for c in runs) for i in range(length)]
-            ys = [statistics.fmean(c["accuracy"][i] for c in runs) for i in range(length)]
-            ax.plot(xs, ys, color=color, lw=2, label=f"{label} (mean of {len(runs)})")
-    ax.axhline(target, color="gray", ls="--", lw=0.8)
-    ax.set_xlabel("generated tokens")
-    ax.set_ylabel("validation accuracy")
-    ax.legend(fontsize=8)
-    fig.savefig(out_png, dpi=110)
-    return out_png
 
 
 @dataclass

@@ -20,17 +20,11 @@ import numpy as np
 
 from otbrl.config import Config, ConfigError
 from otbrl.data import get_task, read_parquet_rows, tokenize_prompts
-from otbrl.engine.dims import KEYS as DIM_KEYS
-from otbrl.engine.dims import ParallelDims
-from otbrl.engine.precision import check_precision_device
 from otbrl.models import (
-    DEFAULT_SIZE,
     build_tokenizer,
-    random_causal_lm,
     resolve_model_dir,
     set_prompt_template,
 )
-from otbrl.models.lora import check_adapter_fits, linear_module_names
 from otbrl.report.metrics_log import check_backends
 from otbrl.rewards import (
     BUILTIN_REWARDS,
@@ -44,6 +38,7 @@ from otbrl.rewards import (
 from otbrl.rewards.reward_model import check_reward_model_dir
 from otbrl.rollout import check_vllm_installed, make_agent
 from otbrl.rollout.server import ServerError, check_cpu_head_dim, check_server_url
+from otbrl.run.model_checks import check_context, check_model_settings
 from otbrl.run.spec import RunSpec, resolve
 from otbrl.tools import resolve_tools, tools_for_row
 
@@ -148,7 +143,7 @@ def preflight(cfg: Config, spec: RunSpec, *, train: bool = True) -> Plan:
         check_row_tools(train_rows + val_rows, tools)
     train_rows, longest, notes = check_prompt_lengths(cfg, train_rows, tokenizer, tools, "train")
     val_rows, longest_val, val_notes = check_prompt_lengths(cfg, val_rows, tokenizer, tools, "val")
-    _check_context(cfg, max(longest, longest_val))
+    check_context(cfg, max(longest, longest_val))
     notes = [*notes, *check_model_settings(cfg, spec.dims)]
     if train and len(train_rows) < cfg.data.train_batch_size:
         raise ConfigError(
@@ -363,33 +358,6 @@ def _check_vllm_serves(cfg: Config) -> None:
                 raise ConfigError(str(err), "rollout.server.urls") from None
 
 
-def _check_context(cfg: Config, longest_prompt: int) -> None:
-    """The longest prompt plus the response budget fits the model's positions (both rollout
-    backends refuse more; this says so before the model loads, naming the key)."""
-    if cfg.model.path == "builtin":
-        positions = DEFAULT_SIZE["max_position_embeddings"]
-    else:
-        from transformers import AutoConfig
-
-        try:
-            config = AutoConfig.from_pretrained(resolve_model_dir(cfg.model.path))
-        except Exception as err:  # a broken config.json: transformers raises many types
-            first = (str(err).splitlines() or [type(err).__name__])[0]
-            raise ConfigError(
-                f"'model.path': cannot read the model config in '{cfg.model.path}': {first}",
-                "model.path",
-            ) from None
-        positions = getattr(config, "max_position_embeddings", None)
-    context = longest_prompt + cfg.rollout.max_new_tokens
-    if isinstance(positions, int) and context > positions:
-        raise ConfigError(
-            f"'data.max_response_length': the longest prompt ({longest_prompt} tokens) plus the "
-            f"response budget ({cfg.rollout.max_new_tokens}) is {context} tokens, more than the "
-            f"model's {positions} positions",
-            "data.max_response_length",
-        )
-
-
 def _read_rows(cfg: Config, key: str) -> list[dict]:
     files = getattr(cfg.data, key)
     if not files:
@@ -398,104 +366,3 @@ def _read_rows(cfg: Config, key: str) -> list[dict]:
         return read_parquet_rows(files)
     except ValueError as err:
         raise ConfigError(f"'data.{key}': {err}", f"data.{key}") from None
-
-
-def check_model_settings(cfg: Config, dims: ParallelDims) -> list[str]:
-    """``model.precision`` on this device and ``model.lora`` against the model's modules, on a
-    meta-device copy of the architecture (no weights load). Returns the notes to print at
-    start (bf16 emulated on this CPU); raises ``ConfigError`` naming the key."""
-    import torch
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    note = check_precision_device(cfg.model.precision, device)
-    if dims.tp > 1 or dims.sp > 1:
-        _check_layout_fits_model(cfg, dims)
-    if dims.fused and cfg.model.path != "builtin":
-        _check_fused_head_fits_model(cfg)
-    lora = cfg.model.lora
-    if lora.rank:
-        if dims.tp > 1:
-            raise ConfigError(
-                "'model.lora.rank': LoRA does not compose with tensor parallelism here (the TP "
-                "plan shards the plain linear layers peft replaces); use FSDP2 "
-                "(actor.engine=fsdp) or Ulysses sequence parallelism",
-                "model.lora.rank",
-            )
-        model = _meta_model(cfg)
-        names = linear_module_names(model)
-        targets = lora.target_modules
-        if not isinstance(targets, str) and not set(targets) & set(names):
-            raise ConfigError(
-                f"'model.lora.target_modules' {list(targets)} names no linear layer of the "
-                f"model; its linear layers are {names}",
-                "model.lora.target_modules",
-            )
-        if lora.adapter_path is not None:
-            try:
-                check_adapter_fits(model, lora.adapter_path)
-            except (ValueError, OSError) as err:
-                key = "model.lora.adapter_path"
-                why = str(err).removeprefix("adapter_path: ")
-                raise ConfigError(f"'{key}': {why}", key) from None
-    return [note] if note else []
-
-
-def _text_config(path: str):
-    """The HF config of the model at ``path`` (its language model's, for a multimodal one)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(resolve_model_dir(path))
-    return getattr(config, "text_config", None) or config
-
-
-def _check_layout_fits_model(cfg: Config, dims: ParallelDims) -> None:
-    """The TP size divides the model's attention heads, KV heads and MLP width (each rank
-    holds whole heads), and the Ulysses size its attention heads (KV heads are replicated up):
-    read from config.json, so a layout the model cannot take is one line, not a traceback per
-    rank after the weights load."""
-    path = cfg.model.path
-    fields = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
-    if path == "builtin":
-        sizes = {k: DEFAULT_SIZE[k] for k in fields}
-    else:
-        config = _text_config(path)
-        sizes = {k: getattr(config, k, None) for k in fields}
-        sizes["num_key_value_heads"] = sizes["num_key_value_heads"] or sizes["num_attention_heads"]
-    checks = [(DIM_KEYS["tp"], dims.tp, fields), (DIM_KEYS["sp"], dims.sp, fields[:1])]
-    for key, size, names in checks:
-        for name in names:
-            if size > 1 and sizes[name] % size:
-                raise ConfigError(
-                    f"'{key}' is {size}, which does not divide the model's {name} "
-                    f"({sizes[name]}, {path}): pick a size that divides it, or shard with "
-                    "FSDP2 (actor.engine=fsdp)",
-                    key,
-                )
-
-
-def _check_fused_head_fits_model(cfg: Config) -> None:
-    """The fused head computes the statistics from hidden · W_headᵀ (+ bias): a model whose
-    logits are transformed after its head (Gemma 2's ``final_logit_softcapping``, Cohere's
-    ``logit_scale``) would get statistics of other logits, silently."""
-    config = _text_config(cfg.model.path)
-    for name, neutral in (("final_logit_softcapping", None), ("logit_scale", 1.0)):
-        value = getattr(config, name, None)
-        if value not in (None, neutral):
-            raise ConfigError(
-                f"'actor.use_fused_kernels': the fused lm_head computes hidden · W_headᵀ, but "
-                f"{cfg.model.path} transforms its logits after the head ({name}={value}); set "
-                "actor.use_fused_kernels=false",
-                "actor.use_fused_kernels",
-            )
-
-
-def _meta_model(cfg: Config):
-    """The policy's architecture on the meta device (module names and shapes, no memory)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        if cfg.model.path == "builtin":  # its vocabulary does not change a linear layer
-            return random_causal_lm("llama", vocab_size=64, **DEFAULT_SIZE)
-        config = AutoConfig.from_pretrained(resolve_model_dir(cfg.model.path))
-        return AutoModelForCausalLM.from_config(config)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
 import time
 from pathlib import Path
 
@@ -38,10 +37,11 @@ from otbrl.algos.reductions import masked_mean
 from otbrl.algos.rollout_correction import rollout_is_weights, rollout_mismatch_metrics
 from otbrl.config import Config, to_dict
 from otbrl.engine.engine import NumericsError
-from otbrl.engine.memory import optimizer_gb, peak_memory_gb, reset_peak_memory, tensors_gb
+from otbrl.engine.memory import peak_memory_gb, reset_peak_memory, state_memory
 from otbrl.engine.world import collective_guard, start_world, teardown_distributed
 from otbrl.report.metrics_log import MetricsLogger
 from otbrl.report.plots import plot_run
+from otbrl.run.announce import interrupted_line, say, startup_lines
 from otbrl.run.build import build_run, model_path, scoring, sync_rollout
 from otbrl.run.evaluate import validate
 from otbrl.run.plan import Plan, plan_run
@@ -60,20 +60,6 @@ def _timed(timing: dict, name: str):
     start = time.perf_counter()
     yield
     timing[f"timing/{name}"] = time.perf_counter() - start
-
-
-def _say(text: str) -> None:
-    print(f"otbrl: {text}", file=sys.stderr, flush=True)
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
-
-
-def engine_bytes(engine) -> int:
-    """Bytes one checkpoint holds for ``engine``: its weights and AdamW's two moments (same
-    dtype as the weights), at full (unsharded) size."""
-    return sum(3 * p.numel() * p.element_size() for p in engine.model.parameters())
 
 
 class Trainer:
@@ -251,22 +237,11 @@ class Trainer:
             metrics.update(timing)
             metrics["memory/peak_gb"] = peak_memory_gb(self.world.device)
             if not self._memory_logged:  # the optimizer state exists after the first update
-                metrics.update(self.state_memory())
+                # every model this process holds (policy, reference, critic), its shards
+                reference = [self.reference] if self.reference is not None else []
+                metrics.update(state_memory([*self.engines.values(), *reference]))
                 self._memory_logged = True
             return self.world.mean_metrics(metrics)
-
-    def state_memory(self) -> dict[str, float]:
-        """``memory/params_gb`` (every model this process holds — policy, reference, critic —,
-        a model two engines share counted once) and ``memory/optimizer_gb`` (their optimizers'
-        state), this process's shards under FSDP2 / TP; logged with the first step's metrics."""
-        engines = [
-            *self.engines.values(),
-            *([self.reference] if self.reference is not None else []),
-        ]
-        return {
-            "memory/params_gb": tensors_gb(p for e in engines for p in e.model.parameters()),
-            "memory/optimizer_gb": sum(optimizer_gb(e.optimizer) for e in engines),
-        }
 
     def _sync_rollout_weights(self) -> None:
         """Stream the trained weights into the rollout backend (collective on several
@@ -366,7 +341,7 @@ class Trainer:
             return self._fit()
         except KeyboardInterrupt as err:
             if self.world.is_main:
-                self._interrupted()
+                say(interrupted_line(self.ckpt_root, self.output_dir, self.step))
                 err.otbrl_reported = True  # the CLI adds no second line
             raise
         finally:
@@ -378,50 +353,6 @@ class Trainer:
             if self.world.mesh is not None:  # only the group this run created
                 teardown_distributed()
             self.run.release()
-
-    def _announce(self) -> None:
-        """Start-up lines (rank 0, stderr): what the plan changed in the data, the disk the
-        checkpoints will take, and a run that is already complete."""
-        for note in self.plan.notes:
-            _say(note)
-        cfg = self.cfg.trainer
-        if cfg.save_every > 0:
-            size = sum(engine_bytes(engine) for engine in self.engines.values())
-            saves = cfg.total_steps // cfg.save_every + 1
-            kept = min(saves, cfg.keep_last_checkpoints or saves)
-            retention = (
-                f"the newest {kept} kept (trainer.keep_last_checkpoints)"
-                if cfg.keep_last_checkpoints
-                else "all kept (trainer.keep_last_checkpoints=0)"
-            )
-            _say(
-                f"checkpoints every {cfg.save_every} steps, {retention}: ~{_gb(size)} each, "
-                f"up to ~{_gb(size * min(kept + 1, saves))} in {self.ckpt_root} while one is "
-                "written"
-            )
-        else:
-            _say("no checkpoints (trainer.save_every=0): an interrupted run starts over")
-        if self.step >= cfg.total_steps:
-            _say(
-                f"the run in {self.output_dir} is already complete (step {self.step} of "
-                f"trainer.total_steps={cfg.total_steps}): nothing to train; raise "
-                "trainer.total_steps to train on, or use a new trainer.output_dir"
-            )
-
-    def _interrupted(self) -> None:
-        """Ctrl-C: say what of the run is kept (rank 0)."""
-        newest = checkpoint.latest_checkpoint(self.ckpt_root)
-        if newest is not None:
-            kept = (
-                f"the newest checkpoint is {newest.name}: the same command resumes from "
-                f"step {checkpoint.checkpoint_step(newest)}"
-            )
-        else:
-            kept = (
-                "no checkpoint was written (trainer.save_every), so the same command starts "
-                f"over; the metrics so far are in {self.output_dir / 'metrics.jsonl'}"
-            )
-        _say(f"interrupted at step {self.step}: {kept}")
 
     def _fit(self) -> dict:
         cfg = self.cfg.trainer
@@ -437,7 +368,15 @@ class Trainer:
                 first=self.step + 1,
             )
         if self.world.is_main:
-            self._announce()
+            for line in startup_lines(
+                self.cfg.trainer,
+                notes=self.plan.notes,
+                engines=self.engines.values(),
+                ckpt_root=self.ckpt_root,
+                output_dir=self.output_dir,
+                step=self.step,
+            ):
+                say(line)
         logger = None
         if self.world.is_main:
             logger = MetricsLogger(

@@ -1,0 +1,77 @@
+"""What a run says on stderr (rank 0): its start-up lines, and what an interruption kept."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from otbrl.config.schema import TrainerConfig
+from otbrl.store import checkpoint
+
+
+def say(text: str) -> None:
+    """One ``otbrl: ...`` line on stderr."""
+    print(f"otbrl: {text}", file=sys.stderr, flush=True)
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def engine_bytes(engine) -> int:
+    """Bytes one checkpoint holds for ``engine``: its weights and AdamW's two moments (same
+    dtype as the weights), at full (unsharded) size."""
+    return sum(3 * p.numel() * p.element_size() for p in engine.model.parameters())
+
+
+def startup_lines(
+    t: TrainerConfig,
+    *,
+    notes: Sequence[str],
+    engines: Iterable,
+    ckpt_root: Path,
+    output_dir: Path,
+    step: int,
+) -> list[str]:
+    """What the plan changed in the data (``notes``), the disk the checkpoints of ``engines``
+    will take under the ``trainer`` settings ``t``, and a run that is already complete."""
+    lines = list(notes)
+    if t.save_every > 0:
+        size = sum(engine_bytes(engine) for engine in engines)
+        saves = t.total_steps // t.save_every + 1
+        kept = min(saves, t.keep_last_checkpoints or saves)
+        retention = (
+            f"the newest {kept} kept (trainer.keep_last_checkpoints)"
+            if t.keep_last_checkpoints
+            else "all kept (trainer.keep_last_checkpoints=0)"
+        )
+        lines.append(
+            f"checkpoints every {t.save_every} steps, {retention}: ~{_gb(size)} each, "
+            f"up to ~{_gb(size * min(kept + 1, saves))} in {ckpt_root} while one is written"
+        )
+    else:
+        lines.append("no checkpoints (trainer.save_every=0): an interrupted run starts over")
+    if step >= t.total_steps:
+        lines.append(
+            f"the run in {output_dir} is already complete (step {step} of "
+            f"trainer.total_steps={t.total_steps}): nothing to train; raise "
+            "trainer.total_steps to train on, or use a new trainer.output_dir"
+        )
+    return lines
+
+
+def interrupted_line(ckpt_root: Path, output_dir: Path, step: int) -> str:
+    """Ctrl-C at ``step``: what of the run is kept, and what the same command will do."""
+    newest = checkpoint.latest_checkpoint(ckpt_root)
+    if newest is not None:
+        kept = (
+            f"the newest checkpoint is {newest.name}: the same command resumes from "
+            f"step {checkpoint.checkpoint_step(newest)}"
+        )
+    else:
+        kept = (
+            "no checkpoint was written (trainer.save_every), so the same command starts "
+            f"over; the metrics so far are in {output_dir / 'metrics.jsonl'}"
+        )
+    return f"interrupted at step {step}: {kept}"
