@@ -13,6 +13,7 @@ from otbrl.data import get_task
 from otbrl.engine.layout import Layout, forward_outputs
 from otbrl.models import build_tiny_model, load_model_and_tokenizer
 from otbrl.research.gradient_probe import EstimatorSpec, GradientProbe, parse_estimators
+from otbrl.rollout import SamplingParams
 from run_utils import refused
 from tiny_models import TWO_LAYERS
 
@@ -32,8 +33,7 @@ def _probe(path, method, agg):
     probe = GradientProbe(
         model,
         tokenizer,
-        temperature=1.0,
-        max_new_tokens=4,
+        params=SamplingParams(temperature=1.0, max_tokens=4),
         options={"handle_zero_tail": True, "norm_adv_by_std_in_grpo": True},
         loss_fn=loss_terms.build_loss(**loss_kwargs),
         method=method,
@@ -97,7 +97,7 @@ def test_probe_samples_through_the_agent_loop(tmp_path):
         eos_token_ids=[tokenizer.eos_token_id], max_turns=3,
     )  # fmt: skip
     probe = GradientProbe(
-        model, tokenizer, temperature=1.0, max_new_tokens=32,
+        model, tokenizer, params=SamplingParams(temperature=1.0, max_tokens=32),
         options={"handle_zero_tail": True, "norm_adv_by_std_in_grpo": True},
         loss_fn=loss_terms.build_loss(loss_agg_mode="token-mean"), sampler=agent,
     )  # fmt: skip

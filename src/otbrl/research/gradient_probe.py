@@ -11,6 +11,7 @@ done once for all of them as a batched VJP (``method="batched"``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -91,7 +92,9 @@ def flat_grad(params: list[nn.Parameter], grads) -> Tensor:
 class GradientProbe:
     """Per-estimator policy gradients of one model on freshly sampled batches.
 
-    ``options``: the configured estimator options (``trainer.estimator_options``), each spec's
+    ``params``: how the trainer samples (``RunSpec.sampling``: temperature, top-p/k, response
+    budget; ``n`` and the seed are set per batch, the stop ids are the model's EOS ids).
+    ``options``: the configured estimator options (``RunSpec.estimator_options``), each spec's
     own options override them. ``loss_fn``: the configured policy loss
     (``otbrl.run.build.policy_loss(cfg, regularizers=False)``, the trainer's own construction
     without the entropy and KL terms). ``method``: ``"loop"`` (one backward per estimator, graph
@@ -105,8 +108,7 @@ class GradientProbe:
         model: nn.Module,
         tokenizer,
         *,
-        temperature: float,
-        max_new_tokens: int,
+        params: SamplingParams,
         options: dict,
         loss_fn: Loss,
         reward_fn: Callable | None = None,
@@ -119,7 +121,11 @@ class GradientProbe:
         self.model, self.tokenizer = model, tokenizer
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.num_params = sum(p.numel() for p in self.params)
-        self.temperature, self.max_new_tokens = temperature, max_new_tokens
+        # how the trainer samples (its RunSpec.sampling); n and the seed are set per batch
+        self.sampling = dataclasses.replace(
+            params, stop_token_ids=tuple(eos_token_ids(model, tokenizer))
+        )
+        self.temperature = params.temperature  # the log-probs' temperature, as the trainer's
         self.options, self.loss_fn = options, loss_fn
         self.reward_fn, self.on_error, self.method = reward_fn, on_error, method
         self.sampler = sampler if sampler is not None else HFRollout(model, tokenizer)
@@ -128,13 +134,7 @@ class GradientProbe:
         """One rollout of ``n`` responses per row through the trainer's sampling step
         (``otbrl.run.sampling.sample_batch``), scored: the batch the trainer would train on,
         ``rollout_log_probs`` included, with ``token_level_rewards`` = the placed scores."""
-        params = SamplingParams(
-            n=n,
-            temperature=self.temperature,
-            max_tokens=self.max_new_tokens,
-            stop_token_ids=tuple(eos_token_ids(self.model, self.tokenizer)),
-            seed=seed,
-        )
+        params = dataclasses.replace(self.sampling, n=n, seed=seed)
         scoring = Scoring(self.reward_fn, self.on_error)
         batch = sample_batch(self.sampler, self.tokenizer, rows, params, scoring=scoring).batch
         batch["token_level_rewards"] = batch["token_level_scores"]

@@ -26,7 +26,7 @@ from otbrl.rollout import HFRollout
 from otbrl.run.build import build_sampler, load_policy, model_path, policy_loss
 from otbrl.run.plan import load_rows
 from otbrl.run.seeds import seed_everything, step_seed
-from otbrl.run.spec import estimator_options
+from otbrl.run.spec import resolve
 from otbrl.store.files import atomic_write_text
 from otbrl.store.plain import json_safe
 from otbrl.tools import resolve_tools
@@ -301,6 +301,7 @@ def run_variance(
     from pathlib import Path
 
     specs = check_variance_args(estimators, ns, repeats, prompts, reference_samples, base)
+    spec = resolve(cfg)  # the trainer's decisions: how it samples, its estimator options
     labels = [s.label for s in specs]
     start = time.perf_counter()
     seed_everything(seed)
@@ -320,9 +321,8 @@ def run_variance(
     probe = GradientProbe(
         model,
         tokenizer,
-        temperature=cfg.rollout.temperature,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        options=estimator_options(cfg),
+        params=spec.sampling,
+        options=dict(spec.estimator_options),
         loss_fn=policy_loss(cfg, regularizers=False),
         reward_fn=resolve_reward_function(cfg.reward.function),
         on_error=cfg.reward.on_error,
