@@ -10,6 +10,7 @@ import otbrl.run.sft as sft
 from hf_sample import generate
 from otbrl.data import encode_prompts, get_task
 from otbrl.models import build_tiny_model, eos_token_ids, load_model_and_tokenizer
+from otbrl.ops import IGNORE_INDEX
 from otbrl.rollout import HFRollout, decode_responses
 from otbrl.run.evaluate import evaluate_accuracy
 from tiny_models import TWO_LAYERS
@@ -43,7 +44,8 @@ def test_labels_cover_the_response_and_eos_only(tiny):
             data["input_ids"].shape[1] - length
         )
         labels = data["labels"][i].tolist()
-        assert labels == [sft.IGNORE] * len(prompt) + answer + [sft.IGNORE] * (len(labels) - length)
+        padding = [IGNORE_INDEX] * (len(labels) - length)
+        assert labels == [IGNORE_INDEX] * len(prompt) + answer + padding
 
 
 def test_model_loss_is_response_token_cross_entropy(tiny):
@@ -55,7 +57,7 @@ def test_model_loss_is_response_token_cross_entropy(tiny):
     # Reference: float64 log-softmax, logits at t-1 score token t, response tokens only.
     logp = torch.log_softmax(out.logits[:, :-1].double(), -1)
     target = data["input_ids"][:, 1:]
-    keep = data["labels"][:, 1:] != sft.IGNORE
+    keep = data["labels"][:, 1:] != IGNORE_INDEX
     nll = -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
     assert torch.allclose(out.loss.double(), nll[keep].mean(), atol=1e-5)
 

@@ -29,13 +29,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 import otbrl
 from otbrl.data import get_task, render_prompts
 from otbrl.models import build_tiny_model, eos_token_ids, load_model_and_tokenizer
+from otbrl.ops import IGNORE_INDEX  # the label the loss skips (prompt, observation, padding)
 from otbrl.rollout import HFRollout, make_agent
 from otbrl.run.evaluate import evaluate_accuracy
 from otbrl.store.files import apply_umask, atomic_write_text
 from otbrl.tools import resolve_tools
 
 logger = logging.getLogger(__name__)
-IGNORE = -100  # label of tokens the loss skips (prompt and padding)
 WARM_START_FILE = "warm_start.json"
 
 
@@ -55,7 +55,7 @@ def tokenize_demonstrations(
 
     Returns:
         ``input_ids`` [N, L] long, ``attention_mask`` [N, L] long and ``labels`` [N, L] long
-        (the token ids on model tokens, EOS included; ``IGNORE`` on prompt, observation and
+        (the token ids on model tokens, EOS included; ``IGNORE_INDEX`` on prompt, observation and
         padding tokens).
     """
     if len(rows) != len(demonstrations):
@@ -79,13 +79,13 @@ def tokenize_demonstrations(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     input_ids = torch.full((len(sequences), width), pad, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
-    labels = torch.full_like(input_ids, IGNORE)
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
     for i, (p, a, m) in enumerate(sequences):
         input_ids[i, : len(p) + len(a)] = torch.tensor(p + a)
         attention_mask[i, : len(p) + len(a)] = 1
         response = torch.tensor(a)
         labels[i, len(p) : len(p) + len(a)] = torch.where(
-            torch.tensor(m, dtype=torch.bool), response, IGNORE
+            torch.tensor(m, dtype=torch.bool), response, IGNORE_INDEX
         )
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
@@ -233,11 +233,11 @@ def teacher_forced_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float
     """Fraction of sequences whose every labelled token is the argmax of the previous position.
 
     Args:
-        logits: [B, L, V]. labels: [B, L] long, ``IGNORE`` where not scored.
+        logits: [B, L, V]. labels: [B, L] long, ``IGNORE_INDEX`` where not scored.
     """
     predicted = logits[:, :-1].argmax(dim=-1)
     target = labels[:, 1:]
-    scored = target != IGNORE
+    scored = target != IGNORE_INDEX
     correct = ((predicted == target) | ~scored).all(dim=1) & scored.any(dim=1)
     return correct.float().mean().item()
 
