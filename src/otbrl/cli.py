@@ -229,7 +229,7 @@ def _eval(args: argparse.Namespace) -> int:
     )
     result = validate(
         sampler, tokenizer, plan.val_rows, params, world=World(),
-        batch_size=cfg.trainer.val_batch_size, max_prompt_length=cfg.data.max_prompt_length,
+        batch_size=cfg.trainer.val_batch_size, max_prompt_length=plan.spec.max_prompt_length,
         overlong=plan.spec.overlong, scoring=scoring(cfg, plan).for_validation(),
         label="evaluating",
     ).metrics  # fmt: skip

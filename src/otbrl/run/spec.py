@@ -72,9 +72,11 @@ class RunSpec:
     (``algorithm.off_policy`` or ``algorithm.rollout_correction``), ``correction_cap`` its C.
     ``kl_in_reward_coef``: the in-reward KL's weight (None: off). ``overlong``: the sampling
     step's mode for prompts over ``data.max_prompt_length`` (the preflight drops them under
-    ``filter``: any left then would be a bug, ``error``). ``sampling`` / ``validation``: how
-    training and validation sample (the stop ids and each batch's seed are added where they are
-    known: ``dataclasses.replace``).
+    ``filter``: any left then would be a bug, ``error``) and ``max_prompt_length`` the limit.
+    ``sampling`` / ``validation``: how training and validation sample (the stop ids and each
+    batch's seed are added where they are known: ``dataclasses.replace``). ``rollout_mode``:
+    ``colocated`` or ``server`` (``rollout.mode``); ``stale_samples``: what the producer does
+    with a batch past the staleness bound (``rollout.stale_samples``).
     """
 
     needs: frozenset[str]
@@ -86,8 +88,11 @@ class RunSpec:
     correction_cap: float
     kl_in_reward_coef: float | None
     overlong: str
+    max_prompt_length: int
     sampling: SamplingParams
     validation: SamplingParams
+    rollout_mode: str
+    stale_samples: str
 
     @property
     def use_reference(self) -> bool:
@@ -221,6 +226,7 @@ def resolve(cfg: Config, world_size: int = 1) -> RunSpec:
         correction_cap=algo.rollout_is_cap,
         kl_in_reward_coef=algo.kl_coef if algo.use_kl_in_reward else None,
         overlong="truncate_left" if cfg.data.overlong_prompts == "truncate_left" else "error",
+        max_prompt_length=cfg.data.max_prompt_length,
         sampling=SamplingParams(
             n=r.n,
             temperature=r.temperature,
@@ -231,4 +237,6 @@ def resolve(cfg: Config, world_size: int = 1) -> RunSpec:
         validation=SamplingParams(
             n=1, temperature=t.val_temperature, max_tokens=r.max_new_tokens, greedy=t.val_greedy
         ),
+        rollout_mode=r.mode,
+        stale_samples=r.stale_samples,
     )

@@ -129,7 +129,7 @@ class Trainer:
             rows,
             params,
             scoring=self.scoring,
-            max_prompt_length=self.cfg.data.max_prompt_length,
+            max_prompt_length=self.spec.max_prompt_length,
             overlong=self.spec.overlong,
             uid_offset=self.world.dp_rank * len(rows),  # the global prompt index
             defer=True,  # scored (in reward.workers processes) during the policy's forward
@@ -267,7 +267,7 @@ class Trainer:
             ),
             world=self.world,
             batch_size=self.cfg.trainer.val_batch_size,
-            max_prompt_length=self.cfg.data.max_prompt_length,
+            max_prompt_length=self.spec.max_prompt_length,
             overlong=self.spec.overlong,
             scoring=self.scoring.for_validation(),
             generations=self.cfg.trainer.log_generations if logger is not None else 0,
@@ -283,7 +283,7 @@ class Trainer:
         path = self.run.resume_from if self.world.is_main else None
         path = self.world.broadcast_object(None if path is None else str(path))
         if path is None:
-            if self.cfg.rollout.mode == "server":  # a user's server may hold other weights
+            if self.spec.rollout_mode == "server":  # a user's server may hold other weights
                 self._sync_rollout_weights()
             return
         state = checkpoint.load_checkpoint(Path(path), engines=self.engines, verify=False)
@@ -364,7 +364,7 @@ class Trainer:
                 self._produce,
                 lambda: self.rollout.weight_version,
                 max_staleness=cfg.max_staleness,
-                stale_samples=self.cfg.rollout.stale_samples,
+                stale_samples=self.spec.stale_samples,
                 first=self.step + 1,
             )
         if self.world.is_main:
