@@ -24,13 +24,13 @@ from otbrl.store.checkpoint import (
     IntegrityError,
     capture_rng_state,
     checkpoint_step,
-    export_checkpoint,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     restore_rng_state,
     save_checkpoint,
 )
+from otbrl.store.export import export_checkpoint
 from tiny_models import tiny_causal_lm
 
 CHAT_TEMPLATE = (

@@ -19,12 +19,12 @@ from otbrl.report.metrics_log import MetricsLogger
 from otbrl.run.rundir import claim_run_dir
 from otbrl.store.checkpoint import (
     IntegrityError,
-    export_checkpoint,
     latest_verified_checkpoint,
     load_checkpoint,
     save_checkpoint,
     verify_checkpoint,
 )
+from otbrl.store.export import export_checkpoint
 
 
 @pytest.fixture(scope="module")

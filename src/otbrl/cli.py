@@ -268,7 +268,8 @@ def _checkpoint_config(overrides: list[str]) -> tuple[dict | None, str | None]:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from otbrl.store.checkpoint import export_checkpoint, resolve_checkpoint
+    from otbrl.store.checkpoint import resolve_checkpoint
+    from otbrl.store.export import export_checkpoint
 
     try:
         ckpt = resolve_checkpoint(args.checkpoint)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -27,12 +27,13 @@ from torch.distributed.tensor import DTensor
 from otbrl.algos.loss_math import Normalizers, loss_normalizers
 from otbrl.algos.loss_terms import Loss
 from otbrl.engine import parallel
+from otbrl.engine import state as checkpoint_state
 from otbrl.engine.layout import Layout, forward_outputs
 from otbrl.engine.optim import OptimConfig, warmup_schedule
 from otbrl.engine.precision import get_precision
 from otbrl.engine.world import World
 from otbrl.models.lora import adapter_tensors, adapters_disabled, lora_settings, merged_tensors
-from otbrl.models.tied import untied_names
+from otbrl.models.tied import tied_aliases, untied_names
 
 
 class NumericsError(RuntimeError):
@@ -198,7 +199,7 @@ class Engine:
         ``<name>/skipped_steps``; ``skipped_in_a_row`` counts the skips since the last step
         taken. A step that leaves a parameter non-finite raises ``NumericsError``.
         """
-        if self.optimizer is None:
+        if self.frozen:
             raise ValueError("update: this engine is frozen (built without optimizer settings)")
         missing = sorted(set(loss_fn.batch_keys) - set(batch))
         if missing:
@@ -314,7 +315,7 @@ class Engine:
 
         Collective on several processes: every rank must consume the iterator to the end.
         """
-        lora = lora_settings(self.model)
+        lora = self.lora
         if adapter_only:
             if lora is None:
                 raise ValueError("adapter_only: the model has no LoRA adapters")
@@ -346,7 +347,7 @@ class Engine:
 
         Raises ``ValueError`` when the model has no LoRA adapters.
         """
-        if lora_settings(self.model) is None:
+        if self.lora is None:
             raise ValueError("without_adapters: the model has no LoRA adapters")
         view = copy.copy(self)
         view.name, view.optim, view.optimizer, view.scheduler = name, None, None, None
@@ -355,9 +356,67 @@ class Engine:
         view._context = lambda: adapters_disabled(self.model)
         return view
 
+    @property
+    def frozen(self) -> bool:
+        """Built without optimizer settings: ``compute`` only, no optimizer state."""
+        return self.optimizer is None
+
+    @property
+    def lora(self) -> dict | None:
+        """``{"rank", "alpha", "dropout", "targets"}`` of a LoRA model, else None."""
+        return lora_settings(self.model)
+
+    def tied_aliases(self) -> dict[str, str]:
+        """``{alias: kept name}`` of the model's tied weights (``otbrl.models.tied``)."""
+        return tied_aliases(self.model)
+
+    # -- checkpoint state: the engine maps its model and optimizer to tensors in its own layout
+    # (``otbrl.engine.state``); ``otbrl.store.checkpoint`` owns the files ----------------------
+    def model_configs(self) -> list:
+        """The HF configs saved beside the weights (each has ``save_pretrained(directory)``):
+        the model's, and its generation config when the model generates."""
+        generation = getattr(self.model, "generation_config", None)
+        generates = generation is not None and self.model.can_generate()
+        return [self.model.config] + ([generation] if generates else [])
+
+    def weights(self) -> dict[str, Tensor]:
+        """name -> weight in this engine's layout (sharded: a DTensor reporting its global shape
+        and dtype), tied aliases left out: the names and shapes a checkpoint holds
+        (``state_tensors`` streams them in full), and the tensors to read a saved model into
+        (``dcp.load``) before ``load_weights``."""
+        return checkpoint_state.weights(self.model)
+
+    def load_weights(self, weights: Mapping[str, Tensor]) -> None:
+        """Take back ``weights()``' tensors once read into."""
+        checkpoint_state.load_weights(self.model, weights)
+
+    def adapter_config(self) -> dict:
+        """PEFT's ``adapter_config.json`` of a LoRA model (its tensors:
+        ``full_tensors(adapter_only=True)``), the base being the model it was loaded from."""
+        return checkpoint_state.adapter_config(self.model)
+
+    def load_adapter(self, tensors: Mapping[str, Tensor], *, source: str = "the adapter") -> None:
+        """Full adapter tensors in PEFT's names -> the LoRA parameters, in this layout.
+        ``ValueError`` starting with ``source`` when they are not the model's adapters."""
+        checkpoint_state.load_adapter(self.model, tensors, source)
+
+    def optimizer_shard(self) -> tuple[dict[str, tuple[Tensor, list[int]]], list] | None:
+        """({``state.<param>.<slot>``: (this rank's chunk, its global offsets)} for the chunks
+        this rank writes, the param groups), or None for a frozen engine. Collective."""
+        if self.frozen:
+            return None
+        return checkpoint_state.optimizer_shard(self.model, self.optimizer, self.world.is_main)
+
+    def optimizer_template(self, keys: Iterable[str], *, source: str = "keys") -> dict:
+        """Zero tensors in this layout for saved optimizer ``keys``, to read into."""
+        return checkpoint_state.optimizer_template(self.model, keys, source)
+
+    def load_optimizer(self, state: Mapping[str, Tensor], param_groups: list) -> None:
+        """Take back ``optimizer_template``'s tensors once read into, with the param groups."""
+        checkpoint_state.load_optimizer(self.model, self.optimizer, state, param_groups)
+
     def state_dict(self) -> dict:
-        """Scheduler and shuffling-generator state (weights and optimizer:
-        ``otbrl.store.checkpoint``)."""
+        """Scheduler and shuffling-generator state (weights and optimizer: the methods above)."""
         state: dict[str, Any] = {"generator": self.generator.get_state()}
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
