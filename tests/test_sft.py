@@ -11,7 +11,7 @@ from hf_sample import generate
 from otbrl.data import encode_prompts, get_task
 from otbrl.models import build_tiny_model, eos_token_ids, load_model_and_tokenizer
 from otbrl.ops import IGNORE_INDEX
-from otbrl.rollout import HFRollout, decode_responses
+from otbrl.rollout import HFRollout, SamplingParams, decode_responses
 from otbrl.run.evaluate import evaluate_accuracy
 from tiny_models import TWO_LAYERS
 
@@ -132,8 +132,9 @@ def test_evaluate_accuracy_counts_exact_greedy_answers(tiny):
             HFRollout(model, tok),
             tok,
             rows,
-            stop_token_ids=eos_token_ids(model, tok),
-            max_new_tokens=4,
+            SamplingParams(
+                max_tokens=4, stop_token_ids=tuple(eos_token_ids(model, tok)), greedy=True
+            ),
             batch_size=batch_size,
         )
         assert acc == 0.5
@@ -211,4 +212,6 @@ def test_bad_arguments(tiny):
     with pytest.raises(ValueError, match="max_steps"):
         sft.run_sft(model, tok, rows, demos, max_steps=0)
     with pytest.raises(ValueError, match="rows"):
-        evaluate_accuracy(HFRollout(model, tok), tok, [], stop_token_ids=[1], max_new_tokens=2)
+        evaluate_accuracy(HFRollout(model, tok), tok, [], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="n=1"):  # one response per row is what it averages
+        evaluate_accuracy(HFRollout(model, tok), tok, rows, SamplingParams(n=2, max_tokens=2))

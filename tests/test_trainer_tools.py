@@ -112,7 +112,7 @@ def test_multi_turn_training_steps(tool_dir, tool_files, tmp_path, monkeypatch):
     # the final policy without its tools: the plain engine, prompts rendered without tools
     alone = evaluate_accuracy(
         HFRollout(model, trainer.tokenizer), trainer.tokenizer, trainer.plan.val_rows,
-        stop_token_ids=trainer.eos_ids, max_new_tokens=24,
+        SamplingParams(max_tokens=24, stop_token_ids=tuple(trainer.eos_ids), greedy=True),
     )  # fmt: skip
     assert summary["final_val_accuracy_without_tools"] == alone
     batch, old, full, blind = seen[-1]
@@ -201,10 +201,13 @@ def _single_turn_sample(self):
 def _single_turn_validate(self, logger=None):
     cfg = self.cfg
     accuracy = evaluate_accuracy(
-        self.rollout, self.tokenizer, self.plan.val_rows, stop_token_ids=self.eos_ids,
-        max_new_tokens=cfg.rollout.max_new_tokens, greedy=cfg.trainer.val_greedy,
-        temperature=cfg.trainer.val_temperature, batch_size=cfg.trainer.val_batch_size,
-        seed=step_seed(cfg.trainer.seed, self.step),
+        self.rollout, self.tokenizer, self.plan.val_rows,
+        SamplingParams(
+            max_tokens=cfg.rollout.max_new_tokens, stop_token_ids=tuple(self.eos_ids),
+            greedy=cfg.trainer.val_greedy, temperature=cfg.trainer.val_temperature,
+            seed=step_seed(cfg.trainer.seed, self.step),
+        ),
+        batch_size=cfg.trainer.val_batch_size,
         scoring=Scoring(self.plan.reward_fn, "raise", cfg.reward.timeout_s),
     )  # fmt: skip
     return {"val/accuracy": accuracy}

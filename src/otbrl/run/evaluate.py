@@ -3,6 +3,7 @@ one sampling step (``otbrl.run.sampling``) exactly as training samples."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -20,13 +21,9 @@ def evaluate(
     sampler: Sampler,
     tokenizer: PreTrainedTokenizerBase,
     rows: Sequence[dict],
+    params: SamplingParams,
     *,
-    stop_token_ids: Sequence[int],
-    max_new_tokens: int,
-    greedy: bool = True,
     batch_size: int = 512,
-    temperature: float = 1.0,
-    seed: int = 0,
     scoring: Scoring | None = None,
     max_prompt_length: int = 10**9,
     overlong: str = "error",
@@ -38,16 +35,19 @@ def evaluate(
     ``"tool_calls_per_sample"`` when the sampler has tools (the agent loop).
 
     ``sampler``: any rollout backend, or the agent loop over one (validation samples the way
-    training does); rows are sampled in batches of ``batch_size``, batch k with seed
-    ``seed + k · batch_size``. ``scoring``, ``max_prompt_length`` and ``overlong`` as in
-    ``sample_batch``. ``progress``: a label to show a progress bar over the rows under (on
-    stderr, cleared when done); None: silent. ``generations`` > 0: also ``"generations"``, the
-    first that many rows as ``{"prompt", "response", "reward", "data_source"}`` (the prompt as
-    the model saw it, chat template included; the response as text, multi-turn: the
-    transcript).
+    training does). ``params``: one response per row (``n=1``; greedy, or sampled with its
+    temperature and filters), its stop ids and budget; rows are sampled in batches of
+    ``batch_size``, batch k with seed ``params.seed + k · batch_size`` (``None``: 0).
+    ``scoring``, ``max_prompt_length`` and ``overlong`` as in ``sample_batch``.
+    ``progress``: a label to show a progress bar over the rows under (on stderr, cleared
+    when done); None: silent. ``generations`` > 0: also ``"generations"``, the first that
+    many rows as ``{"prompt", "response", "reward", "data_source"}`` (the prompt as the
+    model saw it, chat template included; the response as text, multi-turn: the transcript).
     """
     if not rows:
         raise ValueError("rows: expected at least one row to evaluate, got none")
+    if params.n != 1:
+        raise ValueError(f"params: expected n=1 (one response per row), got n={params.n}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size: expected an int ≥ 1, got {batch_size!r}")
     total = calls = called = 0.0
@@ -56,17 +56,11 @@ def evaluate(
         total=len(rows), desc=progress, unit="prompt", leave=False, disable=progress is None,
         dynamic_ncols=True,
     )  # fmt: skip
+    seed = params.seed or 0
     for start in range(0, len(rows), batch_size):
-        params = SamplingParams(
-            n=1,
-            temperature=temperature,
-            max_tokens=max_new_tokens,
-            stop_token_ids=tuple(stop_token_ids),
-            greedy=greedy,
-            seed=seed + start,
-        )
         sample = sample_batch(
-            sampler, tokenizer, rows[start : start + batch_size], params, scoring=scoring,
+            sampler, tokenizer, rows[start : start + batch_size],
+            dataclasses.replace(params, seed=seed + start), scoring=scoring,
             max_prompt_length=max_prompt_length, overlong=overlong,
         )  # fmt: skip
         total += sum(sample.scores)
@@ -101,9 +95,11 @@ def _generations(tokenizer, sample, n: int) -> list[dict]:
     ]
 
 
-def evaluate_accuracy(sampler: Sampler, tokenizer, rows: Sequence[dict], **kwargs) -> float:
-    """``evaluate(...)["accuracy"]`` (keywords as there)."""
-    return evaluate(sampler, tokenizer, rows, **kwargs)["accuracy"]
+def evaluate_accuracy(
+    sampler: Sampler, tokenizer, rows: Sequence[dict], params: SamplingParams, **kwargs
+) -> float:
+    """``evaluate(...)["accuracy"]`` (arguments as there)."""
+    return evaluate(sampler, tokenizer, rows, params, **kwargs)["accuracy"]
 
 
 class Validation(NamedTuple):
@@ -142,12 +138,8 @@ def validate(
             sampler,
             tokenizer,
             share,
-            stop_token_ids=params.stop_token_ids,
-            max_new_tokens=params.max_tokens,
-            greedy=params.greedy,
-            temperature=params.temperature,
+            params,
             batch_size=batch_size,
-            seed=params.seed or 0,
             scoring=scoring,
             max_prompt_length=max_prompt_length,
             overlong=overlong,

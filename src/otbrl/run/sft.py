@@ -30,7 +30,7 @@ import otbrl
 from otbrl.data import get_task, render_prompts
 from otbrl.models import build_tiny_model, eos_token_ids, load_model_and_tokenizer
 from otbrl.ops import IGNORE_INDEX  # the label the loss skips (prompt, observation, padding)
-from otbrl.rollout import HFRollout, make_agent
+from otbrl.rollout import HFRollout, SamplingParams, make_agent
 from otbrl.run.evaluate import evaluate_accuracy
 from otbrl.store.files import apply_umask, atomic_write_text
 from otbrl.tools import resolve_tools
@@ -213,8 +213,7 @@ def run_sft(
                 agent or HFRollout(model, tokenizer),
                 tokenizer,
                 eval_rows,
-                stop_token_ids=stops,
-                max_new_tokens=max_new_tokens,
+                SamplingParams(max_tokens=max_new_tokens, stop_token_ids=tuple(stops), greedy=True),
             )
             result["accuracy"] = accuracy
             result["evaluations"].append([step, accuracy])
