@@ -9,7 +9,6 @@ checkpoint to resume from): a second run on it, or a mismatched resume, exits 2 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from collections.abc import Callable
@@ -224,14 +223,9 @@ def _eval(args: argparse.Namespace) -> int:
     model, tokenizer = load_policy(cfg, path)
     eos = eos_token_ids(model, tokenizer)
     sampler = build_sampler(cfg, plan.tools, HFRollout(model, tokenizer), tokenizer, eos, str(path))
-    params = dataclasses.replace(
-        plan.spec.validation, stop_token_ids=tuple(eos), seed=cfg.trainer.seed
-    )
     result = validate(
-        sampler, tokenizer, plan.val_rows, params, world=World(),
-        batch_size=cfg.trainer.val_batch_size, max_prompt_length=plan.spec.max_prompt_length,
-        overlong=plan.spec.overlong, scoring=scoring(cfg, plan).for_validation(),
-        label="evaluating",
+        sampler, tokenizer, plan.val_rows, plan.spec, world=World(), stop_token_ids=eos,
+        seed=cfg.trainer.seed, scoring=scoring(cfg, plan).for_validation(), label="evaluating",
     ).metrics  # fmt: skip
     rate = result.get("val/tool_call_rate")
     print(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import math
+from collections.abc import Sequence
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -207,11 +208,12 @@ def check_config(cfg: Config) -> None:
             raise ConfigError(f"'{key}' must be a finite number, got {value}", key)
     for key, allowed in choices().items():
         value = _get(cfg, key)
-        for item in value if key == "trainer.logger" else [value]:
+        many = isinstance(value, Sequence) and not isinstance(value, str)  # trainer.logger
+        for item in value if many else [value]:
             if item not in allowed:
                 close = difflib.get_close_matches(str(item), allowed, n=1)
                 hint = f" (did you mean '{close[0]}'?)" if close else ""
-                what = "entries must be in" if key == "trainer.logger" else "must be one of"
+                what = "entries must be in" if many else "must be one of"
                 raise ConfigError(f"'{key}' {what} {list(allowed)}, got '{item}'{hint}", key)
     for key in _POSITIVE:
         if not _get(cfg, key) > 0:

@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from otbrl.engine.world import World
 from otbrl.rollout import Sampler, SamplingParams
 from otbrl.run.sampling import Scoring, sample_batch
+from otbrl.run.spec import RunSpec
 
 
 @torch.no_grad()
@@ -114,23 +115,24 @@ def validate(
     sampler: Sampler,
     tokenizer,
     rows: Sequence[dict],
-    params: SamplingParams,
+    spec: RunSpec,
     *,
     world: World,
-    batch_size: int,
-    max_prompt_length: int,
-    overlong: str,
+    stop_token_ids: Sequence[int],
+    seed: int,
     scoring: Scoring,
     label: str = "validating",
     generations: int = 0,
 ) -> Validation:
     """The run's validation: the metrics averaged over the whole of ``rows`` and
-    ``generations`` sample rows. ``params``: one response per prompt, its stop ids and seed set
-    (the run's ``RunSpec.validation``); the other keywords as in ``evaluate``. Collective: each
+    ``generations`` sample rows, sampled as ``spec.validation`` says (with ``stop_token_ids``
+    and ``seed``), in batches of ``spec.validation_batch_size``, prompts held to the spec's
+    limit and overlong mode; ``scoring`` as in ``evaluate``. Collective: each
     data-parallel rank evaluates its contiguous share of the rows (``World.shard``, as training
     shards its prompts; the ranks of one model replica sample the same rows); rank 0 shows a
     progress bar under ``label``."""
     share = world.shard(rows, even=False)
+    params = dataclasses.replace(spec.validation, stop_token_ids=tuple(stop_token_ids), seed=seed)
     accuracy = rate = 0.0
     kept: list[dict] = []
     if share:
@@ -139,10 +141,10 @@ def validate(
             tokenizer,
             share,
             params,
-            batch_size=batch_size,
+            batch_size=spec.validation_batch_size,
             scoring=scoring,
-            max_prompt_length=max_prompt_length,
-            overlong=overlong,
+            max_prompt_length=spec.max_prompt_length,
+            overlong=spec.overlong,
             progress=f"{label} ({len(rows)} prompts)" if world.is_main else None,
             generations=generations,
         )

@@ -74,7 +74,8 @@ class RunSpec:
     step's mode for prompts over ``data.max_prompt_length`` (the preflight drops them under
     ``filter``: any left then would be a bug, ``error``) and ``max_prompt_length`` the limit.
     ``sampling`` / ``validation``: how training and validation sample (the stop ids and each
-    batch's seed are added where they are known: ``dataclasses.replace``). ``rollout_mode``:
+    batch's seed are added where they are known: ``dataclasses.replace``), validation in
+    batches of ``validation_batch_size`` prompts. ``rollout_mode``:
     ``colocated`` or ``server`` (``rollout.mode``); ``stale_samples``: what the producer does
     with a batch past the staleness bound (``rollout.stale_samples``).
     """
@@ -91,6 +92,7 @@ class RunSpec:
     max_prompt_length: int
     sampling: SamplingParams
     validation: SamplingParams
+    validation_batch_size: int
     rollout_mode: str
     stale_samples: str
 
@@ -237,6 +239,7 @@ def resolve(cfg: Config, world_size: int = 1) -> RunSpec:
         validation=SamplingParams(
             n=1, temperature=t.val_temperature, max_tokens=r.max_new_tokens, greedy=t.val_greedy
         ),
+        validation_batch_size=t.val_batch_size,
         rollout_mode=r.mode,
         stale_samples=r.stale_samples,
     )

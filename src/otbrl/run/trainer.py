@@ -260,15 +260,10 @@ class Trainer:
             self.sampler if with_tools else self.rollout,
             self.tokenizer,
             self.plan.val_rows,
-            dataclasses.replace(
-                self.spec.validation,
-                stop_token_ids=tuple(self.eos_ids),
-                seed=step_seed(self.cfg.trainer.seed, self.step),
-            ),
+            self.spec,
             world=self.world,
-            batch_size=self.cfg.trainer.val_batch_size,
-            max_prompt_length=self.spec.max_prompt_length,
-            overlong=self.spec.overlong,
+            stop_token_ids=self.eos_ids,
+            seed=step_seed(self.cfg.trainer.seed, self.step),
             scoring=self.scoring.for_validation(),
             generations=self.cfg.trainer.log_generations if logger is not None else 0,
         )
