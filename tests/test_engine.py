@@ -149,13 +149,15 @@ def test_bad_inputs():
         {"weight_decay": float("inf")},
         {"micro_batch_size": 2.0},
     ):
-        with pytest.raises(ValueError, match=next(iter(bad))):
-            OptimConfig(**bad)
-    # the engine takes its own settings, never a raw config group (keys it may not read)
+        with pytest.raises(ValueError, match=f"'{next(iter(bad))}' must be"):
+            Engine(model, OptimConfig(**bad))
+    # the engine takes its own settings (the actor's and critic's groups are OptimConfigs with
+    # more keys: it keeps only its six), never an untyped mapping
     with pytest.raises(TypeError, match="OptimConfig"):
-        Engine(model, load_config(overrides=[]).actor)
+        Engine(model, {"lr": 1e-3})
     group = load_config(overrides=["actor.lr=0.5", "actor.micro_batch_size=3"]).actor
     assert OptimConfig.from_group(group) == OptimConfig(lr=0.5, micro_batch_size=3)
+    assert Engine(model, group).optim == OptimConfig(lr=0.5, micro_batch_size=3)
     engine = Engine(model, OptimConfig(micro_batch_size=2))
     batch = rl_batch(engine)
     del batch["ref_log_probs"]

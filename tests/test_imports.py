@@ -12,8 +12,11 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "otbrl"
 # the floors of docs/architecture.md: a module may import its own floor or a lower one
 FLOORS = {
     "otbrl.errors": 0,
-    # the CLI's schema, loading and checks: beside the run layer, it reads each key's allowed
-    # values from the component that declares them (nothing below the run layer imports it)
+    # how a component declares its settings, and lazy package exports: every floor uses them
+    "otbrl.settings": 0,
+    "otbrl.lazy": 0,
+    # the CLI's schema, loading and checks: beside the run layer, it composes the components'
+    # own settings (nothing below the run layer imports it)
     "otbrl.config": 4,
     "otbrl.user_code": 0,
     "otbrl.quiet": 0,

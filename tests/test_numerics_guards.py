@@ -39,7 +39,7 @@ def test_every_float_key_must_be_finite(key, value):
     [
         ("algorithm.gamma=1.5", "in [0, 1]"),
         ("algorithm.lam=-0.1", "in [0, 1]"),
-        ("actor.clip_ratio_low=1.0", "< 1"),
+        ("actor.clip_ratio_low=1.0", "in [0, 1)"),
         ("actor.entropy_coeff=-0.01", ">= 0"),
         ("reward.timeout_s=-1", ">= 0"),
         ("trainer.dist_timeout_s=0", "> 0"),

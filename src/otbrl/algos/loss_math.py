@@ -21,19 +21,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from otbrl.algos.config import KL_KINDS, LOSS_AGG_MODES
 from otbrl.algos.reductions import check_tensor, masked_mean, masked_sum
 
-LOSS_AGG_MODES = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
-# Every valid KL estimator name -> its canonical form. A "+" name is straight-through: the
-# base estimator's value with the k2 estimator's gradient.
-KL_KINDS = {"k1": "k1", "kl": "k1", "abs": "abs", "k2": "k2", "mse": "k2", "k3": "k3"}
-KL_KINDS["low_var_kl"] = "k3"
-KL_KINDS.update({"k1+": "k1+", "kl+": "k1+", "abs+": "abs+", "k3+": "k3+", "low_var_kl+": "k3+"})
 LOG_RATIO_CLAMP = 20.0  # exp(±20) is finite in float32; larger log-ratios are outliers anyway
 K3_CLAMP = 10.0
 

@@ -25,10 +25,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from otbrl.algos.config import ENERGIES
 from otbrl.algos.reductions import check_batch, check_tensor, group_ids, group_sum
 
 OTB_EPS = 1e-8
-ENERGIES = ("logit_gradient", "uniform")
 
 
 def _check_energy(energy: str) -> None:

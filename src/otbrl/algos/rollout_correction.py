@@ -36,11 +36,8 @@ import math
 import torch
 from torch import Tensor
 
-# algorithm.rollout_correction: a weight on the rollout's samples with no proximal policy
-CORRECTIONS = ("none", "token_tis", "seq_mis")
-# algorithm.off_policy -> the mode that implements it (``tis`` is ``token_tis``)
-OFF_POLICY_MODES = {"none": "none", "tis": "token_tis", "decoupled": "decoupled"}
-OFF_POLICY = tuple(OFF_POLICY_MODES)
+from otbrl.algos.config import CORRECTIONS, OFF_POLICY, OFF_POLICY_MODES
+
 ROLLOUT_CORRECTIONS = (*CORRECTIONS, "decoupled")
 
 

@@ -1,8 +1,8 @@
-"""otbrl.config (beside the run layer, floor 4: nothing below it imports this package; importing
-it imports nothing else from otbrl but the error type): the schema
-(``schema``), loading from YAML and dotted overrides (``load``) and the schema-level checks
-(``checks``, which read each key's allowed values from the component that owns them when they
-run). ``otbrl.run.plan.plan_run`` makes the checks that need more."""
+"""otbrl.config (beside the run layer, floor 4: nothing below it imports this package): the
+CLI's schema (``schema``: the groups users set, each the typed settings of the component that
+reads them, composed), loading from YAML and dotted overrides (``load``), the checks across
+groups (``checks``) and the commented listing of every key (``describe``). Importing it imports
+no torch. ``otbrl.run.plan.plan_run`` makes the checks that need more."""
 
 from otbrl.config.checks import check_config
 from otbrl.config.load import load_config

@@ -1,8 +1,11 @@
-"""The configuration described: one line per key, from the schema's own comments, and the
-resolved configuration as commented YAML (``otbrl train --print-config``, ``--help``).
+"""The configuration described: one line per key, from the comments of the settings' own
+source, and the resolved configuration as commented YAML (``otbrl train --print-config``,
+``--help``).
 
-The schema's source is the one place a key is documented: the comment at the end of its line,
-else the comment lines right above it (``tests/test_config.py`` checks every key has one).
+Each key is documented once, where its component declares it: the comment at the end of its
+line, else the comment lines right above it (``tests/test_config.py`` checks every key has one).
+A field a group inherits (the optimizer keys of ``actor`` and ``critic``) is described by the
+class that declares it last.
 """
 
 from __future__ import annotations
@@ -11,26 +14,30 @@ import ast
 import functools
 import inspect
 import json
+import textwrap
 from dataclasses import fields, is_dataclass
 from typing import Any
 
-from otbrl.config import schema
 from otbrl.config.schema import Config, to_dict
+
+
+@functools.cache
+def _class_comments(cls: type) -> dict[str, str]:
+    """``{field: its comment}`` for the fields ``cls``'s own source declares."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    lines = source.splitlines()
+    notes: dict[str, str] = {}
+    node = ast.parse(source).body[0]
+    assert isinstance(node, ast.ClassDef)
+    for item in node.body:
+        if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+            notes[item.target.id] = _comment(lines, item.lineno - 1, item.end_lineno - 1)
+    return notes
 
 
 @functools.cache
 def key_comments() -> dict[str, str]:
     """``{dotted key: its one-line description}`` for every leaf key of the schema."""
-    source = inspect.getsource(schema)
-    lines = source.splitlines()
-    by_class: dict[str, dict[str, str]] = {}
-    for node in ast.parse(source).body:
-        if not isinstance(node, ast.ClassDef):
-            continue
-        notes = by_class.setdefault(node.name, {})
-        for item in node.body:
-            if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
-                notes[item.target.id] = _comment(lines, item.lineno - 1, item.end_lineno - 1)
     out: dict[str, str] = {}
 
     def walk(cls: type, prefix: str) -> None:
@@ -38,11 +45,16 @@ def key_comments() -> dict[str, str]:
             default = getattr(cls(), f.name)
             if is_dataclass(default):
                 walk(type(default), f"{prefix}{f.name}.")
-            else:
-                out[f"{prefix}{f.name}"] = by_class.get(cls.__name__, {}).get(f.name, "")
+                continue
+            owners = [c for c in cls.__mro__ if f.name in _declared(c)]
+            out[f"{prefix}{f.name}"] = _class_comments(owners[0]).get(f.name, "") if owners else ""
 
     walk(Config, "")
     return out
+
+
+def _declared(cls: type) -> set[str]:
+    return set(inspect.get_annotations(cls)) if is_dataclass(cls) else set()
 
 
 def _comment(lines: list[str], first: int, last: int) -> str:

@@ -4,6 +4,7 @@ problem a one-line ``ConfigError`` naming the key (unknown keys get a did-you-me
 from __future__ import annotations
 
 import difflib
+import functools
 from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -12,6 +13,7 @@ from omegaconf.errors import OmegaConfBaseException
 from otbrl.config.checks import check_config
 from otbrl.config.presets import DEFAULT_TASK, presets_for
 from otbrl.config.schema import Config, ConfigError, all_keys
+from otbrl.settings import TRISTATE, choice_fields
 
 _LIST_KEYS = ("data.train_files", "data.val_files", "trainer.logger", "rollout.multi_turn.tools")
 
@@ -153,9 +155,9 @@ def _user_layers(config_file: str | Path | None, overrides: list[str]) -> list:
 def _normalize(cfg: Config) -> None:
     if cfg.model.path == "builtin" and cfg.data.task is None:
         cfg.data.task = DEFAULT_TASK  # the built-in model's vocabulary is its task's alphabet
-    # tri-state keys take YAML booleans too
-    for group, key in ((cfg.actor, "calculate_sum_pi_squared"), (cfg.critic, "enable")):
-        value = getattr(group, key)
-        if isinstance(value, bool):
-            value = "true" if value else "false"
-        setattr(group, key, str(value).lower())
+    # a tri-state key read a YAML boolean as "True" / "False" (its field is a string)
+    for key, allowed in choice_fields(Config).items():
+        if allowed == TRISTATE:
+            group, _, name = key.rpartition(".")
+            node = functools.reduce(getattr, group.split("."), cfg)
+            setattr(node, name, str(getattr(node, name)).lower())

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
+from otbrl.data.config import OVERLONG_PROMPTS
 from otbrl.tools import tool_schemas, tools_for_row
 
 REQUIRED_COLUMNS = ("prompt", "data_source", "reward_model")
@@ -184,8 +185,6 @@ def tokenize_prompts(
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
-# data.overlong_prompts; "filter" drops the rows before they are encoded (the run's plan)
-OVERLONG_PROMPTS = ("error", "filter", "truncate_left")
 OVERLONG = tuple(mode for mode in OVERLONG_PROMPTS if mode != "filter")  # what encoding does
 
 

@@ -34,6 +34,7 @@ from otbrl.engine.precision import get_precision
 from otbrl.engine.world import World
 from otbrl.models.lora import adapter_tensors, adapters_disabled, lora_settings, merged_tensors
 from otbrl.models.tied import tied_aliases, untied_names
+from otbrl.settings import check_settings
 
 
 class NumericsError(RuntimeError):
@@ -92,6 +93,10 @@ class Engine:
                 "optim: expected an otbrl.engine.optim.OptimConfig (from a config group: "
                 f"OptimConfig.from_group(cfg.actor)) or None, got {type(optim).__name__}"
             )
+        if optim is not None:
+            # its own six settings, whichever group (the actor's, the critic's) held them
+            optim = OptimConfig.from_group(optim)
+            check_settings(optim)
         self.world = world or World()
         self.name = name
         self.optim = optim

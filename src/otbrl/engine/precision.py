@@ -24,9 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from otbrl.engine.config import PRECISIONS
 from otbrl.errors import ConfigError
-
-PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 
 
 @dataclass(frozen=True)

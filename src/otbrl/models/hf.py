@@ -24,10 +24,11 @@ from transformers import (
 )
 
 from otbrl.data.tasks import get_task
+from otbrl.models.config import DTYPE_NAMES
 from otbrl.models.tokenizer import build_tokenizer
 
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 # The feasibility probe's size (NOTES): ~660k parameters, learns 2-digit addition on 2 CPU cores.
 DEFAULT_SIZE = {
     "hidden_size": 128,

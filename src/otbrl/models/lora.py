@@ -24,10 +24,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-# model.lora.sync: how vLLM gets the trained adapters (merged weights, or the adapter served)
-LORA_SYNCS = ("merged", "adapter")
+from otbrl.models.config import ADAPTER_CONFIG
 
-ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _ADAPTER = "default"  # peft's adapter name; one adapter per model here
 _PEFT_PREFIX = "base_model.model."  # how PeftModel.save_pretrained names the tensors

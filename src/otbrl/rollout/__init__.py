@@ -10,49 +10,45 @@ by the servers' ``server_worker``) and ``partial`` (versions per token).
 nothing, so config validation can call it cheaply.
 """
 
-from otbrl.rollout.agent import AgentLoop, Trajectory, make_agent, tool_metrics, transcript_rows
-from otbrl.rollout.batch import (
-    completions_to_batch,
-    decode_responses,
-    decode_transcripts,
-    final_turn_span,
-    left_pad,
-    unpad_prompts,
-)
-from otbrl.rollout.hf import HFRollout, sample_next_token
-from otbrl.rollout.protocol import (
-    FINISH_REASONS,
-    Completion,
-    RolloutBackend,
-    Sampler,
-    SamplingParams,
-)
-from otbrl.rollout.server import ServerError, ServerRollout
-from otbrl.rollout.vllm import VLLMRollout
-from otbrl.rollout.vllm_common import INSTALL_HINT, check_vllm_installed
+from otbrl.lazy import lazy_exports
 
-__all__ = [
-    "FINISH_REASONS",
-    "INSTALL_HINT",
-    "AgentLoop",
-    "Completion",
-    "HFRollout",
-    "RolloutBackend",
-    "Sampler",
-    "SamplingParams",
-    "ServerError",
-    "ServerRollout",
-    "Trajectory",
-    "VLLMRollout",
-    "check_vllm_installed",
-    "completions_to_batch",
-    "decode_responses",
-    "decode_transcripts",
-    "final_turn_span",
-    "left_pad",
-    "make_agent",
-    "sample_next_token",
-    "tool_metrics",
-    "transcript_rows",
-    "unpad_prompts",
-]
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        "agent": (
+            "AgentLoop",
+            "Trajectory",
+            "make_agent",
+            "tool_metrics",
+            "transcript_rows",
+        ),
+        "batch": (
+            "completions_to_batch",
+            "decode_responses",
+            "decode_transcripts",
+            "final_turn_span",
+            "left_pad",
+            "unpad_prompts",
+        ),
+        "hf": (
+            "HFRollout",
+            "sample_next_token",
+        ),
+        "protocol": (
+            "FINISH_REASONS",
+            "Completion",
+            "RolloutBackend",
+            "Sampler",
+            "SamplingParams",
+        ),
+        "server": (
+            "ServerError",
+            "ServerRollout",
+        ),
+        "vllm": ("VLLMRollout",),
+        "vllm_common": (
+            "INSTALL_HINT",
+            "check_vllm_installed",
+        ),
+    },
+)

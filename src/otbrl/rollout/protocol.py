@@ -24,11 +24,6 @@ from typing import Any, Protocol, runtime_checkable
 from torch import Tensor
 
 FINISH_REASONS = ("stop", "length")
-ROLLOUT_NAMES = ("hf", "vllm")  # rollout.name: the backends (HFRollout, VLLMRollout/servers)
-ROLLOUT_MODES = ("colocated", "server")  # rollout.mode: in the trainer's process, or servers
-# rollout.stale_samples: a batch older than the staleness bound is dropped, or the producer
-# waits before sampling that far ahead (otbrl.run.producer)
-STALE_SAMPLES = ("drop", "wait")
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from typing import Any
 
 from torch import Tensor
 
-from otbrl.rollout.protocol import STALE_SAMPLES
+from otbrl.rollout.config import STALE_SAMPLES
 from otbrl.run.sampling import Sample
 
 

@@ -20,7 +20,6 @@ from typing import Any
 
 from otbrl.algos import rollout_correction
 from otbrl.algos.advantages import ESTIMATORS, get_estimator
-from otbrl.algos.loss_math import KL_KINDS
 from otbrl.config import Config, ConfigError
 from otbrl.engine.dims import ParallelDims
 from otbrl.rollout import SamplingParams
@@ -163,12 +162,6 @@ def _check_registries(cfg: Config) -> None:
         raise ConfigError(
             f"'algorithm.adv_estimator' must be one of {sorted(ESTIMATORS)}, got '{name}'{hint}",
             "algorithm.adv_estimator",
-        )
-    if cfg.actor.kl_loss_type not in KL_KINDS:
-        raise ConfigError(
-            f"'actor.kl_loss_type' must be one of {sorted(KL_KINDS)}, got "
-            f"'{cfg.actor.kl_loss_type}'",
-            "actor.kl_loss_type",
         )
 
 

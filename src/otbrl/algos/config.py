@@ -1,0 +1,80 @@
+"""The algorithm's settings (``algorithm.*``) and the closed sets of values the algorithms act
+on, declared here once: the math modules (``loss_math``, ``rollout_correction``, ``otb``)
+import them, and the CLI's schema composes ``AlgorithmConfig``. No torch: the CLI starts
+without it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from otbrl.errors import ConfigError
+from otbrl.settings import setting
+
+LOSS_AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+# Every valid KL estimator name -> its canonical form. A "+" name is straight-through: the
+# base estimator's value with the k2 estimator's gradient.
+KL_KINDS = {"k1": "k1", "kl": "k1", "abs": "abs", "k2": "k2", "mse": "k2", "k3": "k3"}
+KL_KINDS["low_var_kl"] = "k3"
+KL_KINDS.update({"k1+": "k1+", "kl+": "k1+", "abs+": "abs+", "k3+": "k3+", "low_var_kl+": "k3+"})
+# algorithm.rollout_correction: a weight on the rollout's samples with no proximal policy
+CORRECTIONS = ("none", "token_tis", "seq_mis")
+# algorithm.off_policy -> the mode that implements it (``tis`` is ``token_tis``)
+OFF_POLICY_MODES = {"none": "none", "tis": "token_tis", "decoupled": "decoupled"}
+OFF_POLICY = tuple(OFF_POLICY_MODES)
+# algorithm.otb.energy: OTB's per-token weight W
+ENERGIES = ("logit_gradient", "uniform")
+
+
+@dataclass
+class OTBConfig:
+    # baseline of each sample from the other samples of its group only
+    leave_one_out: bool = False
+    # W_t weights: logit_gradient (1 - 2π + Σπ²) | uniform (a token-count baseline)
+    energy: str = setting("logit_gradient", choices=ENERGIES)
+
+
+@dataclass
+class AlgorithmConfig:
+    # optimal_token_baseline | tir_optimal_token_baseline | grpo | rloo | gae | ...
+    adv_estimator: str = "optimal_token_baseline"
+    # discount (gae)
+    gamma: float = setting(1.0, ge=0, le=1)
+    # GAE lambda
+    lam: float = setting(1.0, ge=0, le=1)
+    # GRPO: divide by the group's reward std (false: Dr. GRPO)
+    norm_adv_by_std_in_grpo: bool = True
+    # OTB: no baseline where a group has no samples left
+    handle_zero_tail: bool = True
+    # subtract kl_coef · KL(policy || reference) from the token rewards
+    use_kl_in_reward: bool = False
+    # weight of the in-reward KL
+    kl_coef: float = setting(0.001, ge=0)
+    # correction for sampling with a rollout engine whose log-probs differ from the trainer's:
+    # "none" | "token_tis" (w = min(exp(old − rollout), C)) | "seq_mis" (drop sequences whose
+    # ratio exp(Σ(old − rollout)) leaves [1/C, C]); C = rollout_is_cap
+    rollout_correction: str = setting("none", choices=CORRECTIONS)
+    # C of rollout_correction and off_policy (>= 1)
+    rollout_is_cap: float = setting(2.0, ge=1)
+    # the objective for samples drawn by an older policy (trainer.max_staleness > 0):
+    # "none" (PPO ratio against the trainer's log-probs, no behaviour weight) | "tis"
+    # (× min(π_prox/π_behave, C): rollout_correction=token_tis) | "decoupled" (AReaL: PPO ratio
+    # against π_prox, × π_prox/π_behave where ≤ C, else 0); π_prox = the trainer's log-probs at
+    # the start of the update, π_behave = the rollout's; OTB's W takes the weights squared
+    off_policy: str = setting("none", choices=OFF_POLICY)
+    otb: OTBConfig = field(default_factory=OTBConfig)
+
+    def check(self, at: str) -> None:
+        """``off_policy`` and ``rollout_correction`` both weight the samples: one at a time."""
+        if self.off_policy != "none" and self.rollout_correction != "none":
+            raise ConfigError(
+                f"'{at}off_policy={self.off_policy}' and "
+                f"'{at}rollout_correction={self.rollout_correction}' both weight the "
+                "rollout's samples: set one of them (off_policy=tis is "
+                "rollout_correction=token_tis)",
+                f"{at}off_policy",
+            )

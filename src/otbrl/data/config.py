@@ -1,0 +1,37 @@
+"""The data's settings (``data.*``): which rows, how many per step, how long a prompt may be.
+No torch or pandas: the CLI's schema composes ``DataConfig`` and starts without them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from otbrl.settings import setting
+
+# data.overlong_prompts; "filter" drops the rows before they are encoded (the run's plan)
+OVERLONG_PROMPTS = ("error", "filter", "truncate_left")
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)  # parquet (verl's row schema)
+    # parquet validation rows (same schema); empty: none, or the task's
+    val_files: list[str] = field(default_factory=list)
+    # a built-in task ("arithmetic" | "digit_sum" | "tool_arithmetic") as the data when no
+    # files are given (it brings its preset, otbrl.config.presets); None: the built-in model's
+    # "arithmetic", and for a user's model no fallback (data.train_files is required)
+    task: str | None = None
+    train_batch_size: int = setting(32, gt=0)  # prompts per RL step
+    # validation prompts: a seeded sample of this many rows of data.val_files; None: all of
+    # them (the built-in task: 500)
+    val_size: int | None = setting(None, ge=1, null="all validation rows")
+    max_prompt_length: int = setting(512, gt=0)  # tokens, chat template included
+    # tokens per response (multi-turn: observations included)
+    max_response_length: int = setting(512, gt=0)
+    # a prompt longer than max_prompt_length: "error" (at start, naming the row) | "filter"
+    # (dropped, counted, reported) | "truncate_left" (its first tokens cut)
+    overlong_prompts: str = setting("error", choices=OVERLONG_PROMPTS)
+    # render prompts with the tokenizer's chat template; false: the messages' text as written
+    # (base models without a template)
+    apply_chat_template: bool = True
+    # seeds the shuffling of the training rows and the validation sample
+    seed: int = 0

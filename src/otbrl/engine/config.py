@@ -1,0 +1,81 @@
+"""The trained models' settings: the model (``model.*``), the policy engine (``actor.*``: its
+optimizer, loss and parallel layout) and the critic engine (``critic.*``). Both engines'
+groups are ``OptimConfig``s with their own keys added, so the optimizer keys are declared once.
+No torch: the CLI's schema composes these and starts without it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from otbrl.algos.config import KL_KINDS, LOSS_AGG_MODES
+from otbrl.engine.dims import ENGINES
+from otbrl.engine.optim import OptimConfig
+from otbrl.models.config import LoraConfig
+from otbrl.settings import TRISTATE, setting
+
+# model.precision (otbrl.engine.precision: what each means)
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+
+
+@dataclass
+class ModelConfig:
+    # a local HF model directory, a hub id in the local HF cache, or "builtin" (the tiny
+    # model, warm-started by SFT on its task)
+    path: str = "builtin"
+    # 32-true (fp32 weights, state and compute) | bf16-mixed (fp32 master weights and AdamW
+    # state, bf16 forward/backward, fp32 gradient reduction) | bf16-true (bf16 weights and
+    # state); 32-true by default: measured faster on CPUs without bf16 instructions (README)
+    precision: str = setting("32-true", choices=PRECISIONS)
+    # recompute each decoder block's activations in the backward instead of keeping them
+    # (less memory, one more forward); off by default: it did not pay at the demo's size
+    gradient_checkpointing: bool = False
+    use_remove_padding: bool = False  # packed [1, nnz] forward instead of padded [B, L]
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
+class ActorConfig(OptimConfig):
+    # prompts per optimizer step (x rollout.n sequences); None = the whole step batch
+    ppo_mini_batch_size: int | None = None
+    # PPO clip: the ratio's lower bound is 1 - this
+    clip_ratio_low: float = setting(0.2, ge=0, lt=1)
+    # PPO clip: the ratio's upper bound is 1 + this (DAPO's clip-higher: > low)
+    clip_ratio_high: float = setting(0.2, ge=0)
+    clip_ratio_c: float = setting(3.0, gt=1)  # dual-clip bound for negative advantages
+    # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    loss_agg_mode: str = setting("token-mean", choices=LOSS_AGG_MODES)
+    # entropy bonus weight in the policy loss; 0 = off
+    entropy_coeff: float = setting(0.0, ge=0)
+    # add a KL-to-reference term to the loss (builds a frozen reference)
+    use_kl_loss: bool = False
+    # weight of the KL loss term
+    kl_loss_coef: float = setting(0.001, ge=0)
+    # KL estimator: k1 | k2 | k3 (= low_var_kl) | abs, '+' for straight-through
+    kl_loss_type: str = setting("low_var_kl", choices=sorted(KL_KINDS))
+    # fuse the lm_head with the token statistics (no [T, V] logits kept)
+    use_fused_kernels: bool = False
+    # "auto" | "true" | "false" (YAML booleans accepted)
+    calculate_sum_pi_squared: str = setting("auto", choices=TRISTATE)
+    # "auto": one process, or FSDP2 when torchrun starts several; "single" | "fsdp" | "tp"
+    engine: str = setting("auto", choices=ENGINES)
+    # engine=tp: ranks sharing one model's heads and vocabulary
+    tensor_parallel_size: int = setting(1, gt=0)
+    # ranks splitting each packed sequence
+    ulysses_sequence_parallel_size: int = setting(1, gt=0)
+
+
+@dataclass
+class CriticConfig(OptimConfig):
+    """The value model of PPO with GAE: ``AutoModelForTokenClassification(num_labels=1)``
+    initialised from ``model_path`` (the policy's weights by default), trained with the clipped
+    value loss on the actor's mini-batches, under the actor's engine."""
+
+    # the critic's learning rate (verl's default; the built-in model's: 1e-3)
+    lr: float = setting(1e-5, gt=0)
+    # linear warmup of the critic's optimizer steps
+    warmup_steps: int = setting(0, ge=0)
+    # "auto" (on when the estimator needs values) | "true" | "false"
+    enable: str = setting("auto", choices=TRISTATE)
+    model_path: str | None = None  # None: the policy's model
+    # None: no value clipping
+    cliprange_value: float | None = setting(0.5, gt=0, null="no clipping")

@@ -1,0 +1,107 @@
+"""The reward's settings (``reward.*``): which function scores, how its errors count, the code
+sandbox's limits, DAPO's overlong shaping and a learned reward model. The CLI's schema composes
+``RewardConfig``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from otbrl.errors import ConfigError
+from otbrl.rewards.builtin import MATH_BACKENDS
+from otbrl.rewards.scoring import ON_ERROR
+from otbrl.settings import refuse_unset, setting
+
+
+@dataclass
+class CodeRewardConfig:
+    """The sandbox model-written code runs in (``codecontests``, ``apps``, ``codeforces``,
+    ``taco`` rows; ``otbrl.rewards.sandbox``): limits of one run of one solution."""
+
+    cpu_s: float = setting(10.0, gt=0)  # CPU seconds
+    wall_s: float = setting(10.0, gt=0)  # seconds per test input (the whole run: one more)
+    memory_mb: int = setting(1024, gt=0)  # address space
+    # at most otbrl.rewards.sandbox.UIDS_PER_PROCESS
+    max_workers: int = setting(4, gt=0, le=64)  # sandboxed runs at once in this process
+    # run model code without namespaces where the OS cannot make them (as this user, with
+    # only a time limit); false: such a run is refused, before any model loads
+    allow_unsandboxed: bool = False
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO's overlong reward shaping: the last ``len`` tokens of the response budget
+    (``rollout.max_new_tokens``) cost linearly up to ``penalty`` (0 = off)."""
+
+    # tokens before the budget's end where the penalty ramps up; 0 = off
+    len: int = setting(0, ge=0)
+    # the penalty at the budget's end (the reward loses up to this much)
+    penalty: float = setting(1.0, ge=0)
+
+    def check(self, at: str) -> None:
+        """``penalty`` only with shaping on."""
+        if self.len == 0:
+            refuse_unset(
+                self,
+                at,
+                ["penalty"],
+                f"'{at}len' is 0 (shaping off)",
+                f"set {at}len to the tokens before the budget's end where the penalty ramps up,",
+            )
+
+
+@dataclass
+class RewardModelConfig:
+    """A learned reward model (``otbrl.rewards.reward_model``): an HF
+    ``AutoModelForSequenceClassification`` directory with one label; the trained reward is the
+    rule reward + ``weight`` × its score."""
+
+    path: str | None = None  # None: no reward model
+    weight: float = 1.0  # the trained reward is the rule reward + weight x the model's score
+    micro_batch_size: int = setting(16, gt=0)  # conversations per forward
+
+    def check(self, at: str) -> None:
+        """Its keys only with a model."""
+        if self.path is None:
+            refuse_unset(
+                self,
+                at,
+                ["weight", "micro_batch_size"],
+                f"'{at}path' is not",
+                "set the reward model's directory",
+            )
+
+
+@dataclass
+class RewardConfig:
+    # built-in name or "path/to/file.py:fn"; None -> by data_source
+    function: str | None = None
+    on_error: str = setting("raise", choices=ON_ERROR)  # "raise" | "zero"
+    # a call that runs longer is an error, handled by on_error (a hung verifier would otherwise
+    # stall the run forever); 0 = no limit
+    timeout_s: float = setting(60.0, ge=0)
+    # how the MATH sources (lighteval/MATH, MATH-500) are checked: "verl" (string
+    # normalisation, verl's default) | "math_verify" (the math-verify package)
+    math_backend: str = setting("verl", choices=MATH_BACKENDS)
+    # score in this many worker processes while the policy computes its statistics (0: in
+    # the trainer's process, after sampling)
+    workers: int = setting(0, ge=0)
+    # reward.function takes lists (data_sources, solution_strs, ground_truths, extra_infos)
+    # and returns one result per sample: one call per batch (per worker chunk)
+    batched: bool = False
+    code: CodeRewardConfig = field(default_factory=CodeRewardConfig)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)
+
+    def check(self, at: str) -> None:
+        """A batched reward is the user's own function; a function's file exists."""
+        if self.batched and self.function is None:
+            raise ConfigError(
+                f"'{at}batched' is true but '{at}function' is unset: a batched reward is "
+                "your function taking lists (the built-in rewards score one sample at a time)",
+                f"{at}batched",
+            )
+        if self.function is not None and ":" in self.function:
+            file = self.function.rsplit(":", 1)[0]
+            if not Path(file).is_file():
+                raise ConfigError(f"'{at}function' file not found: '{file}'", f"{at}function")

@@ -1,0 +1,153 @@
+"""The rollout's settings (``rollout.*``): which backend samples, where it runs, the sampling
+parameters, the in-process vLLM engine, the vLLM servers and the multi-turn agent loop — and
+the closed sets of values the backends act on, declared here once. No torch: the CLI's schema
+composes ``RolloutConfig`` and starts without it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from otbrl.errors import ConfigError
+from otbrl.models.config import DTYPE_NAMES
+from otbrl.settings import refuse_unset, setting
+from otbrl.tools.formats import FORMATS
+
+ROLLOUT_NAMES = ("hf", "vllm")  # rollout.name: the backends (HFRollout, VLLMRollout/servers)
+ROLLOUT_MODES = ("colocated", "server")  # rollout.mode: in the trainer's process, or servers
+# rollout.stale_samples: a batch older than the staleness bound is dropped, or the producer
+# waits before sampling that far ahead (otbrl.run.producer)
+STALE_SAMPLES = ("drop", "wait")
+
+
+@dataclass
+class VLLMConfig:
+    """The in-process vLLM engine (``rollout.name=vllm``); one per data-parallel rank."""
+
+    # engine dtype; float32 matches an fp32 trainer's log-probs to 1e-5
+    dtype: str = setting("float32", choices=DTYPE_NAMES)
+    enforce_eager: bool = True  # no CUDA graphs / compilation: faster start
+    # GPU only: the share of GPU memory vLLM may take
+    gpu_memory_utilization: float = setting(0.5, gt=0, le=1)
+    kv_cache_gib: float = setting(1.0, gt=0)  # CPU only: KV-cache size
+    enable_sleep_mode: bool = False  # GPU only: free weights and KV cache while training
+
+
+@dataclass
+class MultiTurnConfig:
+    """Multi-turn tool use (``otbrl.rollout.agent``): on when ``tools`` is not empty."""
+
+    tools: list[str] = field(default_factory=list)  # built-in names or "path/to/file.py:fn"
+    # "auto" | "hermes" | "compact" (auto: compact for the built-in model)
+    format: str = setting("auto", choices=FORMATS)
+    max_turns: int = setting(4, gt=0)  # model turns per sample
+    # each tool result is cut to this many tokens
+    max_tool_response_tokens: int = setting(64, gt=0)
+    # a call running longer returns an error observation
+    tool_timeout_s: float = setting(5.0, gt=0)
+
+    def check(self, at: str) -> None:
+        """Its keys only with tools to call."""
+        if not self.tools:
+            keys = ("format", "max_turns", "max_tool_response_tokens", "tool_timeout_s")
+            refuse_unset(
+                self,
+                at,
+                keys,
+                f"'{at}tools' is empty",
+                f"list the tools (e.g. {at}tools=[calculator])",
+            )
+
+
+@dataclass
+class ServerConfig:
+    """vLLM OpenAI servers (``rollout.mode=server``, ``otbrl.rollout.server``)."""
+
+    # servers the user started (e.g. on other hosts: see the README's launch recipes); empty:
+    # otbrl starts num_servers on 127.0.0.1 and stops them at the end
+    urls: list[str] = field(default_factory=list)
+    num_servers: int = setting(1, gt=0)  # servers otbrl starts when urls is empty
+    # the name the servers serve the policy under (--served-model-name); urls are checked
+    served_model_name: str = "policy"
+    # a started server must answer within this
+    startup_timeout_s: float = setting(300.0, gt=0)
+    # the longest one HTTP request may take
+    request_timeout_s: float = setting(300.0, gt=0)
+    # restarts of a started server that died before the run fails
+    max_restarts: int = setting(2, ge=0)
+    # where the trainer writes weight buckets for the servers to load (every server must see
+    # it); null: a fresh directory in /dev/shm, removed at the end
+    weights_dir: str | None = None
+    # one weight bucket: the trainer holds one at a time
+    bucket_mb: float = setting(64.0, gt=0)
+
+    def check(self, at: str) -> None:
+        """Each url an http(s) url."""
+        for i, url in enumerate(self.urls):
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise ConfigError(
+                    f"'{at}urls[{i}]' must be an http:// url, got {url!r}", f"{at}urls"
+                )
+
+
+@dataclass
+class RolloutConfig:
+    # "hf" (the training model's own sampler) | "vllm"
+    name: str = setting("hf", choices=ROLLOUT_NAMES)
+    # "colocated": the engine of rollout.name in the trainer's process | "server": vLLM
+    # OpenAI servers (rollout.server; needs rollout.name=vllm)
+    mode: str = setting("colocated", choices=ROLLOUT_MODES)
+    # trainer.max_staleness > 0: a batch sampled by weights older than current − k is
+    # "drop"ped (and counted) or the producer "wait"s before sampling ahead that far
+    stale_samples: str = setting("wait", choices=STALE_SAMPLES)
+    # trainer.max_staleness > 0: a weight update keeps the requests in flight (vLLM's
+    # /pause?mode=keep; they go on with the new weights, each token's version recorded)
+    # instead of waiting for them to finish
+    partial_rollout: bool = False
+    # rollout.mode=server with tools: the most samples whose agent loops (one per sample) are
+    # in flight at once — the load on the tools and the servers
+    max_concurrent_trajectories: int = setting(64, gt=0)
+    n: int = setting(8, gt=0)  # responses per prompt
+    # sampling temperature (the trainer's log-probs use the same one)
+    temperature: float = setting(1.0, gt=0)
+    # nucleus sampling; 1.0 = off
+    top_p: float = setting(1.0, gt=0, le=1)
+    top_k: int = setting(0, ge=0)  # 0 = off
+    # the response budget: model and (multi-turn) observation tokens together
+    max_new_tokens: int = setting("${data.max_response_length}", gt=0)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+
+    def check(self, at: str) -> None:
+        """The vLLM engine's keys only with ``name=vllm``; the servers' only with
+        ``mode=server``, which needs vLLM."""
+        if self.name != "vllm":
+            refuse_unset(
+                self.vllm,
+                f"{at}vllm.",
+                list(vars(VLLMConfig())),
+                f"'{at}name' is '{self.name}'",
+                f"set {at}name=vllm",
+            )
+        if self.mode == "server" and self.name != "vllm":
+            raise ConfigError(
+                f"'{at}mode=server' serves the policy with vLLM servers but '{at}name' is "
+                f"'{self.name}'; set {at}name=vllm",
+                f"{at}mode",
+            )
+        if self.mode != "server":
+            refuse_unset(
+                self.server,
+                f"{at}server.",
+                list(vars(ServerConfig())),
+                f"'{at}mode' is '{self.mode}'",
+                f"set {at}mode=server",
+            )
+            refuse_unset(
+                self,
+                at,
+                ["max_concurrent_trajectories"],
+                f"'{at}mode' is '{self.mode}' (the colocated engine's agent loop is "
+                "turn-synchronous)",
+                f"set {at}mode=server",
+            )
