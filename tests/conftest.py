@@ -50,7 +50,7 @@ def no_model_loading(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("a model was loaded before the checks that come first")
 
-    monkeypatch.setattr(build_mod, "load_model_and_tokenizer", forbidden)
+    monkeypatch.setattr(build_mod, "load_model", forbidden)
     monkeypatch.setattr(sft_mod, "ensure_warm_start", forbidden)
 
 

@@ -210,3 +210,32 @@ def test_one_sharding_rule_covers_every_item_once(items, dp):
             Rank(0).shard(rows)
     else:
         assert [Rank(r).shard(rows) for r in range(dp)] == shares
+
+
+@pytest.mark.parametrize("task", ["arithmetic", "tool_arithmetic"])
+def test_the_plan_loads_the_one_tokenizer_the_model_was_saved_with(tmp_path, task):
+    """The run loads its tokenizer once, in the plan, and its models with it: for the built-in
+    model the plan builds the task's tokenizer, which must be the one the (warm-started) model
+    directory holds; for a user's model it is that directory's, set up for left padding."""
+    from otbrl.models import load_model_and_tokenizer
+    from otbrl.run.plan import plan_tokenizer
+
+    path = build_tiny_model(tmp_path / task, task=task, **ONE_LAYER)
+    _, saved = load_model_and_tokenizer(path)
+    text = [{"role": "user", "content": "12+34="}]
+    for cfg in (
+        load_config(None, ["model.path=builtin", f"data.task={task}"]),
+        load_config(None, [f"model.path={path}", f"data.task={task}"]),
+    ):
+        planned = plan_tokenizer(cfg)
+        assert planned.get_vocab() == saved.get_vocab()
+        assert (planned.pad_token_id, planned.eos_token_id, planned.padding_side) == (
+            saved.pad_token_id,
+            saved.eos_token_id,
+            "left",
+        )
+        assert planned.apply_chat_template(text, tokenize=False) == saved.apply_chat_template(
+            text, tokenize=False
+        )
+        batch = planned(["12+3=", "1="], padding=True)["input_ids"]
+        assert batch == saved(["12+3=", "1="], padding=True)["input_ids"]

@@ -220,7 +220,8 @@ def _eval(args: argparse.Namespace) -> int:
     from otbrl.run.evaluate import validate
 
     path = model_path(cfg)
-    model, tokenizer = load_policy(cfg, path)
+    tokenizer = plan.tokenizer
+    model = load_policy(cfg, path, tokenizer)
     eos = eos_token_ids(model, tokenizer)
     sampler = build_sampler(cfg, plan.tools, HFRollout(model, tokenizer), tokenizer, eos, str(path))
     result = validate(

@@ -120,19 +120,41 @@ def load_model_and_tokenizer(
         EOS token when the model ships none); the model's generation config carries that pad id
         and stops at every id in ``eos_token_ids``.
     """
-    path = _model_dir(path, dtype)
+    tokenizer = load_tokenizer(_model_dir(path, dtype))
+    return load_model(path, tokenizer, dtype=dtype, device=device, **model_kwargs), tokenizer
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of a local HF model directory, set up as ``load_model_and_tokenizer``
+    sets it up (padding on the left, a pad token: the EOS when the model ships none) — loaded
+    once per run, before the model (``otbrl.run.plan``). ``ValueError`` without an EOS token."""
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.eos_token_id is None:
         raise ValueError(f"path: the tokenizer in {str(path)!r} has no EOS token to end responses")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def load_model(
+    path: str | Path,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    **model_kwargs,
+) -> PreTrainedModel:
+    """The causal LM of a local HF directory, its generation config padding with
+    ``tokenizer``'s pad id and stopping at every id of ``eos_token_ids`` (arguments as
+    ``load_model_and_tokenizer``'s)."""
+    path = _model_dir(path, dtype)
     with _quiet_loading():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **model_kwargs)
     model.to(device)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = eos_token_ids(model, tokenizer)
-    return model, tokenizer
+    return model
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:

@@ -24,7 +24,7 @@ from otbrl.research.gradient_variance import GradientVarianceAccumulator, varian
 from otbrl.rewards import resolve_reward_function
 from otbrl.rollout import HFRollout
 from otbrl.run.build import build_sampler, load_policy, model_path, policy_loss
-from otbrl.run.plan import load_rows
+from otbrl.run.plan import load_rows, plan_tokenizer
 from otbrl.run.seeds import seed_everything, step_seed
 from otbrl.run.spec import resolve
 from otbrl.store.files import atomic_write_text
@@ -306,7 +306,8 @@ def run_variance(
     start = time.perf_counter()
     seed_everything(seed)
     path = model_path(cfg)
-    model, tokenizer = load_policy(cfg, path)
+    tokenizer = plan_tokenizer(cfg)  # as the trainer's: the plan loads it
+    model = load_policy(cfg, path, tokenizer)
     train_rows, _ = load_rows(cfg)
     if len(train_rows) < prompts:
         raise ValueError(f"prompts: expected <= {len(train_rows)} (the data size), got {prompts}")

@@ -22,10 +22,9 @@ from otbrl.engine.precision import get_precision
 from otbrl.engine.world import World
 from otbrl.models import (
     eos_token_ids,
-    load_model_and_tokenizer,
+    load_model,
     load_value_model,
     resolve_model_dir,
-    set_prompt_template,
 )
 from otbrl.models.lora import adapter_config, add_lora, unload_lora
 from otbrl.rewards import SandboxConfig
@@ -73,11 +72,11 @@ def policy_dtype(cfg: Config) -> str:
     return "bfloat16" if cfg.model.lora.rank and p.mixed else p.storage_name
 
 
-def load_policy(cfg: Config, path: Path):
-    """(model, tokenizer) of the policy at ``path`` in ``policy_dtype(cfg)``, with the LoRA
-    adapters of ``model.lora`` injected (rank > 0), the tokenizer rendering prompts as
-    ``data.apply_chat_template`` asks (the plan checked that it can)."""
-    model, tokenizer = load_model_and_tokenizer(path, dtype=policy_dtype(cfg))
+def load_policy(cfg: Config, path: Path, tokenizer):
+    """The policy at ``path`` in ``policy_dtype(cfg)``, its generation config from the run's
+    ``tokenizer`` (``Plan.tokenizer``: loaded once, by the plan), with the LoRA adapters of
+    ``model.lora`` injected (rank > 0)."""
+    model = load_model(path, tokenizer, dtype=policy_dtype(cfg))
     lora = cfg.model.lora
     if lora.rank:
         add_lora(
@@ -90,8 +89,7 @@ def load_policy(cfg: Config, path: Path):
             adapter_dtype=get_precision(cfg.model.precision).storage,
             seed=cfg.trainer.seed,
         )
-    set_prompt_template(tokenizer, cfg.data.apply_chat_template, str(path))
-    return model, tokenizer
+    return model
 
 
 def policy_loss(cfg: Config, *, regularizers: bool = True) -> loss_terms.Loss:
@@ -297,7 +295,8 @@ def build_run(cfg: Config, plan: Plan, world: World, path: Path) -> RunParts:
     """Load the policy from ``path`` and build the parts of the run for this process, in the
     order they must come: the rollout backend before the engine shards the model (an HF backend
     on several processes copies it), then the engines."""
-    model, tokenizer = load_policy(cfg, path)
+    tokenizer = plan.tokenizer
+    model = load_policy(cfg, path, tokenizer)
     eos_ids = eos_token_ids(model, tokenizer)
     dataset = PromptDataset(  # the plan measured every prompt already: no tokenizer here
         plan.train_rows,
@@ -351,7 +350,7 @@ def build_run(cfg: Config, plan: Plan, world: World, path: Path) -> RunParts:
         reference = engines["policy"].without_adapters(micro_batch_size=a.micro_batch_size)
     elif plan.spec.use_reference:
         # the policy's precision, so that KL = 0 before the first update
-        ref_model, _ = load_model_and_tokenizer(path, dtype=policy_dtype(cfg))
+        ref_model = load_model(path, tokenizer, dtype=policy_dtype(cfg))
         reference = Engine(
             ref_model, None, name="reference", micro_batch_size=a.micro_batch_size, **common
         )

@@ -22,6 +22,7 @@ from otbrl.config import Config, ConfigError
 from otbrl.data import get_task, read_parquet_rows, tokenize_prompts
 from otbrl.models import (
     build_tokenizer,
+    load_tokenizer,
     resolve_model_dir,
     set_prompt_template,
 )
@@ -52,9 +53,9 @@ class Plan:
     ``spec``: every decision the config fixes (``otbrl.run.spec.resolve``). ``reward_fn``: the
     resolved ``reward.function`` (None: by data_source). ``train_rows`` / ``val_rows``: the
     checked data rows (``load_rows``). ``tools``: the resolved ``rollout.multi_turn.tools``
-    (None when empty: single-turn). ``longest_prompt``: the longest prompt in tokens after
-    ``data.overlong_prompts``; ``notes``: one line per change that policy made (rows dropped or
-    cut), printed when the run starts.
+    (None when empty: single-turn). ``tokenizer``: the run's (``plan_tokenizer``).
+    ``longest_prompt``: the longest prompt in tokens after ``data.overlong_prompts``; ``notes``:
+    one line per change that policy made (rows dropped or cut), printed when the run starts.
     """
 
     spec: RunSpec
@@ -62,6 +63,7 @@ class Plan:
     train_rows: list = field(default_factory=list, repr=False)
     val_rows: list = field(default_factory=list, repr=False)
     tools: Any = None  # {name: otbrl.tools.Tool} of rollout.multi_turn.tools; None: single-turn
+    tokenizer: Any = field(default=None, repr=False)  # plan_tokenizer's: the run's one tokenizer
     longest_prompt: int = 0  # tokens, over all kept rows (a rollout engine's context: + budget)
     notes: tuple[str, ...] = ()  # what the plan changed in the data, for the run's start-up lines
 
@@ -157,6 +159,7 @@ def preflight(cfg: Config, spec: RunSpec, *, train: bool = True) -> Plan:
         train_rows=train_rows,
         val_rows=val_rows,
         tools=tools,
+        tokenizer=tokenizer,
         longest_prompt=max(longest, longest_val),
         notes=(*notes, *val_notes),
     )
@@ -280,19 +283,19 @@ def load_rows(cfg: Config, *, train: bool = True) -> tuple[list[dict], list[dict
 
 
 def plan_tokenizer(cfg: Config):
-    """The run's tokenizer, loaded without its model (a ``ConfigError`` for a model without a
-    usable one): the built-in task's for ``model.path=builtin``, else the one in ``model.path``,
-    with prompts rendered as ``data.apply_chat_template`` asks (``set_prompt_template``)."""
+    """The run's tokenizer, loaded once, without its model (a ``ConfigError`` for a model without
+    a usable one): the built-in task's for ``model.path=builtin``, else the one in ``model.path``
+    (``load_tokenizer``: padding on the left, a pad token), with prompts rendered as
+    ``data.apply_chat_template`` asks (``set_prompt_template``). The run's models load with it
+    (``otbrl.run.build.load_policy``)."""
     if cfg.model.path == "builtin":
         task = get_task(cfg.data.task)
         tokenizer = build_tokenizer(task.alphabet, tool_tokens=bool(task.tools))
         where = f"the built-in model of task {cfg.data.task!r}"
     else:
-        from transformers import AutoTokenizer
-
         path = resolve_model_dir(cfg.model.path)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path)
+            tokenizer = load_tokenizer(path)
         except Exception as err:  # transformers raises many types for a broken tokenizer
             first = (str(err).splitlines() or [type(err).__name__])[0]
             raise ConfigError(
