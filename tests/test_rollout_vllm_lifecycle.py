@@ -15,6 +15,7 @@ import pytest
 
 from otbrl.models import build_tiny_model
 from otbrl.rollout import SamplingParams, VLLMRollout, check_vllm_installed
+from otbrl.rollout.config import VLLMConfig
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (make setup)")
@@ -50,13 +51,15 @@ def test_start_up_errors_name_the_argument(tiny_dir, tmp_path):
     with pytest.raises(ValueError, match="model_dir"):
         VLLMRollout(tmp_path)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
-        VLLMRollout(tiny_dir, gpu_memory_utilization=1.5)
+        VLLMRollout(tiny_dir, VLLMConfig(gpu_memory_utilization=1.5))
     with pytest.raises(ValueError, match="kv_cache_gib"):
-        VLLMRollout(tiny_dir, kv_cache_gib=0)
+        VLLMRollout(tiny_dir, VLLMConfig(kv_cache_gib=0))
+    with pytest.raises(ValueError, match="dtype"):
+        VLLMRollout(tiny_dir, VLLMConfig(dtype="fp8"))
     with pytest.raises(ValueError, match="max_model_len"):
         VLLMRollout(tiny_dir, max_model_len=1)
     with pytest.raises(ValueError, match="enable_sleep_mode"):
-        VLLMRollout(tiny_dir, enable_sleep_mode=True)  # CPU: no sleep mode
+        VLLMRollout(tiny_dir, VLLMConfig(enable_sleep_mode=True))  # CPU: no sleep mode
 
 
 @needs_vllm

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import pytest
 
@@ -103,11 +104,24 @@ def test_sigkill_and_resume_under_max_staleness_1(vllm_server, data, tmp_path, c
     assert json.loads((out / "summary.json").read_text())["steps"] == 4
 
 
-def test_partial_rollouts_span_updates_within_the_bound(vllm_server, data, tmp_path):
+def test_partial_rollouts_span_updates_within_the_bound(vllm_server, data, tmp_path, monkeypatch):
     """`rollout.partial_rollout=true` under max_staleness=1: the trainer's weight update does
     not wait for the producer's requests in flight; they go on with the new weights, so rows
     span an update (per-token versions), and no row is older than the bound. Long responses
-    and many samples make sampling the slower side, so updates land mid-batch."""
+    and many samples make sampling the slower side; and each update first waits (a few seconds
+    at most) for the producer to have requests in flight, so that an update lands mid-batch
+    however the machine's load shifts the two sides."""
+    from otbrl.rollout.server import ServerRollout
+
+    sync = ServerRollout.sync_weights
+
+    def sync_while_sampling(self, named_tensors):
+        deadline = time.monotonic() + 5.0
+        while self._in_flight == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return sync(self, named_tensors)
+
+    monkeypatch.setattr(ServerRollout, "sync_weights", sync_while_sampling)
     out = tmp_path / "run"
     args = overrides(vllm_server[0], data, out, *server(vllm_server), "trainer.total_steps=4",
                      "trainer.max_staleness=1", "rollout.partial_rollout=true",

@@ -294,7 +294,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _variance(args: argparse.Namespace) -> int:
-    cfg, _ = _config(args)
+    cfg, plan = _config(args)
     from otbrl.research.variance import DEFAULT_ESTIMATORS, check_variance_args, run_variance
 
     try:
@@ -312,6 +312,7 @@ def _variance(args: argparse.Namespace) -> int:
         raise ConfigError(f"otbrl variance: {err}", "variance") from None
     run_variance(
         cfg,
+        plan,
         **kwargs,
         out=args.out,
         num_bootstrap=args.bootstrap,

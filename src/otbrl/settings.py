@@ -114,11 +114,14 @@ def check_settings(node: Any, at: str = "") -> None:
         node.check(at)
 
 
-def refuse_unset(node: Any, at: str, keys: Sequence[str], because: str, fix: str) -> None:
-    """Keys of a switched-off part set anyway: ``ConfigError`` on the first that differs from
-    its default (``because``: what switched it off; ``fix``: how to switch it on)."""
+def refuse_unset(
+    node: Any, at: str, because: str, fix: str, keys: Sequence[str] | None = None
+) -> None:
+    """Keys of a switched-off part set anyway: ``ConfigError`` on the first of ``keys`` (None:
+    every field) that differs from its default (``because``: what switched the part off;
+    ``fix``: how to switch it on)."""
     defaults = type(node)()
-    for key in keys:
+    for key in keys if keys is not None else [f.name for f in fields(node)]:
         if getattr(node, key) != getattr(defaults, key):
             raise ConfigError(
                 f"'{at}{key}' is set but {because}; {fix} or drop the key", f"{at}{key}"

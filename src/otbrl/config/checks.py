@@ -83,10 +83,6 @@ def _check_staleness(cfg: Config) -> None:
             "trainer.max_staleness",
         )
     if staleness == 0:
-        refuse_unset(
-            cfg.rollout,
-            "rollout.",
-            ["stale_samples", "partial_rollout"],
-            "'trainer.max_staleness' is 0 (nothing samples while the weights change)",
-            "set trainer.max_staleness > 0",
-        )
+        because = "'trainer.max_staleness' is 0 (nothing samples while the weights change)"
+        keys = ["stale_samples", "partial_rollout"]
+        refuse_unset(cfg.rollout, "rollout.", because, "set trainer.max_staleness > 0", keys)

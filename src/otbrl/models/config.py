@@ -38,7 +38,7 @@ class LoraConfig:
         """Its keys only with ``rank`` > 0, the target modules named, the adapter saved."""
         if self.rank == 0:
             others = [key for key in vars(self) if key != "rank"]
-            refuse_unset(self, at, others, f"'{at}rank' is 0 (LoRA off)", f"set {at}rank (e.g. 16)")
+            refuse_unset(self, at, f"'{at}rank' is 0 (LoRA off)", f"set {at}rank (e.g. 16)", others)
             return
         target = self.target_modules
         names = [target] if isinstance(target, str) else list(target or [])

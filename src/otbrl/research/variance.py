@@ -21,15 +21,11 @@ from torch import Tensor
 from otbrl.models import eos_token_ids
 from otbrl.research.gradient_probe import EstimatorSpec, GradientProbe, parse_estimators
 from otbrl.research.gradient_variance import GradientVarianceAccumulator, variance_summary
-from otbrl.rewards import resolve_reward_function
 from otbrl.rollout import HFRollout
 from otbrl.run.build import build_sampler, load_policy, model_path, policy_loss
-from otbrl.run.plan import load_rows, plan_tokenizer
 from otbrl.run.seeds import seed_everything, step_seed
-from otbrl.run.spec import resolve
 from otbrl.store.files import atomic_write_text
 from otbrl.store.plain import json_safe
-from otbrl.tools import resolve_tools
 
 DEFAULT_ESTIMATORS = "grpo,drgrpo,rloo,otb,otb_notail"
 # exact Gram matrices keep E·K·P float32 gradients; above this the CountSketch takes over
@@ -279,6 +275,7 @@ def check_variance_args(
 
 def run_variance(
     cfg,
+    plan,
     *,
     estimators: str = DEFAULT_ESTIMATORS,
     ns: list[int],
@@ -295,25 +292,25 @@ def run_variance(
 ) -> dict:
     """``otbrl variance``: measure, print the table, write ``out`` (JSON) and a PNG beside it.
 
-    ``cfg``: a validated ``Config`` (model, data, rollout temperature and length, loss
-    aggregation, estimator options). Returns the result dict written to ``out``.
+    ``cfg``: a validated ``Config`` (model, loss aggregation) and ``plan`` its ``Plan``
+    (``otbrl.run.plan.plan_run``: the trainer's sampling parameters and estimator options, its
+    tokenizer, data rows, tools and reward), so the probe samples and scores as the trainer
+    would. Returns the result dict written to ``out``.
     """
     from pathlib import Path
 
     specs = check_variance_args(estimators, ns, repeats, prompts, reference_samples, base)
-    spec = resolve(cfg)  # the trainer's decisions: how it samples, its estimator options
+    spec = plan.spec  # the trainer's decisions: how it samples, its estimator options
     labels = [s.label for s in specs]
     start = time.perf_counter()
     seed_everything(seed)
     path = model_path(cfg)
-    tokenizer = plan_tokenizer(cfg)  # as the trainer's: the plan loads it
+    tokenizer, train_rows, tools = plan.tokenizer, plan.train_rows, plan.tools
     model = load_policy(cfg, path, tokenizer)
-    train_rows, _ = load_rows(cfg)
     if len(train_rows) < prompts:
         raise ValueError(f"prompts: expected <= {len(train_rows)} (the data size), got {prompts}")
     order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(seed))
     rows = [train_rows[i] for i in order[:prompts].tolist()]
-    tools = resolve_tools(cfg.rollout.multi_turn.tools) if cfg.rollout.multi_turn.tools else None
     # the trainer's sampler: the agent loop over the HF backend when tools are configured
     backend = HFRollout(model, tokenizer)
     sampler = build_sampler(
@@ -325,7 +322,7 @@ def run_variance(
         params=spec.sampling,
         options=dict(spec.estimator_options),
         loss_fn=policy_loss(cfg, regularizers=False),
-        reward_fn=resolve_reward_function(cfg.reward.function),
+        reward_fn=plan.reward_fn,
         on_error=cfg.reward.on_error,
         method=method,
         sampler=sampler,

@@ -41,13 +41,8 @@ class OverlongBufferConfig:
     def check(self, at: str) -> None:
         """``penalty`` only with shaping on."""
         if self.len == 0:
-            refuse_unset(
-                self,
-                at,
-                ["penalty"],
-                f"'{at}len' is 0 (shaping off)",
-                f"set {at}len to the tokens before the budget's end where the penalty ramps up,",
-            )
+            fix = f"set {at}len to the tokens before the budget's end where the penalty ramps up,"
+            refuse_unset(self, at, f"'{at}len' is 0 (shaping off)", fix, ["penalty"])
 
 
 @dataclass
@@ -63,13 +58,8 @@ class RewardModelConfig:
     def check(self, at: str) -> None:
         """Its keys only with a model."""
         if self.path is None:
-            refuse_unset(
-                self,
-                at,
-                ["weight", "micro_batch_size"],
-                f"'{at}path' is not",
-                "set the reward model's directory",
-            )
+            fix = "set the reward model's directory"
+            refuse_unset(self, at, f"'{at}path' is not", fix, ["weight", "micro_batch_size"])
 
 
 @dataclass

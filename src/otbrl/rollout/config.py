@@ -49,13 +49,8 @@ class MultiTurnConfig:
         """Its keys only with tools to call."""
         if not self.tools:
             keys = ("format", "max_turns", "max_tool_response_tokens", "tool_timeout_s")
-            refuse_unset(
-                self,
-                at,
-                keys,
-                f"'{at}tools' is empty",
-                f"list the tools (e.g. {at}tools=[calculator])",
-            )
+            fix = f"list the tools (e.g. {at}tools=[calculator])"
+            refuse_unset(self, at, f"'{at}tools' is empty", fix, keys)
 
 
 @dataclass
@@ -122,13 +117,8 @@ class RolloutConfig:
         """The vLLM engine's keys only with ``name=vllm``; the servers' only with
         ``mode=server``, which needs vLLM."""
         if self.name != "vllm":
-            refuse_unset(
-                self.vllm,
-                f"{at}vllm.",
-                list(vars(VLLMConfig())),
-                f"'{at}name' is '{self.name}'",
-                f"set {at}name=vllm",
-            )
+            because = f"'{at}name' is '{self.name}'"
+            refuse_unset(self.vllm, f"{at}vllm.", because, f"set {at}name=vllm")
         if self.mode == "server" and self.name != "vllm":
             raise ConfigError(
                 f"'{at}mode=server' serves the policy with vLLM servers but '{at}name' is "
@@ -136,18 +126,7 @@ class RolloutConfig:
                 f"{at}mode",
             )
         if self.mode != "server":
-            refuse_unset(
-                self.server,
-                f"{at}server.",
-                list(vars(ServerConfig())),
-                f"'{at}mode' is '{self.mode}'",
-                f"set {at}mode=server",
-            )
-            refuse_unset(
-                self,
-                at,
-                ["max_concurrent_trajectories"],
-                f"'{at}mode' is '{self.mode}' (the colocated engine's agent loop is "
-                "turn-synchronous)",
-                f"set {at}mode=server",
-            )
+            because, fix = f"'{at}mode' is '{self.mode}'", f"set {at}mode=server"
+            refuse_unset(self.server, f"{at}server.", because, fix)
+            why = f"{because} (the colocated engine's agent loop is turn-synchronous)"
+            refuse_unset(self, at, why, fix, ["max_concurrent_trajectories"])

@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 from torch import Tensor
 
+from otbrl.rollout.config import ServerConfig, VLLMConfig
 from otbrl.rollout.partial import InFlight, InFlightRequests, new_request_id
 from otbrl.rollout.protocol import Completion, SamplingParams, check_generate_args, make_completion
 from otbrl.rollout.server_client import ServerError, check_server_url, request_json
@@ -60,6 +61,7 @@ from otbrl.rollout.vllm_common import (
     sampling_fields,
 )
 from otbrl.rollout.weight_buckets import scratch_dir, write_buckets
+from otbrl.settings import check_settings
 
 # what callers (plan, cli, tests) import from here; the helpers live in the modules above
 __all__ = [
@@ -72,7 +74,7 @@ __all__ = [
     "free_port",
 ]
 
-SERVED_NAME = "policy"
+SERVED_NAME = ServerConfig().served_model_name
 
 
 class ServerRollout:
@@ -80,20 +82,17 @@ class ServerRollout:
 
     Args:
         model_dir: the policy's HF directory (started servers load it; user servers must serve
-            the same architecture under ``served_model_name``).
-        urls: servers the user started (``--served-model-name`` = ``served_model_name``,
-            ``VLLM_SERVER_DEV_MODE=1``, ``--worker-extension-cls`` =
-            :data:`WORKER_EXTENSION`); empty: start ``num_servers`` on 127.0.0.1.
-        num_servers: servers to start when ``urls`` is empty.
-        dtype, max_model_len, kv_cache_gib, seed: the started servers' engine settings (as
-            ``VLLMRollout``'s).
-        startup_timeout_s: how long a server may take to answer after its start.
-        request_timeout_s: the longest one HTTP request may take.
-        max_restarts: restarts per started server before a failure is final.
-        weights_dir: where weight buckets are written (every server must see it: ``/dev/shm``
-            on one machine, a shared file system across hosts); None: a fresh ``/dev/shm``
-            directory (or the system temp dir), removed on ``close()``.
-        bucket_mb: the size of one weight bucket.
+            the same architecture under ``settings.served_model_name``).
+        settings: the servers' settings (``otbrl.rollout.config.ServerConfig``, the CLI's
+            ``rollout.server``; None: the defaults): ``urls`` of servers the user started
+            (``--served-model-name`` = ``served_model_name``, ``VLLM_SERVER_DEV_MODE=1``,
+            ``--worker-extension-cls`` = :data:`WORKER_EXTENSION`), else ``num_servers``
+            started on 127.0.0.1; start-up and request timeouts, restarts of a started server,
+            ``weights_dir`` for the weight buckets (every server must see it: ``/dev/shm`` on
+            one machine, a shared file system across hosts; None: a fresh ``/dev/shm``
+            directory, removed on ``close()``) and ``bucket_mb``.
+        engine: the started servers' engine settings (``VLLMConfig``: ``dtype``,
+            ``kv_cache_gib``); with ``max_model_len`` and ``seed`` as ``VLLMRollout``'s.
         max_concurrency: HTTP requests in flight per call.
         log_dir: where each started server's log goes (``server-<i>.log``), created if
             missing (not with ``urls``: nothing is started); None: a fresh temporary directory.
@@ -107,31 +106,26 @@ class ServerRollout:
     def __init__(
         self,
         model_dir: str | os.PathLike,
+        settings: ServerConfig | None = None,
+        engine: VLLMConfig | None = None,
         *,
-        urls: Sequence[str] = (),
-        num_servers: int = 1,
-        dtype: str = "float32",
         max_model_len: int | None = None,
-        kv_cache_gib: float = 0.25,
         seed: int = 0,
-        served_model_name: str = SERVED_NAME,
-        startup_timeout_s: float = 300.0,
-        request_timeout_s: float = 300.0,
-        max_restarts: int = 2,
-        weights_dir: str | os.PathLike | None = None,
-        bucket_mb: float = 64.0,
         max_concurrency: int = 64,
         log_dir: str | os.PathLike | None = None,
         partial_rollout: bool = False,
     ) -> None:
         self.model_dir = model_dir = check_model_dir(model_dir)
-        self.served_model_name = served_model_name
-        self.startup_timeout_s, self.request_timeout_s = startup_timeout_s, request_timeout_s
-        self.max_restarts, self.bucket_bytes = max_restarts, int(bucket_mb * 2**20)
+        s, engine = settings or ServerConfig(), engine or VLLMConfig()
+        check_settings(s, "rollout.server.")  # each field's own range
+        check_settings(engine, "rollout.vllm.")
+        self.served_model_name = served_model_name = s.served_model_name
+        self.startup_timeout_s, self.request_timeout_s = s.startup_timeout_s, s.request_timeout_s
+        self.max_restarts, self.bucket_bytes = s.max_restarts, int(s.bucket_mb * 2**20)
         self.max_model_len = max_model_len or model_context(model_dir) or None
         self._draws = np.random.default_rng(seed)
-        self._own_weights_dir = weights_dir is None
-        self.weights_dir = scratch_dir() if weights_dir is None else Path(weights_dir)
+        self._own_weights_dir = s.weights_dir is None
+        self.weights_dir = scratch_dir() if s.weights_dir is None else Path(s.weights_dir)
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         self._has_weights = False
         self.weight_version = 0
@@ -146,16 +140,16 @@ class ServerRollout:
         self._requests = InFlightRequests()  # by X-Request-Id (partial rollouts' versions)
         self.servers: list[Server] = []
         try:
-            if urls:
-                self.servers = [Server(u, None, None, None) for u in urls]
+            if s.urls:
+                self.servers = [Server(u, None, None, None) for u in s.urls]
                 for i, server in enumerate(self.servers):
                     key = f"rollout.server.urls[{i}]"
                     check_server_url(server.url, served_model_name, key=key, timeout_s=10.0)
             else:
                 self.servers = start_servers(
-                    model_dir, num_servers, seed=seed, startup_timeout_s=startup_timeout_s,
-                    log_dir=log_dir, served_model_name=served_model_name, dtype=dtype,
-                    kv_cache_gib=kv_cache_gib, max_model_len=self.max_model_len,
+                    model_dir, s.num_servers, seed=seed, startup_timeout_s=s.startup_timeout_s,
+                    log_dir=log_dir, served_model_name=served_model_name, dtype=engine.dtype,
+                    kv_cache_gib=engine.kv_cache_gib, max_model_len=self.max_model_len,
                 )  # fmt: skip
             config = hf_config(model_dir)
             text = config.get("text_config") or {}

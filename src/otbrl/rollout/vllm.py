@@ -49,6 +49,7 @@ import torch
 from torch import Tensor
 
 from otbrl.quiet import quiet_vllm
+from otbrl.rollout.config import VLLMConfig
 from otbrl.rollout.protocol import Completion, SamplingParams, check_generate_args, make_completion
 from otbrl.rollout.vllm_common import (
     CPU_STEP_TOKENS,
@@ -62,6 +63,7 @@ from otbrl.rollout.vllm_common import (
     sampling_fields,
     tied_lm_head,
 )
+from otbrl.settings import check_settings
 
 _LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()
 
@@ -72,12 +74,11 @@ class VLLMRollout:
     Args:
         model_dir: the policy's weights as an HF directory (written once; ``sync_weights``
             refreshes the engine in memory afterwards).
-        dtype: engine dtype (``"float32"`` for ≤ 1e-5 agreement with an fp32 trainer).
-        enforce_eager: no CUDA graphs / compilation of the model (faster start, CPU default).
-        gpu_memory_utilization: fraction of GPU memory vLLM may take (GPU only).
-        kv_cache_gib: KV-cache size on CPU, GiB (``kv_cache_memory_bytes``; CPU only).
-        enable_sleep_mode: lets ``sleep()`` free weights and KV cache on GPU between rollouts;
-            vLLM's CPU backend has none, so ``True`` there is a ``ValueError``.
+        settings: the engine's own settings (``otbrl.rollout.config.VLLMConfig``, the CLI's
+            ``rollout.vllm``: dtype, eager mode, GPU memory share, CPU KV-cache size, sleep
+            mode; each field's range checked, ``ConfigError`` naming it); None: the defaults.
+            Sleep mode frees weights and KV cache on GPU between rollouts; vLLM's CPU backend
+            has none, so asking for it there is a ``ValueError``.
         max_model_len: context length (prompt + completion); None = the model's own.
         seed: the engine's seed; also seeds the draws of unseeded ``generate`` calls.
         lora: a LoRA policy's ``adapter_config.json`` content (``otbrl.models.lora.adapter_config``)
@@ -94,25 +95,16 @@ class VLLMRollout:
     def __init__(
         self,
         model_dir: str | os.PathLike,
+        settings: VLLMConfig | None = None,
         *,
-        dtype: str = "float32",
-        enforce_eager: bool = True,
-        gpu_memory_utilization: float = 0.5,
-        kv_cache_gib: float = 1.0,
-        enable_sleep_mode: bool = False,
         max_model_len: int | None = None,
         seed: int = 0,
         lora: Mapping | None = None,
         **engine_kwargs,
     ) -> None:
         model_dir = check_model_dir(model_dir)
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(
-                "gpu_memory_utilization: expected a fraction in (0, 1], got "
-                f"{gpu_memory_utilization!r}"
-            )
-        if not kv_cache_gib > 0:
-            raise ValueError(f"kv_cache_gib: expected a size > 0 (GiB), got {kv_cache_gib!r}")
+        settings = settings or VLLMConfig()
+        check_settings(settings, "rollout.vllm.")  # its fields' own ranges and choices
         if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
             raise ValueError(f"max_model_len: expected an int ≥ 2 or None, got {max_model_len!r}")
         check_vllm_installed()
@@ -132,21 +124,23 @@ class VLLMRollout:
 
         self._vllm = vllm
         self.on_cpu = bool(current_platform.is_cpu())
-        if enable_sleep_mode and self.on_cpu:
-            raise ValueError("enable_sleep_mode: vLLM's CPU backend has no sleep mode (GPU only)")
+        if settings.enable_sleep_mode and self.on_cpu:
+            raise ValueError(
+                "rollout.vllm.enable_sleep_mode: vLLM's CPU backend has no sleep mode (GPU only)"
+            )
         kwargs = dict(
             model=str(model_dir),
             skip_tokenizer_init=True,
-            dtype=dtype,
-            enforce_eager=enforce_eager,
+            dtype=settings.dtype,
+            enforce_eager=settings.enforce_eager,
             seed=seed,
             max_model_len=max_model_len,
-            enable_sleep_mode=enable_sleep_mode,
+            enable_sleep_mode=settings.enable_sleep_mode,
             logprobs_mode="processed_logprobs",
             use_tqdm_on_load=False,  # a bar per start for one safetensors file
         )
         if self.on_cpu:
-            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+            kwargs["kv_cache_memory_bytes"] = int(settings.kv_cache_gib * 2**30)
             # Every request carries its own seeded generator. With chunked prefill, a request
             # whose prompt is only partly prefilled in a step samples a token that vLLM then
             # discards and "rewinds" with Generator.set_offset, which CPU generators lack
@@ -159,7 +153,7 @@ class VLLMRollout:
                 CPU_STEP_TOKENS, max_model_len or model_context(model_dir)
             )
         else:
-            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+            kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
         if lora is not None:
             # vLLM allocates adapter slots of one of its supported ranks, at least the adapter's
             ranks = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -198,7 +192,7 @@ class VLLMRollout:
         self.vocab_size = int(model_config.get_vocab_size())
         self.max_model_len = int(model_config.max_model_len)
         self.model_dir = model_dir
-        self.sleep_mode = enable_sleep_mode
+        self.sleep_mode = settings.enable_sleep_mode
         self._asleep = False
         self._draws = np.random.default_rng(seed)
         self.lora = dict(lora) if lora is not None else None

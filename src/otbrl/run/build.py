@@ -9,6 +9,7 @@ accepted into one object, and ``build_run`` composes them in the order a run nee
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -187,35 +188,27 @@ def build_backend(
     v = cfg.rollout.vllm
     if cfg.rollout.mode == "server":
         server = cfg.rollout.server
-        # several data-parallel ranks: each its share of the urls (or servers of its own)
-        urls = list(server.urls)[world.dp_rank :: world.dp_size] if server.urls else []
+        # several data-parallel ranks: each its share of the urls (or servers of its own) and
+        # its own bucket directory
+        shared = server.weights_dir
+        server = dataclasses.replace(
+            server,
+            urls=list(server.urls)[world.dp_rank :: world.dp_size],
+            weights_dir=None if shared is None else f"{shared}/rank-{world.dp_rank}",
+        )
         return ServerRollout(
             model_dir,
-            urls=urls,
-            num_servers=server.num_servers,
-            dtype=v.dtype,
+            server,
+            v,
             max_model_len=context,
-            kv_cache_gib=v.kv_cache_gib,
             seed=step_seed(cfg.trainer.seed, 0, world.dp_rank),
-            served_model_name=server.served_model_name,
-            startup_timeout_s=server.startup_timeout_s,
-            request_timeout_s=server.request_timeout_s,
-            max_restarts=server.max_restarts,
-            weights_dir=None
-            if server.weights_dir is None
-            else f"{server.weights_dir}/rank-{world.dp_rank}",
-            bucket_mb=server.bucket_mb,
             log_dir=Path(cfg.trainer.output_dir) / "servers",
             partial_rollout=cfg.rollout.partial_rollout,
         )
     serve_adapter = bool(cfg.model.lora.rank) and cfg.model.lora.sync == "adapter"
     return VLLMRollout(
         model_dir,
-        dtype=v.dtype,
-        enforce_eager=v.enforce_eager,
-        gpu_memory_utilization=v.gpu_memory_utilization,
-        kv_cache_gib=v.kv_cache_gib,
-        enable_sleep_mode=v.enable_sleep_mode,
+        v,
         max_model_len=context,
         seed=step_seed(cfg.trainer.seed, 0, world.dp_rank),
         lora=adapter_config(model, str(model_dir)) if serve_adapter else None,

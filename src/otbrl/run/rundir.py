@@ -26,7 +26,6 @@ checkpoint choice once the process group exists.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -40,7 +39,13 @@ from typing import Any, TextIO
 import otbrl
 from otbrl.config import Config, ConfigError, to_dict
 from otbrl.store import checkpoint
-from otbrl.store.files import GENERATIONS_FILE, METRICS_FILE, SUMMARY_FILE, atomic_write_text
+from otbrl.store.files import (
+    GENERATIONS_FILE,
+    METRICS_FILE,
+    SUMMARY_FILE,
+    atomic_write_text,
+    lock_file,
+)
 
 MANIFEST = "run.json"
 LOCK = "run.lock"
@@ -212,20 +217,17 @@ def _lock(path: Path) -> int:
     key = "trainer.output_dir"
     lock = path / LOCK
     try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
-    except OSError as err:
-        raise ConfigError(
-            f"'{key}' is not writable: cannot create '{lock}': {err.strerror}", key
-        ) from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fd = lock_file(lock, wait=False)
     except BlockingIOError:
-        holder = _holder(fd)
-        os.close(fd)
+        holder = _holder(lock)
         raise ConfigError(
             f"'{key}' '{path}' is in use by {holder} (lock file '{lock}'): wait for that run "
             "to end, or use another trainer.output_dir",
             key,
+        ) from None
+    except OSError as err:
+        raise ConfigError(
+            f"'{key}' is not writable: cannot create '{lock}': {err.strerror}", key
         ) from None
     info = {"pid": os.getpid(), "host": socket.gethostname(), "since": _now()}
     os.ftruncate(fd, 0)
@@ -234,11 +236,11 @@ def _lock(path: Path) -> int:
     return fd
 
 
-def _holder(fd: int) -> str:
+def _holder(lock: Path) -> str:
     try:
-        info = json.loads(os.pread(fd, 4096, 0).decode())
+        info = json.loads(lock.read_text())
         return f"process {info['pid']} on host {info['host']} (since {info['since']})"
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
         return "another process"
 
 

@@ -14,7 +14,6 @@ pays for it once.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -40,7 +39,7 @@ from otbrl.rollout.agent import Trajectory
 from otbrl.rollout.batch import completions_to_batch, left_pad
 from otbrl.rollout.protocol import Completion
 from otbrl.run.evaluate import evaluate_accuracy
-from otbrl.store.files import apply_umask, atomic_write_text
+from otbrl.store.files import apply_umask, atomic_write_text, lock_file
 from otbrl.tools import resolve_tools
 
 logger = logging.getLogger(__name__)
@@ -354,13 +353,13 @@ def _build_warm_start(tmp: Path, final: Path, settings: dict) -> None:
 
 @contextlib.contextmanager
 def _exclusive(lock_path: Path):
-    """An advisory ``flock`` held for the block; released by the OS if the process dies."""
-    with open(lock_path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    """An advisory ``flock`` held for the block (waiting for it); released by the OS if the
+    process dies."""
+    fd = lock_file(lock_path, wait=True)
+    try:
+        yield
+    finally:
+        os.close(fd)
 
 
 def _remove_stale_temps(cache_dir: Path, name: str) -> None:

@@ -9,6 +9,7 @@ shared storage cannot read the run. No torch here.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import secrets
 from pathlib import Path
@@ -115,3 +116,16 @@ def fsync_tree(root: Path) -> None:
             with open(os.path.join(dirpath, name), "rb") as f:
                 os.fsync(f.fileno())
         fsync_dir(Path(dirpath))
+
+
+def lock_file(path: str | Path, *, wait: bool = True) -> int:
+    """An exclusive advisory ``flock`` on ``path`` (created if missing): the open descriptor,
+    whose closing (or the process's death) releases it. ``wait=False``: ``BlockingIOError``
+    at once when another process holds it; ``OSError`` when the file cannot be created."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
