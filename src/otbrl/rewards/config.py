@@ -1,6 +1,6 @@
 """The reward's settings (``reward.*``): which function scores, how its errors count, the code
-sandbox's limits, DAPO's overlong shaping and a learned reward model. The CLI's schema composes
-``RewardConfig``."""
+sandbox's limits (``otbrl.rewards.sandbox.CodeRewardConfig``, declared by the sandbox), DAPO's
+overlong shaping and a learned reward model. The CLI's schema composes ``RewardConfig``."""
 
 from __future__ import annotations
 
@@ -9,23 +9,9 @@ from pathlib import Path
 
 from otbrl.errors import ConfigError
 from otbrl.rewards.builtin import MATH_BACKENDS
+from otbrl.rewards.sandbox import CodeRewardConfig
 from otbrl.rewards.scoring import ON_ERROR
 from otbrl.settings import refuse_unset, setting
-
-
-@dataclass
-class CodeRewardConfig:
-    """The sandbox model-written code runs in (``codecontests``, ``apps``, ``codeforces``,
-    ``taco`` rows; ``otbrl.rewards.sandbox``): limits of one run of one solution."""
-
-    cpu_s: float = setting(10.0, gt=0)  # CPU seconds
-    wall_s: float = setting(10.0, gt=0)  # seconds per test input (the whole run: one more)
-    memory_mb: int = setting(1024, gt=0)  # address space
-    # at most otbrl.rewards.sandbox.UIDS_PER_PROCESS
-    max_workers: int = setting(4, gt=0, le=64)  # sandboxed runs at once in this process
-    # run model code without namespaces where the OS cannot make them (as this user, with
-    # only a time limit); false: such a run is refused, before any model loads
-    allow_unsandboxed: bool = False
 
 
 @dataclass

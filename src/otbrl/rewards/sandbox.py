@@ -30,6 +30,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from otbrl.settings import setting
+
 HARNESS = Path(__file__).with_name("sandbox_harness.py")
 UNSHARE = ("unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc")
 # One unprivileged uid per concurrent run, so that process limits do not mix: each process
@@ -50,21 +52,32 @@ class SandboxUnavailable(RuntimeError):
     """Model code cannot be sandboxed here, and running it unsandboxed was not allowed."""
 
 
-@dataclass(frozen=True)
-class SandboxConfig:
-    """Limits of one sandboxed run (``reward.code.*``): ``cpu_s`` CPU seconds, ``wall_s``
-    seconds per test input (the whole run: one second more), ``memory_mb`` address space,
-    ``processes`` (threads included), ``file_mb`` per written file, ``tmpfs_mb`` per
-    writable mount; at most ``max_workers`` runs at once in this process."""
+@dataclass
+class CodeRewardConfig:
+    """The sandbox model-written code runs in (``codecontests``, ``apps``, ``codeforces``,
+    ``taco`` rows; ``otbrl.rewards.sandbox``): limits of one run of one solution."""
 
-    cpu_s: float = 10.0
-    wall_s: float = 10.0
-    memory_mb: int = 1024
+    cpu_s: float = setting(10.0, gt=0)  # CPU seconds
+    wall_s: float = setting(10.0, gt=0)  # seconds per test input (the whole run: one more)
+    memory_mb: int = setting(1024, gt=0)  # address space
+    # sandboxed runs at once in this process
+    max_workers: int = setting(4, gt=0, le=UIDS_PER_PROCESS)
+    # run model code without namespaces where the OS cannot make them (as this user, with
+    # only a time limit); false: such a run is refused, before any model loads
+    allow_unsandboxed: bool = False
+
+
+@dataclass
+class SandboxConfig(CodeRewardConfig):
+    """Limits of one sandboxed run: the user's (``reward.code.*``: ``cpu_s`` CPU seconds,
+    ``wall_s`` seconds per test input (the whole run: one second more), ``memory_mb`` address
+    space, at most ``max_workers`` runs at once in this process) and the sandbox's own:
+    ``processes`` (threads included), ``file_mb`` per written file, ``tmpfs_mb`` per writable
+    mount."""
+
     processes: int = 16
     file_mb: int = 16
     tmpfs_mb: int = 64
-    max_workers: int = 4
-    allow_unsandboxed: bool = False
 
 
 @dataclass

@@ -127,13 +127,7 @@ def scoring(
     ``reward.workers`` > 0, start the worker processes (the trainer does; ``close()`` them
     through ``Scoring.pool``)."""
     r = cfg.reward
-    sandbox = SandboxConfig(
-        cpu_s=r.code.cpu_s,
-        wall_s=r.code.wall_s,
-        memory_mb=r.code.memory_mb,
-        max_workers=r.code.max_workers,
-        allow_unsandboxed=r.code.allow_unsandboxed,
-    )
+    sandbox = SandboxConfig(**dataclasses.asdict(r.code))  # the user's limits, its own kept
     workers = None
     if pool and r.workers > 0:
         workers = RewardPool(
