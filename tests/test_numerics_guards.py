@@ -1,6 +1,7 @@
 """Numbers that cannot work are refused before a model loads; weights that go non-finite, or a
 run that only skips its steps, stop the run before anything broken is saved."""
 
+import dataclasses
 import math
 import re
 
@@ -10,12 +11,24 @@ import torch
 from dist_utils import actor_config, ppo_batch, ppo_step, tiny_llama
 from otbrl import cli
 from otbrl.config import Config, ConfigError, load_config
-from otbrl.config.checks import float_values
 from otbrl.engine.engine import Engine, NumericsError
 from otbrl.store.checkpoint import list_checkpoints
 from run_utils import read_metrics, refused
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def float_values(node, prefix=""):
+    """(dotted key, value) of every float in the config tree (the finite check covers them)."""
+    out = []
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            out.extend(float_values(value, f"{prefix}{f.name}."))
+        elif isinstance(value, float):
+            out.append((f"{prefix}{f.name}", value))
+    return out
+
 
 FLOAT_KEYS = [key for key, _ in float_values(Config())]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, Field, field, fields, is_dataclass
 from typing import Any
 
@@ -44,7 +44,7 @@ def setting(
     return field(default=default, default_factory=default_factory, metadata=meta)  # type: ignore[call-overload]
 
 
-def range_text(meta: dict) -> str:
+def range_text(meta: Mapping[str, Any]) -> str:
     """``"> 0"``, ``"in (0, 1]"``, ``">= 1 or null (all rows)"``: the range a field allows."""
     low = ("(", meta["gt"]) if meta.get("gt") is not None else ("[", meta.get("ge"))
     high = (")", meta["lt"]) if meta.get("lt") is not None else ("]", meta.get("le"))
@@ -63,7 +63,7 @@ def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
-def _in_range(value: float, meta: dict) -> bool:
+def _in_range(value: float, meta: Mapping[str, Any]) -> bool:
     return (
         (meta.get("gt") is None or value > meta["gt"])
         and (meta.get("ge") is None or value >= meta["ge"])
@@ -95,7 +95,7 @@ def check_field(f: Field, value: Any, key: str) -> None:
                 hint = f" (did you mean '{close[0]}'?)" if close else ""
                 what = "entries must be in" if many else "must be one of"
                 raise ConfigError(f"'{key}' {what} {list(allowed)}, got '{item}'{hint}", key)
-    text = range_text(dict(meta))
+    text = range_text(meta)
     allowed_null = value is None and meta.get("null")
     if text and not allowed_null and (value is None or not _in_range(value, meta)):
         raise ConfigError(f"'{key}' must be {text}, got {value}", key)

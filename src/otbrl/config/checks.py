@@ -6,9 +6,6 @@ loads."""
 
 from __future__ import annotations
 
-from dataclasses import fields, is_dataclass
-from typing import Any
-
 from otbrl.config.schema import Config, ConfigError
 from otbrl.settings import check_settings, choice_fields, refuse_unset
 
@@ -19,36 +16,16 @@ def choices() -> dict[str, tuple[str, ...]]:
     return choice_fields(Config)
 
 
-def float_values(node: Any, prefix: str = "") -> list[tuple[str, float]]:
-    """(dotted key, value) of every float in the config tree."""
-    out = []
-    for f in fields(node):
-        value = getattr(node, f.name)
-        if is_dataclass(value):
-            out.extend(float_values(value, f"{prefix}{f.name}."))
-        elif isinstance(value, float):
-            out.append((f"{prefix}{f.name}", value))
-    return out
-
-
 def check_config(cfg: Config) -> None:
     """Every field and group (``check_settings``), then the rules across groups; raises
     ``ConfigError`` naming the key."""
     check_settings(cfg)
     _check_staleness(cfg)
     rollout, lora = cfg.rollout, cfg.model.lora
-    if (
-        lora.rank > 0
-        and lora.sync == "adapter"
-        and (rollout.name, rollout.mode)
-        != (
-            "vllm",
-            "colocated",
-        )
-    ):
-        where = (
-            "rollout.mode=server" if rollout.mode == "server" else f"rollout.name={rollout.name}"
-        )
+    in_process_vllm = rollout.name == "vllm" and rollout.mode == "colocated"
+    if lora.rank > 0 and lora.sync == "adapter" and not in_process_vllm:
+        server = rollout.mode == "server"
+        where = "rollout.mode=server" if server else f"rollout.name={rollout.name}"
         raise ConfigError(
             "'model.lora.sync=adapter' is served by the in-process vLLM engine only "
             f"(rollout.name=vllm, rollout.mode=colocated), not with {where}; drop the key "

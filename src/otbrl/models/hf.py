@@ -120,7 +120,8 @@ def load_model_and_tokenizer(
         EOS token when the model ships none); the model's generation config carries that pad id
         and stops at every id in ``eos_token_ids``.
     """
-    tokenizer = load_tokenizer(_model_dir(path, dtype))
+    path = _model_dir(path, dtype)
+    tokenizer = load_tokenizer(path)
     return load_model(path, tokenizer, dtype=dtype, device=device, **model_kwargs), tokenizer
 
 
