@@ -21,6 +21,7 @@ import torch
 
 from otbrl.engine.engine import Engine
 from otbrl.models import load_model_and_tokenizer, random_causal_lm
+from otbrl.models.config import LoraConfig
 from otbrl.models.lora import add_lora
 from otbrl.rollout import SamplingParams, VLLMRollout, completions_to_batch
 from otbrl.run.build import sync_rollout
@@ -54,7 +55,7 @@ def perturb(engine: Engine, seed: int) -> None:
 
 def measure(mode: str, model_dir: Path, args) -> dict:
     model, _ = load_model_and_tokenizer(model_dir)
-    add_lora(model, rank=args.rank, alpha=2.0 * args.rank)
+    add_lora(model, LoraConfig(rank=args.rank, alpha=2.0 * args.rank))
     engine = Engine(model, None, micro_batch_size=16)
     from otbrl.models.lora import adapter_config
 

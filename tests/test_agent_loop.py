@@ -20,6 +20,7 @@ from otbrl.rollout import (
     make_agent,
     tool_metrics,
 )
+from otbrl.rollout.config import MultiTurnConfig
 from otbrl.tools import resolve_tools
 from test_advantages_otb import reference
 
@@ -87,8 +88,9 @@ class ScriptedEngine:
 
 def agent_for(script, tools=("calculator",), **kw):
     engine = ScriptedEngine(script)
-    kw.setdefault("max_turns", 3)
-    return engine, make_agent(engine, TOK, resolve_tools(list(tools)), eos_token_ids=[EOS], **kw)
+    settings = MultiTurnConfig(**{"max_turns": 3, **kw})
+    agent = make_agent(engine, TOK, resolve_tools(list(tools)), settings, eos_token_ids=[EOS])
+    return engine, agent
 
 
 def prompts(*texts):
@@ -226,7 +228,7 @@ def test_error_observations_are_counted_and_the_run_goes_on(tmp_path):
         return "7<eos>"
 
     tools = ["calculator", f"{path}:boom", f"{path}:nap"]
-    _, agent = agent_for(script, tools=tools, timeout_s=0.3)
+    _, agent = agent_for(script, tools=tools, tool_timeout_s=0.3)
     (group,) = agent.generate(prompts("1+1="), params(n=6, max_tokens=200))
     texts = [TOK.decode([t for t, m in zip(r.token_ids, r.mask) if m == 0]) for r in group]
     assert all(r.tool_errors == 1 and r.tool_calls == 1 and r.num_turns == 2 for r in group)

@@ -9,6 +9,7 @@ import threading
 import time
 
 from otbrl.rollout import Completion, SamplingParams, make_agent
+from otbrl.rollout.config import MultiTurnConfig
 from otbrl.tools import resolve_tools
 from test_agent_loop import EOS, TOK, ids
 
@@ -70,8 +71,9 @@ def _rollout(tmp_path, name, per_trajectory, **kw):
     path.write_text(SLEEPY)
     engine = CallingEngine()
     agent = make_agent(
-        engine, TOK, resolve_tools([f"{path}:sleepy"]), eos_token_ids=[EOS], fmt="compact",
-        max_turns=4, timeout_s=10.0, per_trajectory=per_trajectory, **kw,
+        engine, TOK, resolve_tools([f"{path}:sleepy"]),
+        MultiTurnConfig(format="compact", max_turns=4, tool_timeout_s=10.0), eos_token_ids=[EOS],
+        per_trajectory=per_trajectory, **kw,
     )  # fmt: skip
     prompt = [ids("<bos><user>1+2=<assistant>")]
     params = SamplingParams(n=3, max_tokens=200, stop_token_ids=(EOS,), seed=0)

@@ -24,6 +24,7 @@ from otbrl.rollout import (
     make_agent,
     unpad_prompts,
 )
+from otbrl.rollout.config import MultiTurnConfig
 from otbrl.tools import resolve_tools
 from tiny_models import VLLM_SIZE, taught_tool_model
 
@@ -60,8 +61,9 @@ def setup(one_thread, tmp_path_factory):
 
 def agent(s, backend):
     return make_agent(
-        s[backend], s["tok"], s["tools"], eos_token_ids=[s["tok"].eos_token_id],
-        max_turns=3, max_tool_response_tokens=8,
+        s[backend], s["tok"], s["tools"],
+        MultiTurnConfig(max_turns=3, max_tool_response_tokens=8),
+        eos_token_ids=[s["tok"].eos_token_id],
     )  # fmt: skip
 
 

@@ -234,7 +234,7 @@ def test_cells_that_cannot_work_are_one_line_errors(zoo, tmp_path, capsys):
 
     # Gemma-2B's one KV head cannot be split over 2 tensor-parallel ranks
     with pytest.raises(ConfigError, match="num_key_value_heads \\(1") as err:
-        plan("gemma", "actor.engine=tp", "actor.tensor_parallel_size=2", world_size=2)
+        plan("gemma", "actor.strategy=tp", "actor.tensor_parallel_size=2", world_size=2)
     assert err.value.key == "actor.tensor_parallel_size"
     # ... the same model under FSDP2 and Ulysses (its KV head replicated) plans fine
     plan("gemma", world_size=2)
@@ -268,7 +268,7 @@ def test_cells_that_cannot_work_are_one_line_errors(zoo, tmp_path, capsys):
 # -- two processes (torchrun), the default HF rollout -----------------------------------------
 TWO_PROCESSES = [
     (QWEN, "fsdp2", []),
-    (QWEN, "tp", ["actor.engine=tp", "actor.tensor_parallel_size=2"]),
+    (QWEN, "tp", ["actor.strategy=tp", "actor.tensor_parallel_size=2"]),
     (QWEN, "ulysses", ["actor.ulysses_sequence_parallel_size=2", "model.use_remove_padding=true"]),
     (QWEN, "fsdp2+lora", ["model.lora.rank=8", "model.lora.alpha=16"]),
     (QWEN, "fsdp2+reward-model", ["reward.model.path={rm}"]),

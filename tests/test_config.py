@@ -121,7 +121,7 @@ def test_list_shorthand_and_round_trip():
         (["actor.ppo_mini_batch_size=0"], "actor.ppo_mini_batch_size", "divisor"),
         (["critic.enable=maybe"], "critic.enable", "maybe"),
         (["critic.lr=0"], "critic.lr", "> 0"),
-        (["actor.engine=ddp"], "actor.engine", "ddp"),
+        (["actor.strategy=ddp"], "actor.strategy", "ddp"),
         (["trainer.resume=/no/such/ckpt"], "trainer.resume", "/no/such/ckpt"),
         (["reward.function=/no/such.py:fn"], "reward.function", "/no/such.py"),
         (["justakey"], "justakey", "key=value"),
@@ -156,3 +156,28 @@ def test_batch_sizes_that_work_are_accepted():
     assert cfg.actor.ppo_mini_batch_size is None
     load_config(None, ["rollout.n=3", "actor.ppo_mini_batch_size=32", "actor.micro_batch_size=64"])
     assert load_config(None, ["critic.enable=true"]).critic.enable == "true"
+
+
+def test_a_renamed_key_still_loads_under_its_old_name(tmp_path):
+    """``actor.engine`` became ``actor.strategy`` ("engine" names the Engine): the old name
+    loads from the command line, a config file, a saved configuration and a resumed run's
+    manifest, with a FutureWarning naming the new one; both names at once are refused."""
+    from otbrl.config import upgrade_saved
+    from otbrl.run.rundir import config_differences
+
+    with pytest.warns(FutureWarning, match=r"'actor\.engine' is now 'actor\.strategy'"):
+        assert load_config(None, ["actor.engine=fsdp"]).actor.strategy == "fsdp"
+    path = tmp_path / "old.yaml"
+    path.write_text("actor:\n  engine: tp\n  tensor_parallel_size: 2\n")
+    with pytest.warns(FutureWarning, match=r"'actor\.engine' in '.*old\.yaml' is now"):
+        assert load_config(path).actor.strategy == "tp"
+    path.write_text("actor:\n  engine: tp\n  strategy: fsdp\n")
+    with pytest.raises(ConfigError, match=r"'actor\.engine' and 'actor\.strategy' both set"):
+        load_config(path)
+    saved = {"actor": {"engine": "fsdp", "lr": 1e-5}, "model": {"path": "builtin"}}
+    assert load_config(None, base=saved).actor.strategy == "fsdp"
+    assert upgrade_saved(saved)["actor"] == {"strategy": "fsdp", "lr": 1e-5}
+    assert saved["actor"] == {"engine": "fsdp", "lr": 1e-5}  # the caller's dict is kept
+    current = to_dict(load_config(None, ["actor.strategy=fsdp"]))
+    actor = {("engine" if k == "strategy" else k): v for k, v in current["actor"].items()}
+    assert config_differences({**current, "actor": actor}, current) == {}

@@ -42,7 +42,7 @@ OWNERS = {
     "actor.loss_agg_mode": ("otbrl.algos.loss_math", "LOSS_AGG_MODES"),
     "actor.kl_loss_type": ("otbrl.algos.loss_math", "KL_KINDS"),
     "actor.calculate_sum_pi_squared": ("otbrl.settings", "TRISTATE"),
-    "actor.engine": ("otbrl.engine.dims", "ENGINES"),
+    "actor.strategy": ("otbrl.engine.dims", "STRATEGIES"),
     "critic.enable": ("otbrl.settings", "TRISTATE"),
     "algorithm.otb.energy": ("otbrl.algos.otb", "ENERGIES"),
     "reward.on_error": ("otbrl.rewards.scoring", "ON_ERROR"),

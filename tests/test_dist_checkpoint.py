@@ -33,7 +33,7 @@ def _worker(rank, world_size, port, ckpt_root, save, tp=1):
         model,
         actor_config(),
         world=world,
-        parallelism="tp" if tp > 1 else "fsdp",
+        strategy="tp" if tp > 1 else "fsdp",
         mini_batch_size=8,
         seed=0 if save else 5,
     )

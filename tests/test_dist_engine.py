@@ -56,7 +56,7 @@ def _engine_worker(
     rank,
     world_size,
     port,
-    engine,
+    strategy,
     sp,
     tp,
     packed,
@@ -77,7 +77,7 @@ def _engine_worker(
         model,
         actor_config(),
         world=world,
-        parallelism=engine,
+        strategy=strategy,
         mini_batch_size=batch["uid"].numel(),
         packed=packed,
         **(engine_kwargs or {}),
@@ -250,12 +250,13 @@ def test_bf16_mixed_sharded_step_matches_one_process(tmp_path, engine, sp, tp, p
 
 def _lora_worker(rank, world_size, port):
     from otbrl.engine.engine import Engine
+    from otbrl.models.config import LoraConfig
     from otbrl.models.lora import add_lora
 
     world = start_test_world(rank, world_size)
     batch = ppo_batch()
     local = local_batch(batch, world)
-    model = add_lora(tiny_llama(), rank=4, alpha=8.0)
+    model = add_lora(tiny_llama(), LoraConfig(rank=4, alpha=8.0))
     actor = Engine(model, actor_config(lr=5e-2), world=world, mini_batch_size=8)
     reference = actor.without_adapters(micro_batch_size=4)
     for _ in range(2):
@@ -273,12 +274,15 @@ def test_lora_under_fsdp2_matches_one_process(tmp_path):
     """Two FSDP2 ranks train the adapters as one process does; the reference view (adapters
     disabled) gives the base model's log-probs; the merged stream is the one-process one."""
     from otbrl.engine.engine import Engine
+    from otbrl.models.config import LoraConfig
     from otbrl.models.lora import add_lora
 
     results = check_ok(launch(_lora_worker, 2, tmp_path))
     batch = ppo_batch()
     actor = Engine(
-        add_lora(tiny_llama(), rank=4, alpha=8.0), actor_config(lr=5e-2), mini_batch_size=8
+        add_lora(tiny_llama(), LoraConfig(rank=4, alpha=8.0)),
+        actor_config(lr=5e-2),
+        mini_batch_size=8,
     )
     for _ in range(2):
         ppo_step(actor, batch)

@@ -145,21 +145,21 @@ def test_collective_guard_names_the_step():
 @pytest.mark.parametrize(
     ("overrides", "world_size", "key"),
     [
-        (["actor.engine=tp"], 2, "actor.tensor_parallel_size"),
-        (["actor.engine=fsdp", "actor.tensor_parallel_size=2"], 2, "actor.tensor_parallel_size"),
+        (["actor.strategy=tp"], 2, "actor.tensor_parallel_size"),
+        (["actor.strategy=fsdp", "actor.tensor_parallel_size=2"], 2, "actor.tensor_parallel_size"),
         (
             [
-                "actor.engine=tp",
+                "actor.strategy=tp",
                 "actor.tensor_parallel_size=2",
                 "actor.ulysses_sequence_parallel_size=2",
             ],
             4,
             "actor.ulysses_sequence_parallel_size",
         ),
-        (["actor.engine=tp", "actor.tensor_parallel_size=4"], 6, "actor.tensor_parallel_size"),
+        (["actor.strategy=tp", "actor.tensor_parallel_size=4"], 6, "actor.tensor_parallel_size"),
         (
             [
-                "actor.engine=fsdp",
+                "actor.strategy=fsdp",
                 "data.train_batch_size=3",
                 "actor.ppo_mini_batch_size=3",
                 "actor.micro_batch_size=4",
@@ -167,9 +167,9 @@ def test_collective_guard_names_the_step():
             2,
             "data.train_batch_size",
         ),
-        (["actor.engine=single"], 2, "actor.engine"),
+        (["actor.strategy=single"], 2, "actor.strategy"),
         (
-            ["actor.ulysses_sequence_parallel_size=2", "actor.engine=single"],
+            ["actor.ulysses_sequence_parallel_size=2", "actor.strategy=single"],
             1,
             "actor.ulysses_sequence_parallel_size",
         ),
@@ -187,16 +187,16 @@ def test_parallel_config_errors_name_the_key(overrides, world_size, key):
 
 
 def test_parallel_defaults_fit_any_world_size():
-    """engine=auto picks FSDP2 on several processes, one process otherwise; the micro-batch
+    """strategy=auto picks FSDP2 on several processes, one process otherwise; the micro-batch
     size is a cap (8 > each rank's 4 sequences is fine)."""
     from otbrl.config import load_config
     from otbrl.run.plan import plan_run
 
     small = ["data.train_batch_size=4", "rollout.n=2", "actor.micro_batch_size=8"]
-    assert plan_run(load_config(None, small), 2).spec.dims.engine == "fsdp"
-    assert plan_run(load_config(None, small), 1).spec.dims.engine == "single"
+    assert plan_run(load_config(None, small), 2).spec.dims.strategy == "fsdp"
+    assert plan_run(load_config(None, small), 1).spec.dims.strategy == "single"
     tp = plan_run(load_config(None, ["actor.tensor_parallel_size=2"]), 4)
-    assert tp.spec.dims.engine == "tp" and tp.spec.dims.dp == 2 and tp.spec.mini_batch_size == 32
+    assert tp.spec.dims.strategy == "tp" and tp.spec.dims.dp == 2 and tp.spec.mini_batch_size == 32
 
 
 def test_warm_start_comes_before_the_process_group_and_its_timeout_is_configured(

@@ -53,15 +53,15 @@ def test_tp_checkpoint_resumes_under_fsdp_and_on_one_process(tmp_path):
     run = tmp_path / "run"
     common = _common(model, run)
     # the tiny model's vocabulary (19) is odd: TP shards it unevenly (10 + 9)
-    tp_run = ["actor.engine=tp", "actor.tensor_parallel_size=2", "trainer.total_steps=2"]
+    tp_run = ["actor.strategy=tp", "actor.tensor_parallel_size=2", "trainer.total_steps=2"]
     check_ok(launch(_train_worker, 2, tmp_path / "w1", [*common, *tp_run, "trainer.save_every=2"]))
     meta = json.loads((run / "checkpoints" / "step_2" / "checkpoint.json").read_text())
     assert meta["world_size"] == 2
     # resume the TP checkpoint with one FSDP process for one more step
-    resume = ["actor.engine=fsdp", "trainer.total_steps=3", "trainer.save_every=3"]
+    resume = ["actor.strategy=fsdp", "trainer.total_steps=3", "trainer.save_every=3"]
     check_ok(launch(_train_worker, 1, tmp_path / "w2", [*common, *resume]))
     # then on one plain process, no process group at all
-    plain = ["actor.engine=single", "trainer.total_steps=4", "trainer.save_every=4"]
+    plain = ["actor.strategy=single", "trainer.total_steps=4", "trainer.save_every=4"]
     check_ok(launch(_train_worker, 1, tmp_path / "w3", [*common, *plain]))
     steps, lines = _steps(run)
     assert steps == [1, 2, 3, 4]

@@ -13,6 +13,7 @@ from otbrl import cli
 from otbrl.engine.engine import Engine
 from otbrl.engine.layout import Layout, forward_outputs
 from otbrl.models import build_tiny_model, load_model_and_tokenizer
+from otbrl.models.config import LoraConfig
 from otbrl.models.lora import (
     adapter_config,
     adapter_tensors,
@@ -30,7 +31,7 @@ LP = frozenset({"log_probs"})
 
 
 def lora_model(seed=0, rank=4, **kw):
-    return add_lora(tiny_model(seed=seed), rank=rank, alpha=8.0, **kw)
+    return add_lora(tiny_model(seed=seed), LoraConfig(rank=rank, alpha=8.0, **kw))
 
 
 def log_probs(model, batch):
@@ -114,13 +115,13 @@ def test_the_saved_adapter_loads_with_peft(tmp_path):
         got = forward_outputs(peft_model.base_model.model, batch, Layout(), outputs=LP)
     torch.testing.assert_close(got["log_probs"], want, atol=1e-5, rtol=0)
     # and back into otbrl: a fresh LoRA model started from the adapter
-    again = add_lora(tiny_model(), rank=99, alpha=1.0, adapter_path=out)
+    again = add_lora(tiny_model(), LoraConfig(rank=99, alpha=1.0, adapter_path=str(out)))
     torch.testing.assert_close(log_probs(again, batch), want, atol=1e-6, rtol=0)
 
 
 def test_bf16_mixed_lora_keeps_a_bf16_base_and_fp32_adapters():
     model = add_lora(
-        tiny_model().to(torch.bfloat16), rank=4, alpha=8.0, adapter_dtype=torch.float32
+        tiny_model().to(torch.bfloat16), LoraConfig(rank=4, alpha=8.0), adapter_dtype=torch.float32
     )
     engine = Engine(model, actor(lr=5e-2), precision="bf16-mixed")
     engine.update(rl_batch(engine), _loss())
@@ -147,7 +148,7 @@ def model_dirs(tmp_path_factory):
     small = build_tiny_model(root / "small", seed=0, hidden_size=32, intermediate_size=64)
     other = build_tiny_model(root / "other", seed=0, hidden_size=48, intermediate_size=64)
     model, _ = load_model_and_tokenizer(other)
-    add_lora(model, rank=4, alpha=8.0)
+    add_lora(model, LoraConfig(rank=4, alpha=8.0))
     adapter = save_adapter(
         adapter_tensors(model.state_dict().items()), adapter_config(model), root / "adapter"
     )
@@ -159,7 +160,7 @@ def model_dirs(tmp_path_factory):
     [
         (["model.lora.target_modules=[qkv]"], "model.lora.target_modules", "q_proj"),
         (["model.lora.adapter_path={adapter}"], "model.lora.adapter_path", "another base"),
-        (["actor.engine=tp", "actor.tensor_parallel_size=2"], "model.lora.rank", "tensor"),
+        (["actor.strategy=tp", "actor.tensor_parallel_size=2"], "model.lora.rank", "tensor"),
     ],
 )
 def test_bad_lora_settings_are_one_line_before_training(
@@ -171,7 +172,7 @@ def test_bad_lora_settings_are_one_line_before_training(
         raise AssertionError("a model was loaded")
 
     monkeypatch.setattr("otbrl.run.build.load_policy", no_model)
-    monkeypatch.setenv("WORLD_SIZE", "2" if "actor.engine=tp" in extra else "1")
+    monkeypatch.setenv("WORLD_SIZE", "2" if "actor.strategy=tp" in extra else "1")
     argv = [
         "train",
         f"model.path={small}",

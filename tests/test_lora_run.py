@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from otbrl import cli
 from otbrl.engine.layout import Layout, forward_outputs
 from otbrl.models import load_model_and_tokenizer
+from otbrl.models.config import LoraConfig
 from otbrl.models.lora import add_lora
 from run_utils import (
     kill_at_first_checkpoint,
@@ -120,6 +121,6 @@ def test_export_merged_and_adapter_only(runs, tmp_path, capsys):
     )
     torch.testing.assert_close(_log_probs(again.base_model.model), want, atol=1e-6, rtol=0)
     # and otbrl starts a new run from it (model.lora.adapter_path)
-    fresh = add_lora(load_model_and_tokenizer(root / "model")[0], rank=1, alpha=1.0,
-                     adapter_path=tmp_path / "adapter")  # fmt: skip
+    saved = LoraConfig(rank=1, adapter_path=str(tmp_path / "adapter"))  # its own rank and alpha
+    fresh = add_lora(load_model_and_tokenizer(root / "model")[0], saved)
     torch.testing.assert_close(_log_probs(fresh), want, atol=1e-6, rtol=0)

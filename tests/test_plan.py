@@ -17,32 +17,32 @@ from tiny_models import ONE_LAYER
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "engine", "dp"),
+    ("kwargs", "strategy", "dp"),
     [
         ({}, "single", 1),
         ({"world_size": 4}, "fsdp", 4),
         ({"world_size": 4, "sp": 2}, "fsdp", 2),
         ({"world_size": 4, "tp": 2}, "tp", 2),
-        ({"world_size": 1, "engine": "fsdp"}, "fsdp", 1),
+        ({"world_size": 1, "strategy": "fsdp"}, "fsdp", 1),
     ],
 )
-def test_parallel_dims_resolve_the_engine_and_the_data_parallel_size(kwargs, engine, dp):
+def test_parallel_dims_resolve_the_strategy_and_the_data_parallel_size(kwargs, strategy, dp):
     dims = ParallelDims(**kwargs)
-    assert (dims.engine, dims.dp) == (engine, dp)
+    assert (dims.strategy, dims.dp) == (strategy, dp)
     assert dims.mesh_shape() == (dp, dims.sp, dims.tp)
-    assert dims.distributed == (dims.world_size > 1 or engine != "single")
+    assert dims.distributed == (dims.world_size > 1 or strategy != "single")
 
 
 @pytest.mark.parametrize(
     ("kwargs", "key"),
     [
-        ({"world_size": 2, "engine": "single"}, "actor.engine"),
-        ({"engine": "tp"}, "actor.tensor_parallel_size"),
-        ({"world_size": 2, "tp": 2, "engine": "fsdp"}, "actor.tensor_parallel_size"),
+        ({"world_size": 2, "strategy": "single"}, "actor.strategy"),
+        ({"strategy": "tp"}, "actor.tensor_parallel_size"),
+        ({"world_size": 2, "tp": 2, "strategy": "fsdp"}, "actor.tensor_parallel_size"),
         ({"world_size": 4, "tp": 2, "sp": 2}, "actor.ulysses_sequence_parallel_size"),
         ({"world_size": 3, "sp": 2}, "actor.tensor_parallel_size"),
         ({"world_size": 2, "fused": True}, "actor.use_fused_kernels"),
-        ({"engine": "ddp"}, "actor.engine"),
+        ({"strategy": "ddp"}, "actor.strategy"),
         ({"tp": 0}, "actor.tensor_parallel_size"),
     ],
 )

@@ -15,6 +15,7 @@ from transformers import (
 from otbrl.config import ConfigError, load_config
 from otbrl.data import get_task
 from otbrl.models import build_tiny_model
+from otbrl.rewards.config import RewardConfig, RewardModelConfig
 from otbrl.rewards.reward_model import RewardModel, check_reward_model_dir
 from otbrl.rollout import SamplingParams
 from otbrl.run.plan import plan_run
@@ -73,7 +74,8 @@ def test_trained_reward_adds_the_weighted_score(rm_dir):
     answers = [[*digits, tok.eos_token_id], [*digits, *digits, tok.eos_token_id]]
     rm = RewardModel(rm_dir)
     params = SamplingParams(n=2, max_tokens=16, stop_token_ids=(tok.eos_token_id,))
-    scoring = Scoring("exact_match", reward_model=rm, reward_model_weight=0.5)
+    weighted = RewardConfig(model=RewardModelConfig(path=str(rm_dir), weight=0.5))
+    scoring = Scoring("exact_match", weighted, reward_model=rm)
     sample = sample_batch(ScriptedSampler(answers), tok, rows, params, scoring=scoring)
     texts = [tok.decode(a[:-1]) for a in answers]
     learned = rm.score(sample.rows, texts)

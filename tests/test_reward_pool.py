@@ -8,6 +8,7 @@ import pytest
 from otbrl.data import get_task
 from otbrl.models import build_tokenizer
 from otbrl.rewards import RewardError, score_responses
+from otbrl.rewards.config import OverlongBufferConfig, RewardConfig
 from otbrl.rewards.pool import RewardPool
 from otbrl.rollout import SamplingParams
 from otbrl.run.sampling import Scoring, sample_batch
@@ -55,9 +56,13 @@ def user_file(tmp_path_factory):
     return path
 
 
+# zero on errors, 30 s per call, a 2-token overlong buffer
+SHAPED = RewardConfig(on_error="zero", timeout_s=30, overlong_buffer=OverlongBufferConfig(len=2))
+
+
 @pytest.fixture(scope="module")
 def pool():
-    pool = RewardPool(2, on_error="zero", timeout_s=30)
+    pool = RewardPool(RewardConfig(workers=2, on_error="zero", timeout_s=30))
     yield pool
     pool.close()
 
@@ -90,7 +95,8 @@ def test_user_functions_batched_and_errors(user_file):
         responses, rows, function=f"{user_file}:too_few", batched=True, on_error="zero"
     )
     assert zero[0] == [0.0] * 5 and zero[1]["reward/errors"] == 5.0
-    pool = RewardPool(1, function=spec)  # on_error=raise: the worker's error, sample index kept
+    # on_error=raise: the worker's error, sample index kept
+    pool = RewardPool(RewardConfig(workers=1, function=spec))
     try:
         with pytest.raises(RewardError, match=r"'partial' failed on sample 2 .*KeyError"):
             pool.submit(responses, rows).result()
@@ -103,7 +109,7 @@ def test_user_functions_batched_and_errors(user_file):
 
 
 def test_scoring_overlaps_with_the_callers_work(user_file):
-    pool = RewardPool(2, function=f"{user_file}:slow")
+    pool = RewardPool(RewardConfig(workers=2, function=f"{user_file}:slow"))
     try:
         pool.submit(["warm"] * 2, [_row("mine", "x")] * 2).result()  # workers started
         pending = pool.submit(["a"] * 4, [_row("mine", "x")] * 4)  # 2 × 0.3 s per worker
@@ -126,9 +132,9 @@ def test_deferred_sampling_step_equals_the_direct_one(pool):
         tok,
         rows,
         params,
-        scoring=Scoring(on_error="zero", timeout_s=30, overlong_buffer_len=2),
+        scoring=Scoring(settings=SHAPED),
     )
-    pooled = Scoring(on_error="zero", timeout_s=30, pool=pool, overlong_buffer_len=2)
+    pooled = Scoring(settings=SHAPED, pool=pool)
     deferred = sample_batch(ScriptedSampler(answers), tok, rows, params, scoring=pooled, defer=True)
     assert "token_level_scores" not in deferred.batch and deferred.scores == []
     done = deferred.resolve()

@@ -6,6 +6,7 @@ import torch
 from otbrl.config import ConfigError, load_config
 from otbrl.data import get_task
 from otbrl.models import build_tokenizer
+from otbrl.rewards.config import OverlongBufferConfig, RewardConfig
 from otbrl.rewards.shaping import overlong_penalty
 from otbrl.rollout import Completion, SamplingParams
 from otbrl.run.sampling import Scoring, sample_batch
@@ -75,7 +76,8 @@ def test_sampling_step_shapes_the_trained_reward_only():
         [*digits, *zero * 7],
     ]
     params = SamplingParams(n=len(answers), max_tokens=len(digits) + 7, stop_token_ids=(eos,))
-    scoring = Scoring(function="exact_match", overlong_buffer_len=4, overlong_penalty=0.5)
+    shaped = RewardConfig(overlong_buffer=OverlongBufferConfig(len=4, penalty=0.5))
+    scoring = Scoring("exact_match", shaped)
     sample = sample_batch(ScriptedSampler(answers), tok, [row], params, scoring=scoring)
     lengths = [len(a) for a in answers]
     want_penalty = [dapo_length_reward(n, params.max_tokens, 4, 0.5) for n in lengths]

@@ -2,12 +2,14 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
 import otbrl.run.sft as sft
 from hf_sample import generate
+from otbrl.config import ConfigError, SFTConfig
 from otbrl.data import encode_prompts, get_task
 from otbrl.models import build_tiny_model, eos_token_ids, load_model_and_tokenizer
 from otbrl.ops import IGNORE_INDEX
@@ -65,7 +67,8 @@ def test_model_loss_is_response_token_cross_entropy(tiny):
 def test_sft_reduces_the_loss(tiny):
     model, tok = tiny
     rows, demos = _data(256)
-    result = sft.run_sft(model, tok, rows, demos, lr=1e-2, batch_size=16, max_steps=25, seed=0)
+    settings = SFTConfig(lr=1e-2, batch_size=16, max_steps=25)
+    result = sft.run_sft(model, tok, rows, demos, settings, seed=0)
     losses = result["losses"]
     assert result["steps"] == 25 and len(losses) == 25 and result["accuracy"] is None
     assert sum(losses[-5:]) / 5 < 0.75 * sum(losses[:5]) / 5
@@ -75,8 +78,9 @@ def test_sft_stops_at_the_accuracy_target(tiny):
     model, tok = tiny
     rows, demos = _data(32)
     result = sft.run_sft(
-        model, tok, rows, demos, batch_size=8, max_steps=50, target_accuracy=0.0,
-        eval_rows=rows[:8], eval_every=3, max_new_tokens=4,
+        model, tok, rows, demos,
+        SFTConfig(batch_size=8, max_steps=50, target_accuracy=0.0, eval_every=3),
+        eval_rows=rows[:8], max_new_tokens=4,
     )  # fmt: skip
     assert result["reached_target"] and result["steps"] == 3
     assert result["evaluations"] == [[3, result["accuracy"]]]
@@ -86,8 +90,9 @@ def test_trigger_evaluates_between_periodic_evaluations(tiny):
     model, tok = tiny
     rows, demos = _data(32)
     result = sft.run_sft(
-        model, tok, rows, demos, batch_size=8, max_steps=50, target_accuracy=0.0,
-        eval_rows=rows[:8], eval_every=100, trigger_window=2, max_new_tokens=4,
+        model, tok, rows, demos,
+        SFTConfig(batch_size=8, max_steps=50, target_accuracy=0.0, eval_every=100),
+        eval_rows=rows[:8], trigger_window=2, max_new_tokens=4,
     )  # fmt: skip
     assert result["reached_target"] and result["steps"] == 2
     assert len(result["train_accuracies"]) == 2
@@ -97,7 +102,8 @@ def test_teacher_forced_accuracy_equals_greedy_exact_match(tiny):
     model, tok = tiny
     train_rows, train_demos = _data(128, seed=1)
     # A few steps teach the answer format (digits, then EOS), so greedy answers do end.
-    sft.run_sft(model, tok, train_rows, train_demos, lr=1e-2, batch_size=16, max_steps=25)
+    settings = SFTConfig(lr=1e-2, batch_size=16, max_steps=25)
+    sft.run_sft(model, tok, train_rows, train_demos, settings)
     rows, _ = _data(12)
     enc = encode_prompts(rows, tok, max_prompt_length=32)
     out = generate(
@@ -141,15 +147,9 @@ def test_evaluate_accuracy_counts_exact_greedy_answers(tiny):
 
 
 def test_warm_start_is_cached_and_keyed_by_settings(tmp_path, monkeypatch):
-    kwargs = {
-        "size": TWO_LAYERS,
-        "max_steps": 2,
-        "eval_every": 2,
-        "target_accuracy": 1.0,
-        "n_eval": 8,
-        "n_train": 64,
-    }
-    first = sft.ensure_warm_start(tmp_path, seed=0, **kwargs)
+    short = SFTConfig(max_steps=2, eval_every=2, target_accuracy=1.0)
+    kwargs = {"size": TWO_LAYERS, "n_eval": 8, "n_train": 64}
+    first = sft.ensure_warm_start(tmp_path, short, seed=0, **kwargs)
     meta = json.loads((first / sft.WARM_START_FILE).read_text())
     assert meta["result"]["steps"] == 2 and not meta["result"]["reached_target"]
     model, tok = load_model_and_tokenizer(first)
@@ -161,16 +161,18 @@ def test_warm_start_is_cached_and_keyed_by_settings(tmp_path, monkeypatch):
         raise AssertionError("the cached warm start should have been reused")
 
     monkeypatch.setattr(sft, "run_sft", must_not_train)
-    assert sft.ensure_warm_start(tmp_path, seed=0, **kwargs) == first
+    assert sft.ensure_warm_start(tmp_path, short, seed=0, **kwargs) == first
+    # where the cache lives is no setting of the model
+    assert sft.ensure_warm_start(tmp_path, replace(short, cache_dir="elsewhere"), **kwargs) == first
     with pytest.raises(AssertionError, match="reused"):
-        sft.ensure_warm_start(tmp_path, seed=0, **{**kwargs, "lr": 1e-3})
+        sft.ensure_warm_start(tmp_path, replace(short, lr=2e-3), seed=0, **kwargs)
 
 
 def test_concurrent_builders_wait_for_one_warm_start(tmp_path, monkeypatch):
     """A second process asking for the same warm start blocks on the lock, then reuses it."""
     import threading
 
-    settings = {"size": TWO_LAYERS, "max_steps": 2, "n_eval": 8, "n_train": 64}
+    settings = {"size": TWO_LAYERS, "n_eval": 8, "n_train": 64}
     builds = []
     monkeypatch.setattr(sft, "_build_warm_start", lambda *a: builds.append(a))
     final = sft.ensure_warm_start(tmp_path, **settings)  # where the model would go
@@ -206,11 +208,11 @@ def test_bad_arguments(tiny):
     model, tok = tiny
     rows, demos = _data(4)
     with pytest.raises(ValueError, match="demonstrations"):
-        sft.run_sft(model, tok, rows, demos[:3], max_steps=1)
-    with pytest.raises(ValueError, match="eval_rows"):
-        sft.run_sft(model, tok, rows, demos, max_steps=1, target_accuracy=0.5)
-    with pytest.raises(ValueError, match="max_steps"):
-        sft.run_sft(model, tok, rows, demos, max_steps=0)
+        sft.run_sft(model, tok, rows, demos[:3], SFTConfig(max_steps=1))
+    with pytest.raises(ConfigError, match=r"'sft\.max_steps'.*> 0"):
+        sft.run_sft(model, tok, rows, demos, SFTConfig(max_steps=0))
+    with pytest.raises(ConfigError, match=r"'sft\.eval_every'.*> 0"):
+        sft.run_sft(model, tok, rows, demos, SFTConfig(eval_every=0), eval_rows=rows)
     with pytest.raises(ValueError, match="rows"):
         evaluate_accuracy(HFRollout(model, tok), tok, [], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="n=1"):  # one response per row is what it averages

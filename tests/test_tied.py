@@ -38,6 +38,7 @@ def _engine(model, **settings):
 
 
 def test_every_stream_carries_a_tied_parameter_once(zoo_dirs):
+    from otbrl.models.config import LoraConfig
     from otbrl.models.lora import add_lora
 
     model = AutoModelForCausalLM.from_pretrained(zoo_dirs["qwen2.5"])
@@ -46,7 +47,9 @@ def test_every_stream_carries_a_tied_parameter_once(zoo_dirs):
     assert [n for n, _ in stream] == names
     assert len({t.data_ptr() for _, t in stream}) == len(stream)  # no tensor twice
     # a LoRA model's merged stream: the plain model's names, the tied one once
-    lora = add_lora(AutoModelForCausalLM.from_pretrained(zoo_dirs["qwen2.5"]), rank=4, alpha=8)
+    lora = add_lora(
+        AutoModelForCausalLM.from_pretrained(zoo_dirs["qwen2.5"]), LoraConfig(rank=4, alpha=8)
+    )
     merged = [n for n, _ in _engine(lora).full_tensors()]
     assert sorted(merged) == sorted(names)
     # the shared tensor is the embedding, and the loaded copy re-ties from it

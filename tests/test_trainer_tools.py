@@ -208,7 +208,7 @@ def _single_turn_validate(self, logger=None):
             seed=step_seed(cfg.trainer.seed, self.step),
         ),
         batch_size=cfg.trainer.val_batch_size,
-        scoring=Scoring(self.plan.reward_fn, "raise", cfg.reward.timeout_s),
+        scoring=Scoring(self.plan.reward_fn, cfg.reward),
     )  # fmt: skip
     return {"val/accuracy": accuracy}
 

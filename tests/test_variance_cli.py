@@ -86,6 +86,7 @@ def test_probe_samples_through_the_agent_loop(tmp_path):
     """Tool runs: the probe's batches come from the agent loop (holes, the reward on the last
     model token after them), and its TIR-OTB gradient is the autograd one on such a batch."""
     from otbrl.rollout import make_agent
+    from otbrl.rollout.config import MultiTurnConfig
     from otbrl.tools import resolve_tools
     from test_agent_loop import ScriptedEngine, tool_then_answer
 
@@ -94,7 +95,7 @@ def test_probe_samples_through_the_agent_loop(tmp_path):
     tools = resolve_tools(["calculator"])
     agent = make_agent(
         ScriptedEngine(tool_then_answer), tokenizer, tools,
-        eos_token_ids=[tokenizer.eos_token_id], max_turns=3,
+        MultiTurnConfig(max_turns=3), eos_token_ids=[tokenizer.eos_token_id],
     )  # fmt: skip
     probe = GradientProbe(
         model, tokenizer, params=SamplingParams(temperature=1.0, max_tokens=32),

@@ -58,6 +58,7 @@ def taught_tool_model(path: Path, task, *, rows: int, steps: int, **size):
     call format by a short SFT (lr 3e-3, batches of 64, ``steps`` steps) on the demonstrations
     of ``rows`` of ``task``'s training rows; the taught weights are saved back to ``path`` (vLLM
     and the trainer read them there). Returns ``(model, tokenizer)``, the model in eval mode."""
+    from otbrl.config import SFTConfig
     from otbrl.models import build_tiny_model, load_model_and_tokenizer
     from otbrl.run.sft import run_sft
     from otbrl.tools import resolve_tools
@@ -68,7 +69,8 @@ def taught_tool_model(path: Path, task, *, rows: int, steps: int, **size):
     with torch.random.fork_rng(devices=[]):
         run_sft(
             model, tok, train, [task.demonstration(r) for r in train],
-            lr=3e-3, batch_size=64, max_steps=steps, seed=0, tools=resolve_tools(["calculator"]),
+            SFTConfig(lr=3e-3, batch_size=64, max_steps=steps),
+            seed=0, tools=resolve_tools(["calculator"]),
         )  # fmt: skip
     model.eval()
     model.save_pretrained(path)

@@ -5,7 +5,7 @@ groups (``checks``) and the commented listing of every key (``describe``). Impor
 no torch. ``otbrl.run.plan.plan_run`` makes the checks that need more."""
 
 from otbrl.config.checks import check_config
-from otbrl.config.load import load_config
+from otbrl.config.load import load_config, upgrade_saved
 from otbrl.config.schema import (
     ActorConfig,
     AlgorithmConfig,
@@ -44,4 +44,5 @@ __all__ = [
     "check_config",
     "load_config",
     "to_dict",
+    "upgrade_saved",
 ]

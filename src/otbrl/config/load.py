@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import warnings
 from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -25,18 +26,45 @@ REMOVED_KEYS = {
         "bfloat16 -> bf16-true, or bf16-mixed for fp32 master weights)"
     ),
 }
+# keys an earlier version named otherwise -> their name now: the old name still loads (from the
+# command line, a config file or a saved configuration), with a FutureWarning
+RENAMED_KEYS = {
+    # "engine" is the Engine, the trainer's model wrapper; this key picks its parallel layout
+    "actor.engine": "actor.strategy",
+}
 # what a saved configuration of an earlier version (a checkpoint's config.yaml) meant
 _SAVED_DTYPE = {"float32": "32-true", "bfloat16": "bf16-true", "float16": "32-true"}
 
 
-def _upgrade_saved(base: dict) -> dict:
-    """A saved resolved configuration with ``model.dtype`` read as ``model.precision``."""
-    model = base.get("model")
-    if not isinstance(model, dict) or "dtype" not in model:
-        return base
-    model = {k: v for k, v in model.items() if k != "dtype"}
-    model.setdefault("precision", _SAVED_DTYPE.get(base["model"]["dtype"], "32-true"))
-    return {**base, "model": model}
+def upgrade_saved(saved: dict) -> dict:
+    """A saved resolved configuration (a checkpoint's or run directory's) of an earlier version
+    in today's keys: ``model.dtype`` read as ``model.precision``, ``RENAMED_KEYS`` renamed.
+    Returns a new dict; ``saved`` is not changed."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}
+    model = out.get("model")
+    if isinstance(model, dict) and "dtype" in model:
+        dtype = model.pop("dtype")
+        model.setdefault("precision", _SAVED_DTYPE.get(dtype, "32-true"))
+    _rename_keys(out, "the saved configuration", warn=False)
+    return out
+
+
+def _rename_keys(tree, source: str, *, warn: bool = True) -> None:
+    """Move each old key of ``RENAMED_KEYS`` in the nested mapping ``tree`` (a dict or an
+    OmegaConf ``DictConfig``) to its new name, in place; both names set is a ``ConfigError``."""
+    for old, new in RENAMED_KEYS.items():
+        *groups, leaf = old.split(".")
+        node = tree
+        for group in groups:
+            node = node.get(group) if hasattr(node, "get") else None
+        if not hasattr(node, "pop") or leaf not in node:
+            continue
+        new_leaf = new.rpartition(".")[2]
+        if new_leaf in node:
+            raise ConfigError(f"'{old}' and '{new}' both set in {source}: keep '{new}'", new)
+        node[new_leaf] = node.pop(leaf)
+        if warn:
+            warnings.warn(f"'{old}' in {source} is now '{new}'", FutureWarning, stacklevel=4)
 
 
 def _did_you_mean(key: str) -> str:
@@ -101,7 +129,7 @@ def load_config(
     user = _user_layers(config_file, overrides or [])
     cfg = OmegaConf.structured(Config)
     if base is not None:
-        cfg = _merge(cfg, OmegaConf.create(_upgrade_saved(base)), "the saved configuration")
+        cfg = _merge(cfg, OmegaConf.create(upgrade_saved(base)), "the saved configuration")
     else:
         probe = cfg
         for layer, source, key in user:
@@ -136,11 +164,18 @@ def _user_layers(config_file: str | Path | None, overrides: list[str]) -> list:
             raise ConfigError(f"cannot parse config file '{path}': {first}", "--config") from None
         if not isinstance(loaded, DictConfig):
             raise ConfigError(f"config file '{path}' must hold a mapping of groups", "--config")
+        _rename_keys(loaded, f"'{path}'")
         layers.append((loaded, f"'{path}'", ""))
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override '{item}' is not of the form key=value", item)
         key, value = (part.strip() for part in item.split("=", 1))
+        if key in RENAMED_KEYS:
+            warnings.warn(
+                f"'{key}' is now '{RENAMED_KEYS[key]}' (override '{item}')", FutureWarning, 3
+            )
+            key = RENAMED_KEYS[key]
+            item = f"{key}={value}"
         if key in _LIST_KEYS and not value.startswith("["):
             item = f"{key}=[{value}]"  # CLI shorthand: data.train_files=a.parquet
         try:

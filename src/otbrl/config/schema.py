@@ -125,17 +125,20 @@ class TrainerConfig:
 
 @dataclass
 class SFTConfig:
+    """The built-in model's supervised warm start (``otbrl.run.sft.run_sft``): AdamW at a
+    constant learning rate, stopped at a greedy validation accuracy."""
+
     # the built-in model's warm start: learning rate (3e-3 sat on the edge of stability:
     # seeds that never learned on AMD EPYC hosts; 1e-3 reached 0.3 in 370-870 steps, 3 seeds)
     lr: float = setting(1e-3, gt=0)
     # warm start: demonstrations per step
     batch_size: int = setting(64, gt=0)
     # warm start: the most steps
-    max_steps: int = setting(2000, ge=0)
+    max_steps: int = setting(2000, gt=0)
     # warm start: stop at this greedy validation accuracy
     target_accuracy: float = setting(0.3, ge=0, le=1)
     # warm start: steps between accuracy checks
-    eval_every: int = setting(25, ge=0)
+    eval_every: int = setting(25, gt=0)
     # warm-started models are cached here, keyed by their settings
     cache_dir: str = ".cache/otbrl"
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from otbrl.algos.config import KL_KINDS, LOSS_AGG_MODES
-from otbrl.engine.dims import ENGINES
+from otbrl.engine.dims import STRATEGIES
 from otbrl.engine.optim import OptimConfig
 from otbrl.models.config import LoraConfig
 from otbrl.settings import TRISTATE, setting
@@ -56,9 +56,10 @@ class ActorConfig(OptimConfig):
     use_fused_kernels: bool = False
     # "auto" | "true" | "false" (YAML booleans accepted)
     calculate_sum_pi_squared: str = setting("auto", choices=TRISTATE)
-    # "auto": one process, or FSDP2 when torchrun starts several; "single" | "fsdp" | "tp"
-    engine: str = setting("auto", choices=ENGINES)
-    # engine=tp: ranks sharing one model's heads and vocabulary
+    # how the engine is laid out over processes (formerly actor.engine): "auto": one process,
+    # or FSDP2 when torchrun starts several; "single" | "fsdp" | "tp"
+    strategy: str = setting("auto", choices=STRATEGIES)
+    # strategy=tp: ranks sharing one model's heads and vocabulary
     tensor_parallel_size: int = setting(1, gt=0)
     # ranks splitting each packed sequence
     ulysses_sequence_parallel_size: int = setting(1, gt=0)

@@ -2,7 +2,7 @@
 
 ``ParallelDims`` is built once, from the ``actor`` settings and the number of processes, before
 any model loads; it validates itself and is asked every layout question afterwards — which
-engine (one process, FSDP2, tensor parallel), the data-parallel size, whether a process group is
+strategy (one process, FSDP2, tensor parallel), the data-parallel size, whether a process group is
 needed, how a batch splits over ranks, the device mesh. A new parallel mode is a field here, a
 check in ``__post_init__`` and a branch in ``engine.parallel.parallelize``.
 """
@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 from otbrl.errors import ConfigError
 
-ENGINES = ("auto", "single", "fsdp", "tp")
+STRATEGIES = ("auto", "single", "fsdp", "tp")
 # field -> the config key that sets it (errors name the key a user can change)
 KEYS = {
-    "engine": "actor.engine",
+    "strategy": "actor.strategy",
     "tp": "actor.tensor_parallel_size",
     "sp": "actor.ulysses_sequence_parallel_size",
     "fused": "actor.use_fused_kernels",
@@ -27,7 +27,7 @@ KEYS = {
 class ParallelDims:
     """How the job's ``world_size`` processes split the work.
 
-    ``engine`` is asked as ``auto | single | fsdp | tp`` and resolved on construction (``auto``:
+    ``strategy`` is asked as ``auto | single | fsdp | tp`` and resolved on construction (``auto``:
     ``tp`` when ``tp > 1``, FSDP2 when there are several processes or ``sp > 1``, else one
     process). ``tp``: tensor-parallel degree; ``sp``: Ulysses sequence-parallel degree; the rest
     is data parallel (``dp = world_size / (tp · sp)``). ``fused``: the fused lm_head statistics
@@ -37,7 +37,7 @@ class ParallelDims:
     world_size: int = 1
     tp: int = 1
     sp: int = 1
-    engine: str = "auto"
+    strategy: str = "auto"
     fused: bool = False
 
     def __post_init__(self) -> None:
@@ -46,40 +46,41 @@ class ParallelDims:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 key = KEYS.get(name, name)
                 raise ConfigError(f"'{key}' must be an int >= 1, got {value!r}", key)
-        if self.engine not in ENGINES:
+        if self.strategy not in STRATEGIES:
             raise ConfigError(
-                f"'actor.engine' must be one of {list(ENGINES)}, got {self.engine!r}",
-                "actor.engine",
+                f"'actor.strategy' must be one of {list(STRATEGIES)}, got {self.strategy!r}",
+                "actor.strategy",
             )
-        object.__setattr__(self, "engine", self._resolve())
+        object.__setattr__(self, "strategy", self._resolve())
         self._check()
 
     def _resolve(self) -> str:
-        if self.engine != "auto":
-            return self.engine
+        if self.strategy != "auto":
+            return self.strategy
         if self.tp > 1:
             return "tp"
         return "fsdp" if self.world_size > 1 or self.sp > 1 else "single"
 
     def _check(self) -> None:
-        tp, sp, world, engine = self.tp, self.sp, self.world_size, self.engine
-        if engine == "single" and world > 1:
+        tp, sp, world, strategy = self.tp, self.sp, self.world_size, self.strategy
+        if strategy == "single" and world > 1:
             raise ConfigError(
-                f"'actor.engine' is 'single' but torchrun started {world} processes; use "
-                "actor.engine=auto (FSDP2), fsdp or tp",
-                "actor.engine",
+                f"'actor.strategy' is 'single' but torchrun started {world} processes; use "
+                "actor.strategy=auto (FSDP2), fsdp or tp",
+                "actor.strategy",
             )
-        if engine == "tp" and tp < 2:
+        if strategy == "tp" and tp < 2:
             raise ConfigError(
-                "'actor.tensor_parallel_size' must be > 1 with actor.engine=tp", KEYS["tp"]
+                "'actor.tensor_parallel_size' must be > 1 with actor.strategy=tp", KEYS["tp"]
             )
-        if engine != "tp" and tp > 1:
+        if strategy != "tp" and tp > 1:
             raise ConfigError(
-                "'actor.tensor_parallel_size' > 1 needs actor.engine=tp (or auto)", KEYS["tp"]
+                "'actor.tensor_parallel_size' > 1 needs actor.strategy=tp (or auto)", KEYS["tp"]
             )
-        if engine == "single" and sp > 1:
+        if strategy == "single" and sp > 1:
             raise ConfigError(
-                "'actor.ulysses_sequence_parallel_size' > 1 needs a sharded engine (auto or fsdp)",
+                "'actor.ulysses_sequence_parallel_size' > 1 needs a sharded strategy "
+                "(auto or fsdp)",
                 KEYS["sp"],
             )
         if tp > 1 and sp > 1:
@@ -94,9 +95,9 @@ class ParallelDims:
                 f"({tp * sp}) must divide the number of processes ({world})",
                 KEYS["tp"],
             )
-        if engine != "single" and self.fused:
+        if strategy != "single" and self.fused:
             raise ConfigError(
-                "'actor.use_fused_kernels' is supported by the single-process engine only",
+                "'actor.use_fused_kernels' is supported by the single-process strategy only",
                 KEYS["fused"],
             )
 
@@ -107,8 +108,8 @@ class ParallelDims:
 
     @property
     def distributed(self) -> bool:
-        """A process group is needed: several processes, or a sharded engine asked for."""
-        return self.world_size > 1 or self.engine != "single"
+        """A process group is needed: several processes, or a sharded strategy asked for."""
+        return self.world_size > 1 or self.strategy != "single"
 
     def check_divisible(self, key: str, prompts: int) -> None:
         """``prompts`` (the value of config ``key``) split evenly over the data-parallel ranks:

@@ -53,7 +53,8 @@ class Engine:
             ``micro_batch_size``).
         world: where this process sits (``World()``: one process).
         name: metric prefix of ``update`` (``policy``, ``critic``).
-        parallelism: ``"fsdp"`` or ``"tp"`` on a multi-process world (ignored without a mesh).
+        strategy: ``"fsdp"`` or ``"tp"`` on a multi-process world (``actor.strategy`` resolved;
+            ignored without a mesh).
         packed: remove padding ([1, nnz] forward); implied by Ulysses.
         fused: fused lm_head statistics (the [N, V] logits never exist); one process only.
         value: the model has a value head (outputs ``values``) instead of an lm_head.
@@ -77,7 +78,7 @@ class Engine:
         *,
         world: World | None = None,
         name: str = "policy",
-        parallelism: str = "fsdp",
+        strategy: str = "fsdp",
         packed: bool = False,
         fused: bool = False,
         value: bool = False,
@@ -141,9 +142,9 @@ class Engine:
                 # path bypasses (it calls the decoder, then the head weight directly).
                 raise ValueError("fused: the fused lm_head is not supported on several processes")
             parallel.parallelize(
-                model, mesh, engine=parallelism, mp_policy=self.precision.fsdp_policy()
+                model, mesh, strategy=strategy, mp_policy=self.precision.fsdp_policy()
             )
-            self._autocast = not parallel.uses_fsdp(mesh, parallelism)
+            self._autocast = not parallel.uses_fsdp(mesh, strategy)
             if mesh["sp"].size() > 1:
                 sp_group, packed = mesh["sp"].get_group(), True
             if mesh["tp"].size() > 1 and not value:

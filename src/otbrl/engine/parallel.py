@@ -3,7 +3,7 @@
     mesh = build_mesh(dp=2, tp=2, device_type="cpu")
     apply_tp(model, mesh["tp"])                      # DTensor TP, logits left vocab-sharded
     apply_fsdp(model, fsdp_mesh(mesh), get_precision("bf16-mixed").fsdp_policy())  # per block
-    parallelize(model, mesh, engine="tp")            # the two above (and Ulysses) in order
+    parallelize(model, mesh, strategy="tp")            # the two above (and Ulysses) in order
 
 The order is fixed: tensor parallel first (it rewrites parameters into DTensors on the "tp"
 dimension), then FSDP2 (it shards those along the data dimensions). Ulysses sequence
@@ -233,33 +233,33 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> torch
     return total
 
 
-ENGINES = ("fsdp", "tp")
+SHARDED = ("fsdp", "tp")
 
 
-def uses_fsdp(mesh: DeviceMesh, engine: str) -> bool:
-    """Whether ``parallelize(model, mesh, engine=engine)`` wraps the model in FSDP2."""
-    return engine == "fsdp" or mesh["dp"].size() > 1
+def uses_fsdp(mesh: DeviceMesh, strategy: str) -> bool:
+    """Whether ``parallelize(model, mesh, strategy=strategy)`` wraps the model in FSDP2."""
+    return strategy == "fsdp" or mesh["dp"].size() > 1
 
 
 def parallelize(
     model: nn.Module,
     mesh: DeviceMesh,
     *,
-    engine: str,
+    strategy: str,
     mp_policy: MixedPrecisionPolicy | None = None,
 ) -> nn.Module:
-    """Apply the parallel layout of `engine` to `model` in place (TP, then Ulysses, then FSDP2).
+    """Apply the parallel layout of `strategy` to `model` in place (TP, then Ulysses, then FSDP2).
 
-    engine "tp" needs mesh["tp"] > 1 and wraps FSDP2 around it only when dp > 1; engine
+    strategy "tp" needs mesh["tp"] > 1 and wraps FSDP2 around it only when dp > 1; strategy
     "fsdp" always shards parameters over dp × sp. ``mp_policy``: FSDP2's mixed precision
     (``Precision.fsdp_policy()``; None: compute in the parameters' dtype).
     """
-    if engine not in ENGINES:
-        raise ValueError(f"engine: expected one of {ENGINES}, got {engine!r}")
+    if strategy not in SHARDED:
+        raise ValueError(f"strategy: expected one of {SHARDED}, got {strategy!r}")
     if mesh["tp"].size() > 1:
         apply_tp(model, mesh["tp"])
     if mesh["sp"].size() > 1:
         ulysses.apply_ulysses(model, mesh["sp"].get_group())
-    if uses_fsdp(mesh, engine):
+    if uses_fsdp(mesh, strategy):
         apply_fsdp(model, fsdp_mesh(mesh), mp_policy)
     return model

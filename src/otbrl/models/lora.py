@@ -24,7 +24,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from otbrl.models.config import ADAPTER_CONFIG
+from otbrl.errors import ConfigError
+from otbrl.models.config import ADAPTER_CONFIG, LoraConfig
+from otbrl.settings import check_settings
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _ADAPTER = "default"  # peft's adapter name; one adapter per model here
@@ -46,40 +48,43 @@ def linear_module_names(model: nn.Module) -> list[str]:
 
 def add_lora(
     model: nn.Module,
+    settings: LoraConfig,
     *,
-    rank: int,
-    alpha: float,
-    dropout: float = 0.0,
-    target_modules: str | list[str] = "all-linear",
-    adapter_path: str | Path | None = None,
     adapter_dtype: torch.dtype = torch.float32,
     seed: int = 0,
 ) -> nn.Module:
     """Inject LoRA adapters into ``model`` in place and return it; only they require grad.
 
     Args:
-        rank, alpha, dropout: the adapter's r, scale numerator (output scaled by alpha / r)
-            and input dropout.
-        target_modules: ``"all-linear"`` or leaf module names (``linear_module_names``).
-        adapter_path: a PEFT adapter directory to start from; its own rank, alpha and targets
-            are used (``rank`` / ``alpha`` / ``target_modules`` are then ignored).
+        settings: ``model.lora``: the adapter's ``rank`` r (> 0), ``alpha`` (the output is
+            scaled by alpha / r), input ``dropout``, ``target_modules`` (``"all-linear"`` or
+            leaf module names, see ``linear_module_names``) and ``adapter_path``, a PEFT
+            adapter directory to start from, whose own rank, alpha, dropout and targets are
+            used (the settings' are then ignored). ``sync`` is the rollout's concern.
         adapter_dtype: dtype of the adapter weights (float32: the trained master copy, also
             over a bf16 frozen base).
         seed: seeds the adapters' initialisation (the global RNG is left untouched), so every
             rank of a sharded run starts from the same adapters.
 
-    Raises ``ValueError`` naming ``target_modules`` (with the model's linear module names)
+    Raises ``ConfigError`` naming the key when a setting is out of its declared range or the
+    rank is 0, ``ValueError`` naming ``target_modules`` (with the model's linear module names)
     when it matches nothing, or ``adapter_path`` when its tensors do not fit the model.
     """
-    from peft import LoraConfig, inject_adapter_in_model
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import inject_adapter_in_model
 
+    check_settings(settings, "model.lora.")
+    if settings.rank == 0:
+        raise ConfigError("'model.lora.rank': expected > 0 for adapters, got 0", "model.lora.rank")
+    rank, alpha, dropout = settings.rank, settings.alpha, settings.dropout
+    target_modules, adapter_path = settings.target_modules, settings.adapter_path
     if adapter_path is not None:
         saved = json.loads((Path(adapter_path) / ADAPTER_CONFIG).read_text())
         rank, alpha = int(saved["r"]), float(saved["lora_alpha"])
         target_modules = saved["target_modules"]
         dropout = float(saved.get("lora_dropout", dropout))
     targets = target_modules if isinstance(target_modules, str) else sorted(target_modules)
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets)
+    config = PeftLoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets)
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -201,13 +206,13 @@ def model_names(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
 
 def adapter_config(model: nn.Module, base_model: str = "") -> dict:
     """PEFT's ``adapter_config.json`` content for a model ``add_lora`` changed."""
-    from peft import LoraConfig
+    from peft import LoraConfig as PeftLoraConfig
 
     s = lora_settings(model)
     if s is None:
         raise ValueError("model: it has no LoRA adapters (add_lora)")
     targets = s["targets"] if isinstance(s["targets"], str) else sorted(s["targets"])
-    config = LoraConfig(
+    config = PeftLoraConfig(
         r=s["rank"],
         lora_alpha=s["alpha"],
         lora_dropout=s["dropout"],

@@ -116,27 +116,19 @@ def _run_overrides(name, n, seed, *, start_path, prompts, updates_per_step, step
     ]
 
 
-def _flatten(tree, prefix=""):
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    out = {}
-    for key, value in tree.items():
-        out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
-    return out
-
-
 def _finished(run: _Run) -> bool:
     """True when ``run`` already finished with exactly the planned configuration; a finished
     run whose saved ``config.yaml`` differs is a ``ValueError`` naming the first difference
     (reusing it would mix settings in one table)."""
     import yaml
 
-    from otbrl.config import to_dict
+    from otbrl.config import to_dict, upgrade_saved
+    from otbrl.run.rundir import flat_config
 
     if not (run.run_dir / "summary.json").is_file():
         return False
-    saved = _flatten(yaml.safe_load((run.run_dir / "config.yaml").read_text()))
-    planned = _flatten(to_dict(run.cfg))
+    saved = flat_config(upgrade_saved(yaml.safe_load((run.run_dir / "config.yaml").read_text())))
+    planned = flat_config(to_dict(run.cfg))
     for key in sorted(set(saved) | set(planned)):
         if saved.get(key) != planned.get(key):
             raise ValueError(

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -97,8 +96,10 @@ class GradientProbe:
     ``options``: the configured estimator options (``RunSpec.estimator_options``), each spec's
     own options override them. ``loss_fn``: the configured policy loss
     (``otbrl.run.build.policy_loss(cfg, regularizers=False)``, the trainer's own construction
-    without the entropy and KL terms). ``method``: ``"loop"`` (one backward per estimator, graph
-    retained) or ``"batched"`` (one batched vector-Jacobian product, ``is_grads_batched``).
+    without the entropy and KL terms). ``scoring``: how responses are scored
+    (``otbrl.run.build.scoring``: the trainer's; default ``Scoring()``). ``method``:
+    ``"loop"`` (one backward per estimator, graph retained) or ``"batched"`` (one batched
+    vector-Jacobian product, ``is_grads_batched``).
     ``sampler``: what batches are sampled with (default: ``HFRollout(model, tokenizer)``); the
     agent loop over a backend of ``model`` for multi-turn tool runs, as the trainer samples.
     """
@@ -111,8 +112,7 @@ class GradientProbe:
         params: SamplingParams,
         options: dict,
         loss_fn: Loss,
-        reward_fn: Callable | None = None,
-        on_error: str = "raise",
+        scoring: Scoring | None = None,
         method: str = "loop",
         sampler=None,
     ):
@@ -127,7 +127,7 @@ class GradientProbe:
         )
         self.temperature = params.temperature  # the log-probs' temperature, as the trainer's
         self.options, self.loss_fn = options, loss_fn
-        self.reward_fn, self.on_error, self.method = reward_fn, on_error, method
+        self.scoring, self.method = scoring or Scoring(), method
         self.sampler = sampler if sampler is not None else HFRollout(model, tokenizer)
 
     def sample(self, rows: list[dict], n: int, seed: int) -> dict:
@@ -135,8 +135,7 @@ class GradientProbe:
         (``otbrl.run.sampling.sample_batch``), scored: the batch the trainer would train on,
         ``rollout_log_probs`` included, with ``token_level_rewards`` = the placed scores."""
         params = dataclasses.replace(self.sampling, n=n, seed=seed)
-        scoring = Scoring(self.reward_fn, self.on_error)
-        batch = sample_batch(self.sampler, self.tokenizer, rows, params, scoring=scoring).batch
+        batch = sample_batch(self.sampler, self.tokenizer, rows, params, scoring=self.scoring).batch
         batch["token_level_rewards"] = batch["token_level_scores"]
         return batch
 

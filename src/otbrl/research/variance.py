@@ -22,7 +22,7 @@ from otbrl.models import eos_token_ids
 from otbrl.research.gradient_probe import EstimatorSpec, GradientProbe, parse_estimators
 from otbrl.research.gradient_variance import GradientVarianceAccumulator, variance_summary
 from otbrl.rollout import HFRollout
-from otbrl.run.build import build_sampler, load_policy, model_path, policy_loss
+from otbrl.run.build import build_sampler, load_policy, model_path, policy_loss, scoring
 from otbrl.run.seeds import seed_everything, step_seed
 from otbrl.store.files import atomic_write_text
 from otbrl.store.plain import json_safe
@@ -322,8 +322,7 @@ def run_variance(
         params=spec.sampling,
         options=dict(spec.estimator_options),
         loss_fn=policy_loss(cfg, regularizers=False),
-        reward_fn=plan.reward_fn,
-        on_error=cfg.reward.on_error,
+        scoring=scoring(cfg, plan),  # the trainer's (no pool: one process)
         method=method,
         sampler=sampler,
     )

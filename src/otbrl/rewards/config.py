@@ -4,12 +4,13 @@ overlong shaping and a learned reward model. The CLI's schema composes ``RewardC
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from otbrl.errors import ConfigError
 from otbrl.rewards.builtin import MATH_BACKENDS
-from otbrl.rewards.sandbox import CodeRewardConfig
+from otbrl.rewards.sandbox import CodeRewardConfig, SandboxConfig
 from otbrl.rewards.scoring import ON_ERROR
 from otbrl.settings import refuse_unset, setting
 
@@ -81,3 +82,16 @@ class RewardConfig:
             file = self.function.rsplit(":", 1)[0]
             if not Path(file).is_file():
                 raise ConfigError(f"'{at}function' file not found: '{file}'", f"{at}function")
+
+    def scoring_options(self) -> dict[str, Any]:
+        """The keywords of ``otbrl.rewards.score_responses`` / ``score_each`` these settings
+        give: ``function`` (the spec string), ``on_error``, ``timeout_s``, ``math_backend``,
+        ``batched`` and the ``sandbox`` (the user's limits, the sandbox's own kept)."""
+        return {
+            "function": self.function,
+            "on_error": self.on_error,
+            "timeout_s": self.timeout_s,
+            "math_backend": self.math_backend,
+            "sandbox": SandboxConfig(**asdict(self.code)),
+            "batched": self.batched,
+        }

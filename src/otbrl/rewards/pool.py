@@ -1,7 +1,7 @@
 """Scoring in worker processes, so that slow verifiers (sympy, code in the sandbox, a user's
 remote call) run while the trainer computes the policy's statistics.
 
-``RewardPool(workers, ...).submit(responses, rows)`` splits the batch into one contiguous
+``RewardPool(settings).submit(responses, rows)`` splits the batch into one contiguous
 chunk per worker and returns at once; ``Pending.result()`` waits and gives what
 ``score_responses`` would have given in this process. Workers are spawned (not forked: the
 trainer holds threads and, on a GPU, a CUDA context), start once per run and load a user's
@@ -16,8 +16,10 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 
-from otbrl.rewards.sandbox import SandboxConfig
+from otbrl.errors import ConfigError
+from otbrl.rewards.config import RewardConfig
 from otbrl.rewards.scoring import score_each, summarize
+from otbrl.settings import check_settings
 
 
 class Pending:
@@ -41,38 +43,22 @@ class Pending:
 
 
 class RewardPool:
-    """``workers`` spawned processes scoring with the run's settings (``score_responses``'s
-    keywords; ``function``: None or a spec string)."""
+    """``settings.workers`` spawned processes scoring with the run's reward settings
+    (``RewardConfig.scoring_options``: ``function`` travels as its spec string). Raises
+    ``ConfigError`` naming the key when a setting is out of its declared range or
+    ``reward.workers`` is 0."""
 
-    def __init__(
-        self,
-        workers: int,
-        *,
-        function: str | None = None,
-        on_error: str = "raise",
-        timeout_s: float | None = None,
-        math_backend: str = "verl",
-        sandbox: SandboxConfig | None = None,
-        batched: bool = False,
-    ):
-        if not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"workers: expected an int >= 1, got {workers!r}")
-        if function is not None and not isinstance(function, str):
-            raise TypeError(
-                f"function: a pool takes the reward's spec (a name or 'file.py:fn'), got "
-                f"{type(function).__name__}"
+    def __init__(self, settings: RewardConfig):
+        check_settings(settings, "reward.")
+        if settings.workers < 1:
+            raise ConfigError(
+                f"'reward.workers': a pool needs at least one worker, got {settings.workers}",
+                "reward.workers",
             )
-        self.workers = workers
-        self.options = {
-            "function": function,
-            "on_error": on_error,
-            "timeout_s": timeout_s,
-            "math_backend": math_backend,
-            "sandbox": sandbox,
-            "batched": batched,
-        }
+        self.workers = settings.workers
+        self.options = settings.scoring_options()
         context = multiprocessing.get_context("spawn")
-        self._executor = ProcessPoolExecutor(max_workers=workers, mp_context=context)
+        self._executor = ProcessPoolExecutor(max_workers=self.workers, mp_context=context)
 
     def submit(self, responses: Sequence[str], rows: Sequence[dict]) -> Pending:
         """Start scoring; returns at once."""

@@ -29,7 +29,9 @@ from dataclasses import dataclass, field, replace
 from torch import Tensor
 
 from otbrl.algos.otb import rows_with_holes
+from otbrl.rollout.config import MultiTurnConfig
 from otbrl.rollout.protocol import Completion, SamplingParams
+from otbrl.settings import check_settings
 from otbrl.tools import tools_for_row
 from otbrl.tools.executor import ToolExecutor
 from otbrl.tools.formats import ChatTurns, get_format
@@ -314,27 +316,31 @@ def make_agent(
     backend,
     tokenizer,
     tools,
+    settings: MultiTurnConfig | None = None,
     *,
     eos_token_ids: Sequence[int],
-    fmt: str = "auto",
-    max_turns: int = 4,
-    max_tool_response_tokens: int = 64,
-    timeout_s: float = 5.0,
     model: str = "",
     per_trajectory: bool = False,
     max_concurrent_trajectories: int = 64,
 ) -> AgentLoop:
     """An ``AgentLoop`` over ``backend`` with ``tools`` (``{name: Tool}``, see
-    ``otbrl.tools.resolve_tools``) in format ``fmt`` (``auto``/``hermes``/``compact``);
-    ``per_trajectory`` / ``max_concurrent_trajectories`` as in :class:`AgentLoop`.
-    Raises ``ValueError`` naming ``model`` when its chat template cannot carry tool turns."""
-    turns = ChatTurns(tokenizer, get_format(fmt, tools, tokenizer), eos_token_ids, model=model)
+    ``otbrl.tools.resolve_tools``) and the loop's ``settings`` (``rollout.multi_turn``: format
+    ``auto``/``hermes``/``compact``, model turns, observation cap, tool timeout; default
+    ``MultiTurnConfig()``); ``per_trajectory`` / ``max_concurrent_trajectories`` as in
+    :class:`AgentLoop`. Raises ``ConfigError`` naming the key when a setting is out of its
+    declared range, ``ValueError`` naming ``model`` when its chat template cannot carry tool
+    turns."""
+    settings = settings or MultiTurnConfig()
+    # the tools given are the ones in use, whatever names the settings list
+    check_settings(replace(settings, tools=sorted(tools)), "rollout.multi_turn.")
+    fmt = get_format(settings.format, tools, tokenizer)
+    turns = ChatTurns(tokenizer, fmt, eos_token_ids, model=model)
     return AgentLoop(
         backend,
         turns,
-        ToolExecutor(tools, timeout_s=timeout_s),
-        max_turns=max_turns,
-        max_tool_response_tokens=max_tool_response_tokens,
+        ToolExecutor(tools, timeout_s=settings.tool_timeout_s),
+        max_turns=settings.max_turns,
+        max_tool_response_tokens=settings.max_tool_response_tokens,
         per_trajectory=per_trajectory,
         max_concurrent_trajectories=max_concurrent_trajectories,
     )

@@ -28,7 +28,6 @@ from otbrl.models import (
     resolve_model_dir,
 )
 from otbrl.models.lora import adapter_config, add_lora, unload_lora
-from otbrl.rewards import SandboxConfig
 from otbrl.rewards.pool import RewardPool
 from otbrl.rewards.reward_model import RewardModel
 from otbrl.rollout import (
@@ -47,16 +46,7 @@ from otbrl.run.sft import ensure_warm_start
 
 def warm_start(cfg: Config) -> Path:
     """The built-in model after its cached supervised warm start (``otbrl sft``)."""
-    return ensure_warm_start(
-        cfg.sft.cache_dir,
-        task=cfg.data.task,
-        seed=cfg.trainer.seed,
-        lr=cfg.sft.lr,
-        batch_size=cfg.sft.batch_size,
-        max_steps=cfg.sft.max_steps,
-        target_accuracy=cfg.sft.target_accuracy,
-        eval_every=cfg.sft.eval_every,
-    )
+    return ensure_warm_start(cfg.sft.cache_dir, cfg.sft, task=cfg.data.task, seed=cfg.trainer.seed)
 
 
 def model_path(cfg: Config) -> Path:
@@ -78,18 +68,9 @@ def load_policy(cfg: Config, path: Path, tokenizer):
     ``tokenizer`` (``Plan.tokenizer``: loaded once, by the plan), with the LoRA adapters of
     ``model.lora`` injected (rank > 0)."""
     model = load_model(path, tokenizer, dtype=policy_dtype(cfg))
-    lora = cfg.model.lora
-    if lora.rank:
-        add_lora(
-            model,
-            rank=lora.rank,
-            alpha=lora.alpha,
-            dropout=lora.dropout,
-            target_modules=lora.target_modules,
-            adapter_path=lora.adapter_path,
-            adapter_dtype=get_precision(cfg.model.precision).storage,
-            seed=cfg.trainer.seed,
-        )
+    if cfg.model.lora.rank:
+        adapters = get_precision(cfg.model.precision).storage  # float32 under bf16-mixed
+        add_lora(model, cfg.model.lora, adapter_dtype=adapters, seed=cfg.trainer.seed)
     return model
 
 
@@ -126,32 +107,8 @@ def scoring(
     ``reward_model`` (``build_run`` loads it when the plan needs one). ``pool``: with
     ``reward.workers`` > 0, start the worker processes (the trainer does; ``close()`` them
     through ``Scoring.pool``)."""
-    r = cfg.reward
-    sandbox = SandboxConfig(**dataclasses.asdict(r.code))  # the user's limits, its own kept
-    workers = None
-    if pool and r.workers > 0:
-        workers = RewardPool(
-            r.workers,
-            function=r.function,
-            on_error=r.on_error,
-            timeout_s=r.timeout_s,
-            math_backend=r.math_backend,
-            sandbox=sandbox,
-            batched=r.batched,
-        )
-    return Scoring(
-        plan.reward_fn,
-        r.on_error,
-        r.timeout_s,
-        r.math_backend,
-        sandbox,
-        batched=r.batched,
-        pool=workers,
-        overlong_buffer_len=r.overlong_buffer.len,
-        overlong_penalty=r.overlong_buffer.penalty,
-        reward_model=reward_model,
-        reward_model_weight=r.model.weight,
-    )
+    workers = RewardPool(cfg.reward) if pool and cfg.reward.workers > 0 else None
+    return Scoring(plan.reward_fn, cfg.reward, pool=workers, reward_model=reward_model)
 
 
 def build_backend(
@@ -225,16 +182,12 @@ def build_sampler(
     the colocated engine's loop turn-synchronous), else the backend itself."""
     if not tools:
         return backend
-    multi = cfg.rollout.multi_turn
     return make_agent(
         backend,
         tokenizer,
         tools,
+        cfg.rollout.multi_turn,
         eos_token_ids=eos_ids,
-        fmt=multi.format,
-        max_turns=multi.max_turns,
-        max_tool_response_tokens=multi.max_tool_response_tokens,
-        timeout_s=multi.tool_timeout_s,
         model=model_name,
         per_trajectory=cfg.rollout.mode == "server",  # one agent loop per sample
         max_concurrent_trajectories=cfg.rollout.max_concurrent_trajectories,
@@ -300,7 +253,7 @@ def build_run(cfg: Config, plan: Plan, world: World, path: Path) -> RunParts:
     a = cfg.actor
     common = {
         "world": world,
-        "parallelism": plan.spec.dims.engine,
+        "strategy": plan.spec.dims.strategy,
         "packed": cfg.model.use_remove_padding,
         "temperature": cfg.rollout.temperature,
         "seed": cfg.trainer.seed,

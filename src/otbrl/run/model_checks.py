@@ -59,7 +59,7 @@ def check_model_settings(cfg: Config, dims: ParallelDims) -> list[str]:
             raise ConfigError(
                 "'model.lora.rank': LoRA does not compose with tensor parallelism here (the TP "
                 "plan shards the plain linear layers peft replaces); use FSDP2 "
-                "(actor.engine=fsdp) or Ulysses sequence parallelism",
+                "(actor.strategy=fsdp) or Ulysses sequence parallelism",
                 "model.lora.rank",
             )
         model = _meta_model(cfg)
@@ -109,7 +109,7 @@ def _check_layout_fits_model(cfg: Config, dims: ParallelDims) -> None:
                 raise ConfigError(
                     f"'{key}' is {size}, which does not divide the model's {name} "
                     f"({sizes[name]}, {path}): pick a size that divides it, or shard with "
-                    "FSDP2 (actor.engine=fsdp)",
+                    "FSDP2 (actor.strategy=fsdp)",
                     key,
                 )
 

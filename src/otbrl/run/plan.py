@@ -233,8 +233,8 @@ def check_tools(cfg: Config, tokenizer):
             None,
             tokenizer,
             tools,
+            multi,
             eos_token_ids=[tokenizer.eos_token_id],
-            fmt=multi.format,
             model=where,
         )
     except ValueError as err:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import otbrl
-from otbrl.config import Config, ConfigError, to_dict
+from otbrl.config import Config, ConfigError, to_dict, upgrade_saved
 from otbrl.store import checkpoint
 from otbrl.store.files import (
     GENERATIONS_FILE,
@@ -52,11 +52,11 @@ LOCK = "run.lock"
 CHECKPOINTS = "checkpoints"
 # Keys that may change when a run is resumed: how long it runs, how it logs and saves, how long
 # ranks wait, and the layout keys that by design change no result (a checkpoint resumes on any
-# engine and world size; micro-batches accumulate exactly; packed equals padded). Anything else
-# (estimator, lr, data, model, seed, ...) would mix two runs' steps.
+# parallel strategy and world size; micro-batches accumulate exactly; packed equals padded).
+# Anything else (estimator, lr, data, model, seed, ...) would mix two runs' steps.
 RESUME_MAY_DIFFER = frozenset(
     {
-        "actor.engine",
+        "actor.strategy",
         "actor.tensor_parallel_size",
         "actor.ulysses_sequence_parallel_size",
         "actor.use_fused_kernels",
@@ -131,9 +131,10 @@ def config_sha256(config: dict) -> str:
 
 def config_differences(saved: dict, current: dict) -> dict[str, tuple[Any, Any]]:
     """``{dotted key: (saved value, current value)}`` where two resolved configs differ. A key
-    one of them lacks (another otbrl version) counts as the schema's default."""
+    one of them lacks (another otbrl version) counts as the schema's default; a key an earlier
+    version named otherwise is compared under its name now (``upgrade_saved``)."""
     defaults = flat_config(to_dict(Config()))
-    a, b = flat_config(saved), flat_config(current)
+    a, b = flat_config(upgrade_saved(saved)), flat_config(upgrade_saved(current))
     out = {}
     for key in sorted(set(a) | set(b)):
         x, y = a.get(key, defaults.get(key)), b.get(key, defaults.get(key))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -24,7 +24,8 @@ from torch import Tensor
 
 from otbrl.algos.metrics import sample_metrics
 from otbrl.data import encode_prompts, pad_token_id
-from otbrl.rewards import SandboxConfig, score_responses
+from otbrl.rewards import score_responses
+from otbrl.rewards.config import OverlongBufferConfig, RewardConfig
 from otbrl.rewards.placement import place_scores
 from otbrl.rewards.shaping import overlong_penalty
 from otbrl.rollout import (
@@ -41,32 +42,32 @@ from otbrl.rollout import (
 
 @dataclass(frozen=True)
 class Scoring:
-    """How responses are scored (``otbrl.rewards.score_responses``): ``function`` (None: the
-    built-in reward of each row's ``data_source``), ``on_error`` (``"raise"`` | ``"zero"``),
-    ``timeout_s`` per call (None: no limit), for the built-in rewards ``math_backend`` and
-    the code ``sandbox``, and DAPO's overlong shaping of the trained reward: the last
-    ``overlong_buffer_len`` tokens of the response budget (0: off) cost up to
-    ``overlong_penalty``, and a learned ``reward_model`` (``otbrl.rewards.RewardModel``) whose
-    score, times ``reward_model_weight``, is added to it. ``batched``: ``function`` takes
-    lists; ``pool``: score in worker processes (``otbrl.rewards.pool.RewardPool``, built
-    with these same settings)."""
+    """How responses are scored: the reward's ``settings`` (``reward.*``, a
+    ``otbrl.rewards.RewardConfig``: ``score_responses``'s options, DAPO's overlong shaping of
+    the trained reward, the learned reward model's weight) with what the run resolved or loaded
+    for them — ``function`` (the reward function itself, resolved once: None uses
+    ``settings.function``'s spec, or the built-in reward of each row's ``data_source``), the
+    ``reward_model`` (``otbrl.rewards.RewardModel``: its score, times
+    ``settings.model.weight``, is added to the trained reward) and a ``pool``
+    (``otbrl.rewards.RewardPool``, built from the same settings: score in its workers)."""
 
     function: Callable | None = None
-    on_error: str = "raise"
-    timeout_s: float | None = None
-    math_backend: str = "verl"
-    sandbox: SandboxConfig | None = None
-    batched: bool = False
-    pool: Any = None  # an otbrl.rewards.RewardPool: score in its workers (its own settings)
-    overlong_buffer_len: int = 0
-    overlong_penalty: float = 1.0
+    settings: RewardConfig = field(default_factory=RewardConfig)
+    pool: Any = None
     reward_model: Any = None
-    reward_model_weight: float = 1.0
 
     def for_validation(self) -> Scoring:
         """The same scoring without what only shapes the trained reward (overlong penalty,
         reward model): validation counts the rule reward alone."""
-        return dataclasses.replace(self, overlong_buffer_len=0, reward_model=None)
+        unshaped = dataclasses.replace(self.settings, overlong_buffer=OverlongBufferConfig())
+        return dataclasses.replace(self, settings=unshaped, reward_model=None)
+
+    def options(self) -> dict[str, Any]:
+        """``score_responses``'s keywords: the settings' own, the resolved function first."""
+        options = self.settings.scoring_options()
+        if self.function is not None:
+            options["function"] = self.function
+        return options
 
 
 class Sample(NamedTuple):
@@ -153,12 +154,7 @@ def sample_batch(
             score_responses(
                 texts,
                 repeated,
-                function=scoring.function,
-                on_error=scoring.on_error,
-                timeout_s=scoring.timeout_s,
-                math_backend=scoring.math_backend,
-                sandbox=scoring.sandbox,
-                batched=scoring.batched,
+                **scoring.options(),
             ),
             time.perf_counter() - sampled,
         )
@@ -196,15 +192,16 @@ class _Finish:
         batch, mask = sample.batch, sample.batch["response_mask"]
         score = torch.tensor(scores, dtype=torch.float32)
         shaping = {}
-        if self.scoring.overlong_buffer_len > 0:
+        shape = self.scoring.settings
+        if shape.overlong_buffer.len > 0:
             # the response's length in tokens against its budget (observation tokens count,
             # as they do against max_tokens)
             lengths = batch["attention_mask"][:, self.prompt_width :].sum(dim=1)
             penalty = overlong_penalty(
                 lengths,
                 max_length=self.params.max_tokens,
-                buffer_len=self.scoring.overlong_buffer_len,
-                penalty=self.scoring.overlong_penalty,
+                buffer_len=shape.overlong_buffer.len,
+                penalty=shape.overlong_buffer.penalty,
             )
             score = score + penalty
             shaping["reward/overlong_penalty_mean"] = float(penalty.mean())
@@ -212,7 +209,7 @@ class _Finish:
             # the final turn is the answer the reward model judges (multi-turn: after tools)
             start_rm = time.perf_counter()
             learned = self.scoring.reward_model.score(sample.rows, self.texts)
-            score = score + self.scoring.reward_model_weight * learned
+            score = score + shape.model.weight * learned
             shaping["reward/model_mean"] = float(learned.mean())
             shaping["timing/reward_model"] = time.perf_counter() - start_rm
         batch["token_level_scores"] = place_scores(score, mask)

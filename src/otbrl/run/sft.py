@@ -11,6 +11,7 @@ pays for it once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -26,11 +27,14 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import otbrl
+from otbrl.config.schema import SFTConfig
 from otbrl.data import get_task, render_prompts
 from otbrl.models import build_tiny_model, eos_token_ids, load_model_and_tokenizer
 from otbrl.ops import IGNORE_INDEX  # the label the loss skips (prompt, observation, padding)
 from otbrl.rollout import HFRollout, SamplingParams, make_agent
+from otbrl.rollout.config import MultiTurnConfig
 from otbrl.run.evaluate import evaluate_accuracy
+from otbrl.settings import check_settings
 from otbrl.store.files import apply_umask, atomic_write_text, lock_file
 from otbrl.tools import resolve_tools
 
@@ -100,13 +104,9 @@ def run_sft(
     tokenizer: PreTrainedTokenizerBase,
     rows: Sequence[dict],
     demonstrations: Sequence[str],
+    settings: SFTConfig | None = None,
     *,
-    lr: float = 1e-3,
-    batch_size: int = 64,
-    max_steps: int = 2000,
-    target_accuracy: float | None = None,
     eval_rows: Sequence[dict] | None = None,
-    eval_every: int = 10,
     max_new_tokens: int = 8,
     seed: int = 0,
     trigger_window: int = 5,
@@ -118,14 +118,13 @@ def run_sft(
 
     Args:
         rows / demonstrations: N prompts (schema rows) and their target response texts.
-        lr, batch_size: AdamW learning rate (constant) and sequences per step (sampled with
-            replacement from a ``seed``-ed generator).
-        max_steps: hard cap on optimizer steps.
-        target_accuracy: stop as soon as greedy accuracy on ``eval_rows`` reaches it;
-            ``None`` trains ``max_steps`` steps.
-        eval_every: greedy evaluation period (steps). Between those, an evaluation also runs
-            as soon as the teacher-forced accuracy of the last ``trigger_window`` training
-            batches reaches the target (at most every ``trigger_window`` steps).
+        settings: ``sft.*`` (default ``SFTConfig()``): AdamW's constant ``lr``, ``batch_size``
+            sequences per step (sampled with replacement from a ``seed``-ed generator), at
+            most ``max_steps`` steps; with ``eval_rows``, a greedy evaluation every
+            ``eval_every`` steps and a stop as soon as it reaches ``target_accuracy`` (without
+            them: ``max_steps`` steps, no evaluation). Between the periodic evaluations, one
+            also runs as soon as the teacher-forced accuracy of the last ``trigger_window``
+            training batches reaches the target (at most every ``trigger_window`` steps).
         max_new_tokens: response cap when evaluating.
         progress: show a progress bar (stderr) with the loss and the last greedy accuracy.
         tools: ``{name: Tool}`` for a tool task: multi-turn demonstrations are encoded as the
@@ -141,27 +140,31 @@ def run_sft(
         ``{"steps", "accuracy" (last evaluation, None if never), "reached_target",
         "losses" and "train_accuracies" (teacher-forced, per step), "evaluations" ([step,
         accuracy] pairs), "seconds"}``.
+
+    Raises ``ConfigError`` naming the ``sft`` key when a setting is out of its range.
     """
-    if target_accuracy is not None and not eval_rows:
-        raise ValueError("eval_rows: expected rows to evaluate target_accuracy on, got none")
-    if not isinstance(max_steps, int) or max_steps < 1:
-        raise ValueError(f"max_steps: expected an int ≥ 1, got {max_steps!r}")
-    if not isinstance(eval_every, int) or eval_every < 1:
-        raise ValueError(f"eval_every: expected an int ≥ 1, got {eval_every!r}")
+    settings = settings or SFTConfig()
+    check_settings(settings, "sft.")
+    target_accuracy = settings.target_accuracy if eval_rows else None
+    max_steps, eval_every, batch_size = settings.max_steps, settings.eval_every, settings.batch_size
     if not isinstance(trigger_window, int) or trigger_window < 1:
         raise ValueError(f"trigger_window: expected an int ≥ 1, got {trigger_window!r}")
     stops = eos_token_ids(model, tokenizer)
     agent = None
     if tools:
         agent = make_agent(
-            HFRollout(model, tokenizer), tokenizer, tools, eos_token_ids=stops, max_turns=max_turns
+            HFRollout(model, tokenizer),
+            tokenizer,
+            tools,
+            MultiTurnConfig(max_turns=max_turns),
+            eos_token_ids=stops,
         )
     data = tokenize_demonstrations(
         rows, demonstrations, tokenizer, turns=agent.turns if agent else None
     )
     n = data["input_ids"].shape[0]
     generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
     result = {
         "steps": 0,
         "accuracy": None,
@@ -248,20 +251,17 @@ def warm_start_key(settings: dict) -> str:
 
 def ensure_warm_start(
     cache_dir: str | Path,
+    settings: SFTConfig | None = None,
     *,
     task: str = "arithmetic",
     seed: int = 0,
     arch: str = "llama",
     size: dict | None = None,
-    lr: float = 2e-3,
-    batch_size: int = 128,
-    max_steps: int = 3000,
-    target_accuracy: float = 0.2,
-    eval_every: int = 100,
     n_eval: int = 500,
     n_train: int | None = None,
 ) -> Path:
-    """Path of a tiny model SFT-ed on ``task`` to ``target_accuracy``: cached, built if missing.
+    """Path of a tiny model SFT-ed on ``task`` with ``settings`` (``sft.*``, default
+    ``SFTConfig()``; its ``cache_dir`` is not read: ``cache_dir`` is): cached, built if missing.
 
     The directory (HF layout plus ``warm_start.json`` with the settings and SFT result) is
     ``cache_dir/<task>-<key>``, ``key`` hashing every setting; it is written under a temp name
@@ -269,19 +269,17 @@ def ensure_warm_start(
     ``val`` split (the split RL validates on); SFT trains on ``n_train`` rows of the ``train``
     split (all of it when ``None``).
     """
+    sft = settings or SFTConfig()
     settings = {
         "task": task,
         "seed": seed,
         "arch": arch,
         "size": dict(size or {}),
-        "lr": lr,
-        "batch_size": batch_size,
-        "max_steps": max_steps,
-        "target_accuracy": target_accuracy,
-        "eval_every": eval_every,
+        **dataclasses.asdict(sft),
         "n_eval": n_eval,
         "n_train": n_train,
     }
+    del settings["cache_dir"]  # where the model is kept changes no weight
     cache_dir = Path(cache_dir)
     final = cache_dir / f"{task}-{warm_start_key(settings)}"
     if (final / WARM_START_FILE).is_file():
@@ -293,12 +291,14 @@ def ensure_warm_start(
         if (final / WARM_START_FILE).is_file():
             return final
         _remove_stale_temps(cache_dir, final.name)
-        logger.info("warm start: SFT of the built-in model to greedy accuracy %s", target_accuracy)
-        _build_warm_start(cache_dir / f".tmp-{final.name}-{os.getpid()}", final, settings)
+        logger.info(
+            "warm start: SFT of the built-in model to greedy accuracy %s", sft.target_accuracy
+        )
+        _build_warm_start(cache_dir / f".tmp-{final.name}-{os.getpid()}", final, settings, sft)
     return final
 
 
-def _build_warm_start(tmp: Path, final: Path, settings: dict) -> None:
+def _build_warm_start(tmp: Path, final: Path, settings: dict, sft: SFTConfig) -> None:
     task_obj = get_task(settings["task"])
     seed = settings["seed"]
     shutil.rmtree(tmp, ignore_errors=True)
@@ -313,12 +313,8 @@ def _build_warm_start(tmp: Path, final: Path, settings: dict) -> None:
             tokenizer,
             rows,
             [task_obj.demonstration(r) for r in rows],
-            lr=settings["lr"],
-            batch_size=settings["batch_size"],
-            max_steps=settings["max_steps"],
-            target_accuracy=settings["target_accuracy"],
+            sft,
             eval_rows=task_obj.rows("val", settings["n_eval"], seed=seed),
-            eval_every=settings["eval_every"],
             max_new_tokens=task_obj.max_response_chars + 1,
             seed=seed,
             progress=True,

@@ -204,7 +204,7 @@ def resolve(cfg: Config, world_size: int = 1) -> RunSpec:
         world_size=world_size,
         tp=a.tensor_parallel_size,
         sp=a.ulysses_sequence_parallel_size,
-        engine=a.engine,
+        strategy=a.strategy,
         fused=a.use_fused_kernels,
     )
     mini = a.ppo_mini_batch_size or cfg.data.train_batch_size

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from otbrl.models.config import LoraConfig
 from otbrl.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, add_lora, unload_lora
 from otbrl.store.checkpoint import (
     ADAPTER_DIR,
@@ -128,7 +129,8 @@ def _write_merged(adapter_dir: Path, out: Path) -> None:
             "not there: the merged export needs it; --adapter-only exports the adapter alone"
         )
     model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
-    add_lora(model, rank=1, alpha=1.0, adapter_path=adapter_dir, adapter_dtype=torch.float32)
+    # the adapter's own rank, alpha and targets are read from its directory
+    add_lora(model, LoraConfig(rank=1, adapter_path=str(adapter_dir)), adapter_dtype=torch.float32)
     unload_lora(model)
     model.save_pretrained(out)
 
