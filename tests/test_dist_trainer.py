@@ -1,5 +1,5 @@
 """`otbrl train` on several processes end to end: the one loop under torchrun (data parallel by
-default), and checkpoints that resume on another engine and world size."""
+default), and checkpoints that resume on another strategy and world size."""
 
 from __future__ import annotations
 
@@ -74,8 +74,8 @@ def test_tp_checkpoint_resumes_under_fsdp_and_on_one_process(tmp_path):
     assert loaded.config.vocab_size == 19
 
 
-def test_torchrun_without_engine_flag_runs_data_parallel(tmp_path):
-    """`torchrun --nproc_per_node=2 -m otbrl train` with no engine key: FSDP2 on 2 ranks; the
+def test_torchrun_without_strategy_key_runs_data_parallel(tmp_path):
+    """`torchrun --nproc_per_node=2 -m otbrl train` with no strategy key: FSDP2 on 2 ranks; the
     one-process checkpoint of a first segment resumes there."""
     from otbrl.cli import main
     from otbrl.models import build_tiny_model
@@ -92,7 +92,7 @@ def test_torchrun_without_engine_flag_runs_data_parallel(tmp_path):
     meta = json.loads((run / "checkpoints" / "step_2" / "checkpoint.json").read_text())
     assert meta["world_size"] == 2
     config = (run / "checkpoints" / "step_2" / "config.yaml").read_text()
-    assert "engine: auto" in config
+    assert "strategy: auto" in config
     steps, _ = _steps(run)
     assert steps == [1, 2]
 
