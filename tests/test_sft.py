@@ -74,26 +74,25 @@ def test_sft_reduces_the_loss(tiny):
     assert sum(losses[-5:]) / 5 < 0.75 * sum(losses[:5]) / 5
 
 
-def test_sft_stops_at_the_accuracy_target(tiny):
+def _sft_to_zero_target(tiny, eval_every, **kw):
+    """SFT with a target reached at once (0.0): the step of the first evaluation tells when one
+    ran."""
     model, tok = tiny
     rows, demos = _data(32)
-    result = sft.run_sft(
-        model, tok, rows, demos,
-        SFTConfig(batch_size=8, max_steps=50, target_accuracy=0.0, eval_every=3),
-        eval_rows=rows[:8], max_new_tokens=4,
-    )  # fmt: skip
+    settings = SFTConfig(batch_size=8, max_steps=50, target_accuracy=0.0, eval_every=eval_every)
+    return sft.run_sft(
+        model, tok, rows, demos, settings, eval_rows=rows[:8], max_new_tokens=4, **kw
+    )
+
+
+def test_sft_stops_at_the_accuracy_target(tiny):
+    result = _sft_to_zero_target(tiny, 3)
     assert result["reached_target"] and result["steps"] == 3
     assert result["evaluations"] == [[3, result["accuracy"]]]
 
 
 def test_trigger_evaluates_between_periodic_evaluations(tiny):
-    model, tok = tiny
-    rows, demos = _data(32)
-    result = sft.run_sft(
-        model, tok, rows, demos,
-        SFTConfig(batch_size=8, max_steps=50, target_accuracy=0.0, eval_every=100),
-        eval_rows=rows[:8], trigger_window=2, max_new_tokens=4,
-    )  # fmt: skip
+    result = _sft_to_zero_target(tiny, 100, trigger_window=2)
     assert result["reached_target"] and result["steps"] == 2
     assert len(result["train_accuracies"]) == 2
 
