@@ -12,7 +12,6 @@ from hf_sample import generate
 from otbrl.config import ConfigError, SFTConfig
 from otbrl.data import encode_prompts, get_task
 from otbrl.models import build_tiny_model, eos_token_ids, load_model_and_tokenizer
-from otbrl.ops import IGNORE_INDEX
 from otbrl.rollout import HFRollout, SamplingParams, decode_responses
 from otbrl.run.evaluate import evaluate_accuracy
 from tiny_models import TWO_LAYERS
@@ -32,36 +31,48 @@ def _data(n=64, seed=0):
     return rows, [task.demonstration(r) for r in rows]
 
 
-def test_labels_cover_the_response_and_eos_only(tiny):
+def test_a_demonstration_is_a_response_trained_to_its_eos(tiny):
     _, tok = tiny
     rows, demos = _data(5)
-    data = sft.tokenize_demonstrations(rows, demos, tok)
+    data = sft.demonstration_batch(rows, demos, tok)
     prompts = encode_prompts(rows, tok, max_prompt_length=32)
     for i in range(5):
         prompt = prompts["input_ids"][i][prompts["attention_mask"][i].bool()].tolist()
         answer = tok(demos[i], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        length = len(prompt) + len(answer)
-        assert data["input_ids"][i, :length].tolist() == prompt + answer
-        assert data["attention_mask"][i].tolist() == [1] * length + [0] * (
-            data["input_ids"].shape[1] - length
-        )
-        labels = data["labels"][i].tolist()
-        padding = [IGNORE_INDEX] * (len(labels) - length)
-        assert labels == [IGNORE_INDEX] * len(prompt) + answer + padding
+        real = data["attention_mask"][i].bool()
+        assert data["input_ids"][i][real].tolist() == prompt + answer
+        # left-padded prompt, right-padded response: the response starts at the same column
+        width = data["prompts"].shape[1]
+        assert data["input_ids"][i, width : width + len(answer)].tolist() == answer
+        trained = data["responses"][i][data["response_mask"][i].bool()].tolist()
+        assert trained == answer
 
 
-def test_model_loss_is_response_token_cross_entropy(tiny):
+def test_the_sft_loss_is_response_token_cross_entropy(tiny):
+    from otbrl.algos.loss_terms import build_sft_loss
+    from otbrl.engine.engine import Engine
+
     model, tok = tiny
     rows, demos = _data(8)
-    data = sft.tokenize_demonstrations(rows, demos, tok)
+    data = sft.demonstration_batch(rows, demos, tok)
+    engine = Engine(model, None, micro_batch_size=3)
+    loss_fn = build_sft_loss()
+    norms = engine.normalizers(data["response_mask"])
     with torch.no_grad():
-        out = model(**data)
-    # Reference: float64 log-softmax, logits at t-1 score token t, response tokens only.
-    logp = torch.log_softmax(out.logits[:, :-1].double(), -1)
+        loss, metrics = loss_fn(engine.forward(data, loss_fn.needs), data, norms)
+        logits = model(input_ids=data["input_ids"], attention_mask=data["attention_mask"]).logits
+    # Reference: float64 log-softmax, logits at t-1 score token t, trained tokens only.
+    logp = torch.log_softmax(logits[:, :-1].double(), -1)
     target = data["input_ids"][:, 1:]
-    keep = data["labels"][:, 1:] != IGNORE_INDEX
+    width = data["prompts"].shape[1]
+    keep = torch.zeros_like(target, dtype=torch.bool)
+    keep[:, width - 1 :] = data["response_mask"].bool()
     nll = -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    assert torch.allclose(out.loss.double(), nll[keep].mean(), atol=1e-5)
+    assert torch.allclose(loss.double(), nll[keep].mean(), atol=1e-5)
+    assert metrics["sft/loss"] == loss
+    # sure rows: every trained token above probability 1/2 (a plain loop)
+    sure = sum(bool((nll[i][keep[i]] < torch.log(torch.tensor(2.0))).all()) for i in range(8))
+    assert metrics["sft/sure_frac"].item() == pytest.approx(sure / 8)
 
 
 def test_sft_reduces_the_loss(tiny):
@@ -72,6 +83,33 @@ def test_sft_reduces_the_loss(tiny):
     losses = result["losses"]
     assert result["steps"] == 25 and len(losses) == 25 and result["accuracy"] is None
     assert sum(losses[-5:]) / 5 < 0.75 * sum(losses[:5]) / 5
+
+
+def test_warmup_and_clip_reach_the_engine(tiny, monkeypatch):
+    """``sft.warmup_steps`` scales the first step (AdamW's first update is lr · sign(g), so the
+    largest parameter change is the step's learning rate); ``sft.grad_clip`` is the engine's."""
+    import copy
+
+    model, tok = tiny
+    rows, demos = _data(16)
+    optims = []
+    engine = sft.Engine
+    monkeypatch.setattr(
+        sft, "Engine", lambda m, optim, **kw: optims.append(optim) or engine(m, optim, **kw)
+    )
+
+    def largest_change(**settings):
+        trained = copy.deepcopy(model)
+        sft.run_sft(
+            trained, tok, rows, demos, SFTConfig(lr=1e-2, batch_size=4, max_steps=1, **settings)
+        )
+        pairs = zip(trained.parameters(), model.parameters())
+        return max(float((a - b).detach().abs().max()) for a, b in pairs)
+
+    cold = largest_change()
+    assert cold == pytest.approx(1e-2, rel=1e-3)
+    assert largest_change(warmup_steps=9, grad_clip=0.5) == pytest.approx(cold / 10, rel=1e-3)
+    assert [(o.warmup_steps, o.grad_clip) for o in optims] == [(0, 0.0), (9, 0.5)]
 
 
 def _sft_to_zero_target(tiny, eval_every, **kw):
@@ -97,7 +135,10 @@ def test_trigger_evaluates_between_periodic_evaluations(tiny):
     assert len(result["train_accuracies"]) == 2
 
 
-def test_teacher_forced_accuracy_equals_greedy_exact_match(tiny):
+def test_sure_rows_are_greedy_exact_matches(tiny):
+    from otbrl.algos.loss_terms import build_sft_loss
+    from otbrl.engine.engine import Engine
+
     model, tok = tiny
     train_rows, train_demos = _data(128, seed=1)
     # A few steps teach the answer format (digits, then EOS), so greedy answers do end.
@@ -112,12 +153,26 @@ def test_teacher_forced_accuracy_equals_greedy_exact_match(tiny):
     ended = (out["responses"] == tok.eos_token_id).any(dim=1).tolist()
     # Even rows: the demonstration is what greedy decoding says; odd rows: something else.
     demos = [g if i % 2 == 0 else g + "1" for i, g in enumerate(greedy)]
-    expected = sum(ended[i] for i in range(0, 12, 2)) / 12
-    assert expected > 0  # the comparison below is not vacuous
-    data = sft.tokenize_demonstrations(rows, demos, tok)
-    with torch.no_grad():
-        logits = model(input_ids=data["input_ids"], attention_mask=data["attention_mask"]).logits
-    assert sft.teacher_forced_accuracy(logits, data["labels"]) == pytest.approx(expected)
+    exact = [ended[i] and i % 2 == 0 for i in range(12)]
+    assert any(exact)  # the comparison below is not vacuous
+    loss_fn = build_sft_loss()
+
+    def sure_rows(temperature):
+        engine = Engine(model, None, micro_batch_size=12, temperature=temperature)
+        sure = []
+        for i in range(12):  # row by row
+            data = sft.demonstration_batch(rows[i : i + 1], demos[i : i + 1], tok)
+            with torch.no_grad():
+                out = engine.forward(data, loss_fn.needs)
+            _, metrics = loss_fn(out, data, engine.normalizers(data["response_mask"]))
+            sure.append(metrics["sft/sure_frac"].item() == 1.0)
+        return sure
+
+    # a sure row is a greedy exact match; at a sharp temperature (the argmax's probability near
+    # 1) the two coincide, so the check above is not vacuous
+    sure = sure_rows(1.0)
+    assert [i for i in range(12) if sure[i] and not exact[i]] == []
+    assert sure_rows(1e-3) == exact
 
 
 def test_evaluate_accuracy_counts_exact_greedy_answers(tiny):
@@ -212,6 +267,8 @@ def test_bad_arguments(tiny):
         sft.run_sft(model, tok, rows, demos, SFTConfig(max_steps=0))
     with pytest.raises(ConfigError, match=r"'sft\.eval_every'.*> 0"):
         sft.run_sft(model, tok, rows, demos, SFTConfig(eval_every=0), eval_rows=rows)
+    with pytest.raises(ConfigError, match=r"'sft\.grad_clip'.*>= 0"):
+        sft.run_sft(model, tok, rows, demos, SFTConfig(grad_clip=-1.0))
     with pytest.raises(ValueError, match="rows"):
         evaluate_accuracy(HFRollout(model, tok), tok, [], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="n=1"):  # one response per row is what it averages

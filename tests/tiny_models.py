@@ -69,7 +69,7 @@ def taught_tool_model(path: Path, task, *, rows: int, steps: int, **size):
     with torch.random.fork_rng(devices=[]):
         run_sft(
             model, tok, train, [task.demonstration(r) for r in train],
-            SFTConfig(lr=3e-3, batch_size=64, max_steps=steps),
+            SFTConfig(lr=3e-3, batch_size=64, max_steps=steps, warmup_steps=0, grad_clip=0.0),
             seed=0, tools=resolve_tools(["calculator"]),
         )  # fmt: skip
     model.eval()

@@ -42,7 +42,8 @@ from otbrl.algos.reductions import masked_sum
 from otbrl.ops.token_stats import HEAD_OUTPUTS, NO_GRADIENT
 
 __all__ = [
-    "LOSSES", "Loss", "LossTerm", "SumOfTerms", "build_loss", "build_value_loss", "register_loss",
+    "LOSSES", "Loss", "LossTerm", "SumOfTerms", "build_loss", "build_sft_loss", "build_value_loss",
+    "register_loss",
 ]  # fmt: skip
 
 # what a loss term may differentiate: every forward output but the gradient-free statistics
@@ -177,6 +178,19 @@ def value_term(out, batch, norms, *, cliprange_value, loss_agg_mode, horizon):
     }
 
 
+@register_loss("nll", role="policy", needs={"log_probs"}, batch_keys={"response_mask"})
+def nll_term(out, batch, norms, *, loss_agg_mode, horizon):
+    """Supervised fine-tuning: agg(−log π) of the demonstrated tokens (``response_mask`` 1).
+    Metrics: ``sft/loss`` and ``sft/sure_frac``, the share of rows whose every trained token
+    has probability > 1/2 — a row that greedy decoding answers exactly (the argmax)."""
+    m = batch["response_mask"]
+    nll = agg_loss(-out["log_probs"], m, **_norm_kwargs(norms, loss_agg_mode, horizon))
+    keep = m != 0
+    unsure = keep & (out["log_probs"].detach() <= -math.log(2.0))
+    sure = (keep.any(dim=1) & ~unsure.any(dim=1)).float().sum()
+    return nll, {"sft/loss": nll.detach(), "sft/sure_frac": sure / at_least_one(norms.num_seqs)}
+
+
 @dataclass(frozen=True)
 class SumOfTerms:
     """A loss made of registered terms, each with its options; implements :class:`Loss`.
@@ -283,6 +297,13 @@ def build_loss(
     if kl_loss_coef > 0.0:
         terms.append((LOSSES["kl"], {"coef": kl_loss_coef, "kind": kl_loss_type, **agg}))
     return SumOfTerms(tuple(terms), total="policy/loss")
+
+
+def build_sft_loss(*, loss_agg_mode: str = "token-mean") -> SumOfTerms:
+    """The supervised loss (the ``nll`` term): ``needs`` {"log_probs"}, ``batch_keys``
+    {"response_mask"} (1 on the demonstrated tokens; 0 on observations and padding)."""
+    horizon = _check_mode(loss_agg_mode, None)
+    return SumOfTerms(((LOSSES["nll"], {"loss_agg_mode": loss_agg_mode, "horizon": horizon}),))
 
 
 def build_value_loss(

@@ -1,9 +1,12 @@
 """Supervised warm start: teacher-forced cross-entropy on demonstrations, stopped on accuracy.
 
+The demonstrations are a batch of the RL batch's layout and train on the trainer's ``Engine``
+with the ``nll`` loss term (``otbrl.algos.loss_terms.build_sft_loss``): one training loop.
 SFT accuracy on a fresh tiny model jumps abruptly (NOTES: ~0.1 to ~0.8 within ~100 steps), so
 the stopping rule is a greedy validation-accuracy target, not a step count. Greedy evaluation
-costs about as much as ten training steps, so it runs when the (free) teacher-forced accuracy
-of the recent training batches says the target is near, plus every ``eval_every`` steps.
+costs about as much as ten training steps, so it runs when the (free) sure accuracy of the
+recent training batches (rows whose every token has probability > 1/2) says the target is
+near, plus every ``eval_every`` steps.
 ``ensure_warm_start`` wraps build → SFT → save in a cache keyed by the settings, so the demo
 pays for it once.
 """
@@ -27,12 +30,17 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import otbrl
+from otbrl.algos.loss_terms import build_sft_loss
 from otbrl.config.schema import SFTConfig
 from otbrl.data import get_task, render_prompts
+from otbrl.engine.engine import Engine
+from otbrl.engine.optim import OptimConfig
 from otbrl.models import build_tiny_model, eos_token_ids, load_model_and_tokenizer
-from otbrl.ops import IGNORE_INDEX  # the label the loss skips (prompt, observation, padding)
 from otbrl.rollout import HFRollout, SamplingParams, make_agent
+from otbrl.rollout.agent import Trajectory
+from otbrl.rollout.batch import completions_to_batch, left_pad
 from otbrl.rollout.config import MultiTurnConfig
+from otbrl.rollout.protocol import Completion
 from otbrl.run.evaluate import evaluate_accuracy
 from otbrl.settings import check_settings
 from otbrl.store.files import apply_umask, atomic_write_text, lock_file
@@ -42,24 +50,24 @@ logger = logging.getLogger(__name__)
 WARM_START_FILE = "warm_start.json"
 
 
-def tokenize_demonstrations(
+def demonstration_batch(
     rows: Sequence[dict],
     demonstrations: Sequence[str | list[dict]],
     tokenizer: PreTrainedTokenizerBase,
     *,
     turns=None,
 ) -> dict[str, torch.Tensor]:
-    """Prompt (chat template, generation prompt on) + demonstration + EOS, right-padded.
+    """N demonstrations as a training batch of the RL batch's layout (``completions_to_batch``):
+    each prompt (chat template, generation prompt on; left-padded) with its demonstration as the
+    response (right-padded) — a response text + EOS, or (tool tasks) a list of turns, assistant
+    messages and the tool messages answering them, encoded by ``turns`` (an
+    ``otbrl.tools.ChatTurns``) exactly as the agent loop builds a multi-turn response:
+    observation tokens are in the sequence (the model attends to them) but not trained.
 
-    A demonstration is a response text, or (tool tasks) a list of turns — assistant messages
-    and the tool messages answering them — encoded by ``turns`` (an ``otbrl.tools.ChatTurns``)
-    exactly as the agent loop builds a multi-turn response: observation tokens
-    are in the sequence (the model attends to them) but carry no label.
-
-    Returns:
-        ``input_ids`` [N, L] long, ``attention_mask`` [N, L] long and ``labels`` [N, L] long
-        (the token ids on model tokens, EOS included; ``IGNORE_INDEX`` on prompt, observation and
-        padding tokens).
+    Returns ``prompts`` [N, Lp], ``responses`` [N, Lr], ``response_mask`` [N, Lr] (1 on the
+    trained tokens, EOS included; 0 on observations and padding), ``input_ids`` /
+    ``attention_mask`` / ``position_ids`` [N, Lp + Lr] and the other keys of
+    ``completions_to_batch``.
     """
     if len(rows) != len(demonstrations):
         raise ValueError(
@@ -69,28 +77,40 @@ def tokenize_demonstrations(
         raise ValueError("rows: expected at least one row, got none")
     eos = _eos_id(tokenizer)
     prompts = tokenizer(render_prompts(rows, tokenizer), add_special_tokens=False)["input_ids"]
-    sequences = []  # (prompt ids, response ids, response label mask)
-    for p, demo in zip(prompts, demonstrations):
+    completions = []
+    for demo in demonstrations:
         if isinstance(demo, str):
-            answer = [*tokenizer(demo, add_special_tokens=False)["input_ids"], eos]
-            sequences.append((p, answer, [1] * len(answer)))
+            ids = [*tokenizer(demo, add_special_tokens=False)["input_ids"], eos]
+            completions.append([Completion(ids, [0.0] * len(ids), "stop")])
         elif turns is None:
             raise ValueError("turns: a multi-turn demonstration needs the ChatTurns to encode it")
         else:
-            sequences.append((p, *turns.conversation_ids(demo)))
-    width = max(len(p) + len(a) for p, a, _ in sequences)
+            ids, mask = turns.conversation_ids(demo)
+            completions.append([Trajectory(ids, [0.0] * len(ids), "stop", mask=mask)])
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    input_ids = torch.full((len(sequences), width), pad, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    labels = torch.full_like(input_ids, IGNORE_INDEX)
-    for i, (p, a, m) in enumerate(sequences):
-        input_ids[i, : len(p) + len(a)] = torch.tensor(p + a)
-        attention_mask[i, : len(p) + len(a)] = 1
-        response = torch.tensor(a)
-        labels[i, len(p) : len(p) + len(a)] = torch.where(
-            torch.tensor(m, dtype=torch.bool), response, IGNORE_INDEX
-        )
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    prompt_ids, prompt_mask = left_pad(prompts, pad)
+    return completions_to_batch(prompt_ids, prompt_mask, completions, pad_id=pad)
+
+
+def _rows(batch: dict[str, torch.Tensor], idx: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Rows ``idx`` of ``batch`` without the columns that are padding in all of them (the
+    prompts' leading ones, the responses' trailing ones)."""
+    picked = {k: v[idx] for k, v in batch.items()}
+    width = picked["prompts"].shape[1]
+    real = picked["attention_mask"].any(dim=0).nonzero().squeeze(1)
+    first = min(int(real[0]), width - 1)  # keep at least one prompt column
+    last = max(int(real[-1]) + 1, width + 1)  # and one response column
+    out = {}
+    for key, value in picked.items():
+        if key == "prompts":
+            out[key] = value[:, first:]
+        elif key in ("input_ids", "attention_mask", "position_ids"):
+            out[key] = value[:, first:last]
+        elif value.dim() == 2 and value.shape[1] == batch["responses"].shape[1]:
+            out[key] = value[:, : last - width]
+        else:
+            out[key] = value
+    return out
 
 
 def _eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
@@ -114,41 +134,44 @@ def run_sft(
     tools: dict | None = None,
     max_turns: int = 4,
 ) -> dict:
-    """Teacher-forced SFT with AdamW on response tokens only; stops at ``target_accuracy``.
+    """Teacher-forced SFT on response tokens only, on the trainer's ``Engine`` with the ``nll``
+    loss term; stops at the target accuracy.
 
     Args:
         rows / demonstrations: N prompts (schema rows) and their target response texts.
-        settings: ``sft.*`` (default ``SFTConfig()``): AdamW's constant ``lr``, ``batch_size``
-            sequences per step (sampled with replacement from a ``seed``-ed generator), at
-            most ``max_steps`` steps; with ``eval_rows``, a greedy evaluation every
-            ``eval_every`` steps and a stop as soon as it reaches ``target_accuracy`` (without
-            them: ``max_steps`` steps, no evaluation). Between the periodic evaluations, one
-            also runs as soon as the teacher-forced accuracy of the last ``trigger_window``
-            training batches reaches the target (at most every ``trigger_window`` steps).
+        settings: ``sft.*`` (default ``SFTConfig()``): AdamW's ``lr`` after ``warmup_steps``
+            of linear warmup, the gradient-norm clip ``grad_clip``, ``batch_size`` sequences
+            per step (sampled with replacement from a ``seed``-ed generator), at most
+            ``max_steps`` steps; with ``eval_rows``, a greedy evaluation every ``eval_every``
+            steps and a stop as soon as it reaches ``target_accuracy`` (without them:
+            ``max_steps`` steps, no evaluation). Between the periodic evaluations, one also
+            runs as soon as the sure accuracy (below) of the last ``trigger_window`` training
+            batches reaches the target (at most every ``trigger_window`` steps).
         max_new_tokens: response cap when evaluating.
         progress: show a progress bar (stderr) with the loss and the last greedy accuracy.
         tools: ``{name: Tool}`` for a tool task: multi-turn demonstrations are encoded as the
             agent loop builds responses, and greedy evaluation runs the agent loop (at most
             ``max_turns`` model turns) with these tools.
 
-    Teacher-forced accuracy is free (the training forward's own argmax) and exact: a prompt
-    whose every response token (EOS included) is the argmax given the true prefix is a
-    prompt greedy decoding answers exactly. It lets the accuracy jump be caught within a few
-    steps without paying for a greedy evaluation every few steps.
+    The ``nll`` term's ``sft/sure_frac`` is free (from the training forward's own log-probs):
+    the share of rows whose every trained token, EOS included, has probability > 1/2 given the
+    true prefix — rows greedy decoding answers exactly, so it never overstates the greedy
+    accuracy. It lets the accuracy jump be caught within a few steps without paying for a
+    greedy evaluation every few steps.
 
     Returns:
         ``{"steps", "accuracy" (last evaluation, None if never), "reached_target",
-        "losses" and "train_accuracies" (teacher-forced, per step), "evaluations" ([step,
+        "losses" and "train_accuracies" (``sft/sure_frac``, per step), "evaluations" ([step,
         accuracy] pairs), "seconds"}``.
 
     Raises ``ConfigError`` naming the ``sft`` key when a setting is out of its range.
     """
     settings = settings or SFTConfig()
     check_settings(settings, "sft.")
-    target_accuracy = settings.target_accuracy if eval_rows else None
-    max_steps, eval_every, batch_size = settings.max_steps, settings.eval_every, settings.batch_size
     if not isinstance(trigger_window, int) or trigger_window < 1:
         raise ValueError(f"trigger_window: expected an int ≥ 1, got {trigger_window!r}")
+    target_accuracy = settings.target_accuracy if eval_rows else None
+    max_steps, eval_every, batch_size = settings.max_steps, settings.eval_every, settings.batch_size
     stops = eos_token_ids(model, tokenizer)
     agent = None
     if tools:
@@ -159,12 +182,18 @@ def run_sft(
             MultiTurnConfig(max_turns=max_turns),
             eos_token_ids=stops,
         )
-    data = tokenize_demonstrations(
+    data = demonstration_batch(
         rows, demonstrations, tokenizer, turns=agent.turns if agent else None
     )
     n = data["input_ids"].shape[0]
     generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
+    # the trainer's engine: one optimizer step per batch, no weight decay
+    optim = OptimConfig(
+        lr=settings.lr, warmup_steps=settings.warmup_steps, weight_decay=0.0, ppo_epochs=1,
+        micro_batch_size=batch_size, grad_clip=settings.grad_clip,
+    )  # fmt: skip
+    engine = Engine(model, optim, name="sft", seed=seed)
+    loss = build_sft_loss()
     result = {
         "steps": 0,
         "accuracy": None,
@@ -186,21 +215,10 @@ def run_sft(
         mininterval=0.5 if sys.stderr.isatty() else 10.0,
     )
     for step in range(1, max_steps + 1):
-        model.train()
         idx = torch.randint(n, (batch_size,), generator=generator)
-        mask = data["attention_mask"][idx]
-        width = int(mask.sum(dim=1).max())  # right-padded: trim the all-padding tail
-        labels = data["labels"][idx, :width].to(model.device)
-        out = model(
-            input_ids=data["input_ids"][idx, :width].to(model.device),
-            attention_mask=mask[:, :width].to(model.device),
-            labels=labels,
-        )
-        optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        optimizer.step()
-        result["losses"].append(out.loss.detach().item())
-        result["train_accuracies"].append(teacher_forced_accuracy(out.logits.detach(), labels))
+        metrics = engine.update(_rows(data, idx), loss)
+        result["losses"].append(metrics["sft/loss"])
+        result["train_accuracies"].append(metrics["sft/sure_frac"])
         result["steps"] = step
         recent = result["train_accuracies"][-trigger_window:]
         triggered = (
@@ -228,19 +246,6 @@ def run_sft(
     model.train(was_training)
     result["seconds"] = time.perf_counter() - start_time
     return result
-
-
-def teacher_forced_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
-    """Fraction of sequences whose every labelled token is the argmax of the previous position.
-
-    Args:
-        logits: [B, L, V]. labels: [B, L] long, ``IGNORE_INDEX`` where not scored.
-    """
-    predicted = logits[:, :-1].argmax(dim=-1)
-    target = labels[:, 1:]
-    scored = target != IGNORE_INDEX
-    correct = ((predicted == target) | ~scored).all(dim=1) & scored.any(dim=1)
-    return correct.float().mean().item()
 
 
 def warm_start_key(settings: dict) -> str:
@@ -313,7 +318,13 @@ def _build_warm_start(tmp: Path, final: Path, settings: dict, sft: SFTConfig) ->
             tokenizer,
             rows,
             [task_obj.demonstration(r) for r in rows],
-            sft,
+            SFTConfig(
+                **{
+                    f.name: settings[f.name]
+                    for f in dataclasses.fields(SFTConfig)
+                    if f.name in settings
+                }
+            ),
             eval_rows=task_obj.rows("val", settings["n_eval"], seed=seed),
             max_new_tokens=task_obj.max_response_chars + 1,
             seed=seed,
