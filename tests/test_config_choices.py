@@ -40,6 +40,7 @@ OWNERS = {
     "algorithm.rollout_correction": ("otbrl.algos.rollout_correction", "CORRECTIONS"),
     "algorithm.off_policy": ("otbrl.algos.rollout_correction", "OFF_POLICY_MODES"),
     "actor.loss_agg_mode": ("otbrl.algos.loss_math", "LOSS_AGG_MODES"),
+    "actor.policy_loss": ("otbrl.algos.loss_terms", "POLICY_LOSSES"),
     "actor.kl_loss_type": ("otbrl.algos.loss_math", "KL_KINDS"),
     "actor.calculate_sum_pi_squared": ("otbrl.settings", "TRISTATE"),
     "actor.strategy": ("otbrl.engine.dims", "STRATEGIES"),

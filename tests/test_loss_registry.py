@@ -176,7 +176,7 @@ def test_composed_gradient_is_the_sum_of_the_terms_gradients():
     composed, _ = build_loss(entropy_coeff=0.05, kl_loss_coef=0.2, **agg)(out, batch, norms)
     policy = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0}
     terms = [
-        LOSSES["ppo_clip"].fn(out, batch, norms, **policy, **agg)[0],
+        LOSSES["ppo"].fn(out, batch, norms, **policy, **agg)[0],
         LOSSES["entropy"].fn(out, batch, norms, coef=0.05, **agg)[0],
         LOSSES["kl"].fn(out, batch, norms, coef=0.2, kind="low_var_kl", **agg)[0],
     ]
@@ -233,7 +233,7 @@ def test_rollout_is_weights_scale_the_policy_term_only_when_present():
 
 def test_bad_options_name_the_argument():
     for kwargs, name in [
-        ({"policy_loss": "ppo"}, "policy_loss"),
+        ({"policy_loss": "ppo_clip"}, "policy_loss"),  # its name before "ppo"
         ({"policy_loss": "entropy"}, "policy_loss"),  # registered, but not a policy term
         ({"loss_agg_mode": "mean"}, "loss_agg_mode"),
         ({"loss_agg_mode": "seq-mean-token-sum-norm"}, "horizon"),

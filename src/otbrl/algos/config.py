@@ -21,6 +21,12 @@ LOSS_AGG_MODES = (
 KL_KINDS = {"k1": "k1", "kl": "k1", "abs": "abs", "k2": "k2", "mse": "k2", "k3": "k3"}
 KL_KINDS["low_var_kl"] = "k3"
 KL_KINDS.update({"k1+": "k1+", "kl+": "k1+", "abs+": "abs+", "k3+": "k3+", "low_var_kl+": "k3+"})
+# actor.policy_loss: PPO's clipped token ratio, GSPO's clipped sequence ratio (its token form,
+# so token-level advantages keep their per-token signal), CISPO's clipped, stop-gradient weight
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
+# the aggregation each defines (PPO: any of LOSS_AGG_MODES): GSPO averages each sequence's tokens
+# then the sequences (its paper's 1/G Σ 1/|y| Σ); CISPO averages over every token of the batch
+POLICY_LOSS_AGG = {"gspo": "seq-mean-token-mean", "cispo": "token-mean"}
 # algorithm.rollout_correction: a weight on the rollout's samples with no proximal policy
 CORRECTIONS = ("none", "token_tis", "seq_mis")
 # algorithm.off_policy -> the mode that implements it (``tis`` is ``token_tis``)

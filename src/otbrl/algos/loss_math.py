@@ -167,30 +167,83 @@ def kl_in_reward(
         return token_level_scores - coef * kl, masked_mean(kl, m)
 
 
+def _selected(keep: Tensor, log_probs, old_log_probs, advantages):
+    """``(log π, A, log-ratio)`` with every input selected by ``keep`` before any arithmetic: a
+    NaN where m = 0 cannot reach a loss or, through ``where``'s backward, the gradient. The
+    log-ratio is clamped to ±``LOG_RATIO_CLAMP``."""
+    lp, old, advantages = (
+        torch.where(keep, x, 0.0) for x in (log_probs, old_log_probs, advantages)
+    )
+    return lp, advantages, (lp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def _clipped_surrogate(advantages, ratio, keep, low, high) -> tuple[Tensor, Tensor]:
+    """PPO's pessimistic bound max(−A·r, −A·clip(r, 1 − low, 1 + high)) ``[B, L]`` and the
+    tokens where the clipped branch is the larger (bool ``[B, L]``)."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - low, 1.0 + high)
+    return torch.maximum(unclipped, clipped), keep & (clipped > unclipped)
+
+
+def _weighted(loss: Tensor, keep: Tensor, rollout_is_weights) -> Tensor:
+    """``loss`` times the rollout importance weights ``[B, L]`` when given."""
+    if rollout_is_weights is None:
+        return loss
+    isw = check_tensor("rollout_is_weights", rollout_is_weights, keep.shape)
+    return loss * torch.where(keep, isw, 0.0)
+
+
 def ppo_token_loss(
     log_probs, old_log_probs, advantages, keep, low, high, c, rollout_is_weights
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per-token PPO loss ``[B, L]`` and the tokens where the clip / the dual clip is active
-    (bool ``[B, L]``) and the log-ratio. Inputs are selected by ``keep`` before any arithmetic:
-    a NaN where m = 0 cannot reach the loss or, through ``where``'s backward, the gradient."""
-    lp, old, advantages = (
-        torch.where(keep, x, 0.0) for x in (log_probs, old_log_probs, advantages)
-    )
-    log_ratio = (lp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = log_ratio.exp()
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - low, 1.0 + high)
-    loss = torch.maximum(unclipped, clipped)
-    is_clipped = keep & (clipped > unclipped)
+    (bool ``[B, L]``) and the log-ratio; inputs selected by ``keep`` (:func:`_selected`)."""
+    _, advantages, log_ratio = _selected(keep, log_probs, old_log_probs, advantages)
+    loss, is_clipped = _clipped_surrogate(advantages, log_ratio.exp(), keep, low, high)
     dual = torch.zeros_like(keep)
     if c is not None:
         bound = -advantages * c
         dual = keep & (advantages < 0) & (loss > bound)
         loss = torch.where(advantages < 0, torch.minimum(loss, bound), loss)
-    if rollout_is_weights is not None:
-        isw = check_tensor("rollout_is_weights", rollout_is_weights, keep.shape)
-        loss = loss * torch.where(keep, isw, 0.0)
-    return loss, is_clipped, dual, log_ratio
+    return _weighted(loss, keep, rollout_is_weights), is_clipped, dual, log_ratio
+
+
+def gspo_token_loss(
+    log_probs, old_log_probs, advantages, keep, low, high, rollout_is_weights
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """GSPO-token's per-token loss ``[B, L]`` (Zheng et al. 2025, eq. 10-11), the tokens where
+    its clip is active (bool ``[B, L]``), each row's sequence ratio s_i ``[B]`` and the
+    log-ratio ``[B, L]``.
+
+    s_i = exp(mean over the row's tokens of log π − log π_old) (the geometric mean of the token
+    ratios); the token ratio s_{i,t} = sg(s_i) · π(y_t) / sg(π(y_t)) has the value s_i and the
+    gradient s_i · ∇log π(y_t); ℓ_t = max(−A_t · s_{i,t}, −A_t · clip(s_{i,t}, 1 − low, 1 + high))
+    (times ``rollout_is_weights`` when given). With an advantage constant along the row this is
+    sequence-level GSPO (its gradient s_i · A_i · mean_t ∇log π); with per-token advantages
+    (OTB, GAE) each token keeps its own A_t, and the clip — one decision per row and sign of
+    A_t — is the sequence's. Inputs selected by ``keep`` (:func:`_selected`)."""
+    lp, advantages, log_ratio = _selected(keep, log_probs, old_log_probs, advantages)
+    seq_ratio = ((log_ratio * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1)).detach().exp()
+    ratio = seq_ratio.unsqueeze(1) * (lp - lp.detach()).exp()
+    loss, is_clipped = _clipped_surrogate(advantages, ratio, keep, low, high)
+    return _weighted(loss, keep, rollout_is_weights), is_clipped, seq_ratio, log_ratio
+
+
+def cispo_token_loss(
+    log_probs, old_log_probs, advantages, keep, low, high, rollout_is_weights
+) -> tuple[Tensor, Tensor, Tensor]:
+    """CISPO's per-token loss ``[B, L]`` (MiniMax-M1, 2025, eq. 4-5), the tokens whose weight
+    was clipped (bool ``[B, L]``) and the log-ratio ``[B, L]``.
+
+    ℓ_t = −sg(clip(r_t, 1 − low, 1 + high)) · A_t · log π(y_t), r_t = π(y_t) / π_old(y_t): the
+    importance weight is clipped and carries no gradient, and every token keeps its gradient
+    (PPO's clip drops the clipped tokens'); times ``rollout_is_weights`` when given. The paper
+    sets no lower bound (ε_low large): ``low`` close to 1."""
+    lp, advantages, log_ratio = _selected(keep, log_probs, old_log_probs, advantages)
+    ratio = log_ratio.detach().exp()
+    weight = ratio.clamp(1.0 - low, 1.0 + high)
+    loss = -weight * advantages * lp
+    return _weighted(loss, keep, rollout_is_weights), keep & (weight != ratio), log_ratio
 
 
 def check_clip(clip_ratio_low, clip_ratio_high, clip_ratio_c) -> None:

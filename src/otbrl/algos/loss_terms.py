@@ -27,6 +27,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from otbrl.algos.config import POLICY_LOSS_AGG, POLICY_LOSSES
 from otbrl.algos.loss_math import (
     KL_KINDS,
     LOSS_AGG_MODES,
@@ -34,6 +35,8 @@ from otbrl.algos.loss_math import (
     agg_loss,
     at_least_one,
     check_clip,
+    cispo_token_loss,
+    gspo_token_loss,
     kl_penalty,
     ppo_token_loss,
     value_token_loss,
@@ -42,8 +45,8 @@ from otbrl.algos.reductions import masked_sum
 from otbrl.ops.token_stats import HEAD_OUTPUTS, NO_GRADIENT
 
 __all__ = [
-    "LOSSES", "Loss", "LossTerm", "SumOfTerms", "build_loss", "build_sft_loss", "build_value_loss",
-    "register_loss",
+    "LOSSES", "POLICY_LOSSES", "Loss", "LossTerm", "SumOfTerms", "build_loss", "build_sft_loss",
+    "build_value_loss", "register_loss",
 ]  # fmt: skip
 
 # what a loss term may differentiate: every forward output but the gradient-free statistics
@@ -118,12 +121,12 @@ def _token_share(x: Tensor, mask: Tensor, norms: Normalizers) -> Tensor:
 
 
 @register_loss(
-    "ppo_clip",
+    "ppo",
     role="policy",
     needs={"log_probs"},
     batch_keys={"response_mask", "old_log_probs", "advantages"},
 )
-def ppo_clip_term(
+def ppo_term(
     out, batch, norms, *, clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, horizon
 ):
     """PPO's clipped surrogate (:func:`ppo_policy_loss`), times ``batch["rollout_is_weights"]``
@@ -140,6 +143,53 @@ def ppo_clip_term(
         metrics["policy/clip_frac_lower"] = _token_share(dual, m, norms)
     metrics["policy/approx_kl"] = _token_share(-log_ratio, m, norms)
     return pg, metrics
+
+
+_RATIO_KEYS = {"response_mask", "old_log_probs", "advantages"}
+
+
+@register_loss("gspo", role="policy", needs={"log_probs"}, batch_keys=_RATIO_KEYS)
+def gspo_term(out, batch, norms, *, clip_ratio_low, clip_ratio_high, loss_agg_mode, horizon):
+    """GSPO's clipped sequence ratio in its token form (:func:`gspo_token_loss`), times
+    ``batch["rollout_is_weights"]`` when the batch holds them. Metrics: ``policy/pg_loss``,
+    ``policy/clip_frac`` (tokens whose clip is active), ``policy/seq_clip_frac`` (sequences
+    with a clipped token: with a row-constant advantage, the sequences GSPO clipped),
+    ``policy/seq_ratio_mean`` (mean s_i) and ``policy/approx_kl``."""
+    m = batch["response_mask"]
+    keep = m != 0
+    loss, clipped, seq_ratio, log_ratio = gspo_token_loss(
+        out["log_probs"], batch["old_log_probs"], batch["advantages"], keep, clip_ratio_low,
+        clip_ratio_high, batch.get("rollout_is_weights", None),
+    )  # fmt: skip
+    pg = agg_loss(loss, m, **_norm_kwargs(norms, loss_agg_mode, horizon))
+    rows = keep.any(dim=1)
+    per_seq = at_least_one(norms.num_seqs)
+    return pg, {
+        "policy/pg_loss": pg.detach(),
+        "policy/clip_frac": _token_share(clipped, m, norms),
+        "policy/seq_clip_frac": (clipped.any(dim=1) & rows).float().sum().detach() / per_seq,
+        "policy/seq_ratio_mean": (seq_ratio * rows).sum().detach() / per_seq,
+        "policy/approx_kl": _token_share(-log_ratio, m, norms),
+    }
+
+
+@register_loss("cispo", role="policy", needs={"log_probs"}, batch_keys=_RATIO_KEYS)
+def cispo_term(out, batch, norms, *, clip_ratio_low, clip_ratio_high, loss_agg_mode, horizon):
+    """CISPO's clipped, stop-gradient importance weight on every token's log-likelihood
+    (:func:`cispo_token_loss`), times ``batch["rollout_is_weights"]`` when the batch holds
+    them. Metrics: ``policy/pg_loss``, ``policy/clip_frac`` (tokens whose weight was clipped)
+    and ``policy/approx_kl``."""
+    m = batch["response_mask"]
+    loss, clipped, log_ratio = cispo_token_loss(
+        out["log_probs"], batch["old_log_probs"], batch["advantages"], m != 0, clip_ratio_low,
+        clip_ratio_high, batch.get("rollout_is_weights", None),
+    )  # fmt: skip
+    pg = agg_loss(loss, m, **_norm_kwargs(norms, loss_agg_mode, horizon))
+    return pg, {
+        "policy/pg_loss": pg.detach(),
+        "policy/clip_frac": _token_share(clipped, m, norms),
+        "policy/approx_kl": _token_share(-log_ratio, m, norms),
+    }
 
 
 @register_loss("entropy", role="entropy", needs={"entropy"}, batch_keys={"response_mask"})
@@ -254,7 +304,7 @@ def _check_mode(loss_agg_mode: str, horizon) -> int | None:
 
 def build_loss(
     *,
-    policy_loss: str = "ppo_clip",
+    policy_loss: str = "ppo",
     loss_agg_mode: str = "token-mean",
     horizon: int | None = None,
     clip_ratio_low: float = 0.2,
@@ -268,8 +318,11 @@ def build_loss(
     ``"entropy"`` is in ``needs``) (+ ``kl`` when ``kl_loss_coef`` > 0, then
     ``"ref_log_probs"`` is in ``batch_keys``). Metric ``policy/loss`` is the total.
 
-    ``horizon``: the fixed horizon of ``seq-mean-token-sum-norm`` (the maximum response
-    length), required for that mode. ``clip_ratio_c=None`` disables the dual clip. Bad options
+    ``policy_loss``: a registered policy term — ``ppo`` (any aggregation; ``clip_ratio_c`` is
+    its dual clip), ``gspo`` or ``cispo`` (only the aggregation their papers define,
+    ``algos.config.POLICY_LOSS_AGG``; no dual clip). ``horizon``: the fixed horizon of
+    ``seq-mean-token-sum-norm`` (the maximum response length), required for that mode.
+    ``clip_ratio_c=None`` disables the dual clip. Bad options
     raise ``ValueError`` (``TypeError`` for a non-number) naming the argument.
     """
     term = LOSSES.get(policy_loss)
@@ -277,6 +330,12 @@ def build_loss(
         valid = sorted(n for n, t in LOSSES.items() if t.role == "policy")
         raise ValueError(f"policy_loss must be one of {valid}, got {policy_loss!r}")
     horizon = _check_mode(loss_agg_mode, horizon)
+    defined = POLICY_LOSS_AGG.get(policy_loss, loss_agg_mode)
+    if loss_agg_mode != defined:
+        raise ValueError(
+            f"loss_agg_mode: {policy_loss} is defined with {defined!r} (its paper's average), "
+            f"got {loss_agg_mode!r}"
+        )
     low = _number("clip_ratio_low", clip_ratio_low)
     high = _number("clip_ratio_high", clip_ratio_high)
     c = (

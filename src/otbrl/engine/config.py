@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from otbrl.algos.config import KL_KINDS, LOSS_AGG_MODES
+from otbrl.algos.config import KL_KINDS, LOSS_AGG_MODES, POLICY_LOSS_AGG, POLICY_LOSSES
 from otbrl.engine.dims import STRATEGIES
 from otbrl.engine.optim import OptimConfig
+from otbrl.errors import ConfigError
 from otbrl.models.config import LoraConfig
-from otbrl.settings import TRISTATE, setting
+from otbrl.settings import TRISTATE, refuse_unset, setting
 
 # model.precision (otbrl.engine.precision: what each means)
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
@@ -37,12 +38,17 @@ class ModelConfig:
 class ActorConfig(OptimConfig):
     # prompts per optimizer step (x rollout.n sequences); None = the whole step batch
     ppo_mini_batch_size: int | None = None
-    # PPO clip: the ratio's lower bound is 1 - this
+    # ppo (clipped token ratio) | gspo (clipped sequence ratio, its token form; its paper clips
+    # at 1 - 3e-4 / 1 + 4e-4) | cispo (a clipped, stop-gradient weight on every token's
+    # log-likelihood; its paper sets no lower bound: clip_ratio_low near 1)
+    policy_loss: str = setting("ppo", choices=POLICY_LOSSES)
+    # the clip: the ratio's lower bound is 1 - this
     clip_ratio_low: float = setting(0.2, ge=0, lt=1)
-    # PPO clip: the ratio's upper bound is 1 + this (DAPO's clip-higher: > low)
+    # the clip: the ratio's upper bound is 1 + this (DAPO's clip-higher: > low)
     clip_ratio_high: float = setting(0.2, ge=0)
-    clip_ratio_c: float = setting(3.0, gt=1)  # dual-clip bound for negative advantages
-    # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    clip_ratio_c: float = setting(3.0, gt=1)  # PPO's dual-clip bound for negative advantages
+    # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (gspo:
+    # seq-mean-token-mean, cispo: token-mean, the averages their papers define)
     loss_agg_mode: str = setting("token-mean", choices=LOSS_AGG_MODES)
     # entropy bonus weight in the policy loss; 0 = off
     entropy_coeff: float = setting(0.0, ge=0)
@@ -63,6 +69,19 @@ class ActorConfig(OptimConfig):
     tensor_parallel_size: int = setting(1, gt=0)
     # ranks splitting each packed sequence
     ulysses_sequence_parallel_size: int = setting(1, gt=0)
+
+    def check(self, at: str) -> None:
+        """GSPO and CISPO take the aggregation their papers define and no dual clip."""
+        defined = POLICY_LOSS_AGG.get(self.policy_loss)
+        if defined is not None and self.loss_agg_mode != defined:
+            raise ConfigError(
+                f"'{at}loss_agg_mode' is {self.loss_agg_mode} but {at}policy_loss="
+                f"{self.policy_loss} is defined with {defined}: set {at}loss_agg_mode={defined}",
+                f"{at}loss_agg_mode",
+            )
+        if self.policy_loss != "ppo":
+            because = f"'{at}policy_loss' is {self.policy_loss} (the dual clip is PPO's)"
+            refuse_unset(self, at, because, f"use {at}policy_loss=ppo", ["clip_ratio_c"])
 
 
 @dataclass

@@ -80,6 +80,7 @@ def policy_loss(cfg: Config, *, regularizers: bool = True) -> loss_terms.Loss:
     too, so the two cannot disagree (aggregation, clipping, horizon)."""
     a = cfg.actor
     return loss_terms.build_loss(
+        policy_loss=a.policy_loss,
         loss_agg_mode=a.loss_agg_mode,
         horizon=cfg.rollout.max_new_tokens,
         clip_ratio_low=a.clip_ratio_low,
