@@ -240,8 +240,10 @@ def start_test_world(rank: int, world_size: int, *, sp: int = 1, tp: int = 1):
     return World(rank=info.rank, size=info.world_size, device=info.device, mesh=mesh)
 
 
-def policy_loss():
-    """The PPO loss the multi-process tests train with."""
+def policy_loss(name: str = "ppo"):
+    """The policy loss the multi-process tests train with (``actor.policy_loss``; GSPO and
+    CISPO with the aggregation they define)."""
+    from otbrl.algos.config import POLICY_LOSS_AGG
     from otbrl.algos.loss_terms import build_loss
 
-    return build_loss()
+    return build_loss(policy_loss=name, loss_agg_mode=POLICY_LOSS_AGG.get(name, "token-mean"))

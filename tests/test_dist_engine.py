@@ -32,7 +32,7 @@ def full_grads(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def single_process_reference(batch, model_kwargs=None, engine_kwargs=None):
+def single_process_reference(batch, model_kwargs=None, engine_kwargs=None, loss="ppo"):
     """Stats and mini-batch gradients of the one-process engine on the whole batch."""
     from otbrl.engine.engine import Engine
     from otbrl.engine.parallel import clip_grad_norm
@@ -43,7 +43,7 @@ def single_process_reference(batch, model_kwargs=None, engine_kwargs=None):
     )
     stats = engine.compute(batch, OUTPUTS)
     mini = {**batch, "old_log_probs": stats["log_probs"]}
-    tally = engine.accumulate_gradients(mini, policy_loss())
+    tally = engine.accumulate_gradients(mini, policy_loss(loss))
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return stats, tally, grads, float(clip_grad_norm(model.parameters(), 0.5))
 
@@ -63,6 +63,7 @@ def _engine_worker(
     extra_steps=0,
     model_kwargs=None,
     engine_kwargs=None,
+    loss="ppo",
 ):
     from otbrl.engine.engine import Engine
     from otbrl.engine.parallel import clip_grad_norm
@@ -89,10 +90,10 @@ def _engine_worker(
     collectives = _gloo_ops(prof)
     logits_shape = shapes[-1]
     mini = {**local, "old_log_probs": stats["log_probs"]}
-    tally = actor.accumulate_gradients(mini, policy_loss())
+    tally = actor.accumulate_gradients(mini, policy_loss(loss))
     grads = full_grads(actor.model)
     norm = float(clip_grad_norm(actor.model.parameters(), 0.5))
-    metrics = actor.update(mini, policy_loss())  # a real PPO step: AdamW
+    metrics = actor.update(mini, policy_loss(loss))  # a real step: AdamW
     from torch.distributed.tensor import DTensor
 
     dtypes = {  # what the optimizer steps: the local shards and AdamW's moments
@@ -109,7 +110,7 @@ def _engine_worker(
         },
     }
     for _ in range(extra_steps):
-        later = actor.update(mini, policy_loss())
+        later = actor.update(mini, policy_loss(loss))
         assert all(torch.isfinite(torch.tensor(v)) for v in later.values()), later
     # the rollout copy's weights come from full_tensors(): the gathered current weights, a
     # tied parameter once, under its first name (otbrl.models.tied)
@@ -135,11 +136,13 @@ def _engine_worker(
     }
 
 
-def check_against_reference(results, world_size, model_kwargs=None):
+def check_against_reference(results, world_size, model_kwargs=None, loss="ppo"):
     """Every rank's stats, metrics and gradients equal the one-process fp32 engine's (no
     gradient checkpointing there: a checkpointing worker must give the same gradients)."""
     batch = ppo_batch()
-    ref_stats, ref_tally, ref_grads, ref_norm = single_process_reference(batch, model_kwargs)
+    ref_stats, ref_tally, ref_grads, ref_norm = single_process_reference(
+        batch, model_kwargs, loss=loss
+    )
     mask = batch["response_mask"].bool()
     for rank in range(world_size):
         got = results[rank]
@@ -190,6 +193,17 @@ def test_ulysses_engine_matches_actor(tmp_path):
     # compute_stats (rows 4..7), rounded up: one pad token when nnz is odd
     nnz = int(ppo_batch()["attention_mask"][4:].sum())
     assert results[0]["logits_shape"][0] == -(-nnz // 2)
+
+
+def test_ulysses_gspo_matches_one_process(tmp_path):
+    """GSPO's per-row mean over Ulysses ranks, which each run half of every packed sequence:
+    the engine gathers whole rows before the loss, so stats, tally and gradients are the
+    one-process ones."""
+    results = check_ok(
+        launch(_engine_worker, 2, tmp_path, "fsdp", 2, 1, True, 0, None, None, "gspo")
+    )
+    check_against_reference(results, 2, loss="gspo")
+    assert "policy/seq_clip_frac" in results[0]["tally"]
 
 
 CHECKPOINTING = {"gradient_checkpointing": True}
