@@ -80,7 +80,8 @@ class OTBGRPOConfig(GRPOConfig):
             raise ValueError(
                 "importance_sampling_level: 'sequence' (GSPO, LUSPO) optimizes a per-sequence "
                 "objective; OTB advantages are per token, expected 'token', "
-                f"got {self.importance_sampling_level!r}"
+                f"got {self.importance_sampling_level!r} (GSPO's token form, which keeps "
+                "per-token advantages, is `otbrl train actor.policy_loss=gspo`)"
             )
         if self.off_policy_mask_threshold is not None:
             raise ValueError(
