@@ -3,6 +3,7 @@ problem a one-line ``ConfigError`` naming the key (unknown keys get a did-you-me
 
 from __future__ import annotations
 
+import copy
 import difflib
 import functools
 import warnings
@@ -40,7 +41,7 @@ def upgrade_saved(saved: dict) -> dict:
     """A saved resolved configuration (a checkpoint's or run directory's) of an earlier version
     in today's keys: ``model.dtype`` read as ``model.precision``, ``RENAMED_KEYS`` renamed.
     Returns a new dict; ``saved`` is not changed."""
-    out = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}
+    out = copy.deepcopy(saved)
     model = out.get("model")
     if isinstance(model, dict) and "dtype" in model:
         dtype = model.pop("dtype")

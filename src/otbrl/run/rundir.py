@@ -134,7 +134,7 @@ def config_differences(saved: dict, current: dict) -> dict[str, tuple[Any, Any]]
     one of them lacks (another otbrl version) counts as the schema's default; a key an earlier
     version named otherwise is compared under its name now (``upgrade_saved``)."""
     defaults = flat_config(to_dict(Config()))
-    a, b = flat_config(upgrade_saved(saved)), flat_config(upgrade_saved(current))
+    a, b = flat_config(upgrade_saved(saved)), flat_config(current)
     out = {}
     for key in sorted(set(a) | set(b)):
         x, y = a.get(key, defaults.get(key)), b.get(key, defaults.get(key))

@@ -318,13 +318,7 @@ def _build_warm_start(tmp: Path, final: Path, settings: dict, sft: SFTConfig) ->
             tokenizer,
             rows,
             [task_obj.demonstration(r) for r in rows],
-            SFTConfig(
-                **{
-                    f.name: settings[f.name]
-                    for f in dataclasses.fields(SFTConfig)
-                    if f.name in settings
-                }
-            ),
+            sft,
             eval_rows=task_obj.rows("val", settings["n_eval"], seed=seed),
             max_new_tokens=task_obj.max_response_chars + 1,
             seed=seed,
