@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from otbrl.algos.config import POLICY_LOSS_AGG
 from otbrl.algos.loss_math import loss_normalizers
 from otbrl.algos.loss_terms import build_loss
 from otbrl.config import ConfigError, load_config
@@ -42,8 +43,8 @@ def _batch(seed=0, *, constant_advantage=False):
 
 
 def _ours(name, lp, old, adv, mask, isw=None, **options):
-    agg = {"gspo": "seq-mean-token-mean", "cispo": "token-mean"}[name]
-    loss_fn = build_loss(policy_loss=name, loss_agg_mode=agg, clip_ratio_low=LOW, **options)
+    options = {"clip_ratio_low": LOW, **options}
+    loss_fn = build_loss(policy_loss=name, loss_agg_mode=POLICY_LOSS_AGG[name], **options)
     lp = lp.clone().requires_grad_(True)
     batch = {"response_mask": mask, "old_log_probs": old, "advantages": adv}
     if isw is not None:
@@ -178,19 +179,12 @@ def test_cispo_equals_trls_cispo_loss():
     lower bound below every ratio gives the same loss and gradient."""
     lp, old, adv, mask, _ = _batch(4)
     assert torch.exp(lp - old)[mask != 0].min() < 1 - LOW  # a lower bound would bind here
-    opened = build_loss(
-        policy_loss="cispo", loss_agg_mode="token-mean", clip_ratio_low=0.999,
-        clip_ratio_high=HIGH,
-    )  # fmt: skip
-    x = lp.clone().requires_grad_(True)
-    batch = {"response_mask": mask, "old_log_probs": old, "advantages": adv}
-    got, _ = opened({"log_probs": x}, batch, loss_normalizers(mask))
-    got.backward()
+    got, grad, _ = _ours("cispo", lp, old, adv, mask, clip_ratio_low=0.999, clip_ratio_high=HIGH)
     want, want_grad, _ = _trl_loss(
         "cispo", "token", lp, old, adv, mask, epsilon_low=LOW, epsilon_high=1 + HIGH
     )
-    torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(x.grad.masked_fill(mask == 0, 0.0), want_grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad.masked_fill(mask == 0, 0.0), want_grad, rtol=1e-4, atol=1e-6)
 
 
 def test_every_configurable_policy_loss_is_a_registered_policy_term():
@@ -238,7 +232,7 @@ def overrides(tmp_path_factory):
 def test_a_run_trains_with_the_loss_from_the_command_line(overrides, tmp_path, name, extra):
     from otbrl import cli
 
-    agg = {"gspo": "seq-mean-token-mean", "cispo": "token-mean"}[name]
+    agg = POLICY_LOSS_AGG[name]
     # the entropy term gives every step a gradient whatever the random model's rewards are
     args = overrides(
         str(tmp_path / name), f"actor.policy_loss={name}", f"actor.loss_agg_mode={agg}",
