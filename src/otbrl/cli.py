@@ -294,7 +294,16 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _variance(args: argparse.Namespace) -> int:
-    cfg, plan = _config(args)
+    cfg = _load(args)
+    if cfg.algorithm.distill.teacher_path is not None:  # before the plan loads its tokenizer
+        raise ConfigError(
+            "'algorithm.distill.teacher_path': otbrl variance measures the gradient of the task "
+            "reward alone (no teacher, no in-reward KL); drop the key",
+            "algorithm.distill.teacher_path",
+        )
+    from otbrl.run.plan import plan_run
+
+    plan = plan_run(cfg)
     from otbrl.research.variance import DEFAULT_ESTIMATORS, check_variance_args, run_variance
 
     try:

@@ -87,7 +87,7 @@ def check_field(f: Field, value: Any, key: str) -> None:
         # NaN passes every comparison and inf overflows at step 1
         raise ConfigError(f"'{key}' must be a finite number, got {value}", key)
     allowed = meta.get("choices")
-    if allowed is not None:
+    if allowed is not None and not (value is None and meta.get("null")):
         many = isinstance(value, Sequence) and not isinstance(value, str)  # a list of choices
         for item in value if many else [value]:
             if item not in allowed:

@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from otbrl.errors import ConfigError
-from otbrl.settings import setting
+from otbrl.models.config import PRECISIONS
+from otbrl.settings import refuse_unset, setting
 
 LOSS_AGG_MODES = (
     "token-mean",
@@ -45,6 +46,31 @@ class OTBConfig:
 
 
 @dataclass
+class DistillConfig:
+    """On-policy distillation: a frozen teacher scores every token the policy sampled and the
+    per-token reverse KL's estimate ``log π_teacher − log π_student`` (× ``coef``) is added to
+    the token rewards, which the configured estimator turns into advantages."""
+
+    # an HF causal-LM directory (or a hub id in the local HF cache) whose tokenizer is the
+    # policy's; None: no distillation
+    teacher_path: str | None = None
+    # weight of the per-token signal coef · (log π_teacher − log π_student) in the rewards
+    coef: float = setting(1.0, gt=0)
+    # false: pure distillation, the task's reward is still scored and logged but not trained on
+    task_reward: bool = True
+    # the teacher engine's precision; None: the policy's (then teacher = policy gives 0 exactly)
+    precision: str | None = setting(None, choices=PRECISIONS, null="model.precision")
+    # sequences per teacher forward; None: actor.micro_batch_size
+    micro_batch_size: int | None = setting(None, gt=0, null="actor.micro_batch_size")
+
+    def check(self, at: str) -> None:
+        """Its keys only with a teacher."""
+        if self.teacher_path is None:
+            because = f"'{at}teacher_path' is not (no distillation)"
+            refuse_unset(self, at, because, "set the teacher's model directory")
+
+
+@dataclass
 class AlgorithmConfig:
     # optimal_token_baseline | tir_optimal_token_baseline | grpo | rloo | gae | ...
     adv_estimator: str = "optimal_token_baseline"
@@ -73,6 +99,7 @@ class AlgorithmConfig:
     # the start of the update, π_behave = the rollout's; OTB's W takes the weights squared
     off_policy: str = setting("none", choices=OFF_POLICY)
     otb: OTBConfig = field(default_factory=OTBConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def check(self, at: str) -> None:
         """``off_policy`` and ``rollout_correction`` both weight the samples: one at a time."""

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from otbrl.engine.config import PRECISIONS
 from otbrl.errors import ConfigError
+from otbrl.models.config import PRECISIONS
 
 
 @dataclass(frozen=True)
@@ -93,11 +93,14 @@ def native_bf16(device: torch.device | str) -> bool:
     return True
 
 
-def check_precision_device(precision: str, device: torch.device | str) -> str | None:
+def check_precision_device(
+    precision: str, device: torch.device | str, key: str = "model.precision"
+) -> str | None:
     """Refuse a bf16 precision on a device that cannot compute bf16; return a note to print at
     start when it can but only by emulation (a CPU without bf16 instructions), else None.
 
-    Raises ``ConfigError`` naming ``model.precision`` (a CUDA device before Ampere).
+    Raises ``ConfigError`` naming ``key``, the setting ``precision`` came from (a CUDA device
+    before Ampere).
     """
     p = get_precision(precision)
     if p.compute != torch.bfloat16:
@@ -108,13 +111,13 @@ def check_precision_device(precision: str, device: torch.device | str) -> str | 
     ):
         name = torch.cuda.get_device_name(device) if torch.cuda.is_available() else "CUDA"
         raise ConfigError(
-            f"'model.precision' {precision}: {name} cannot compute in bfloat16 (compute "
-            "capability 8.0 or newer needed); use model.precision=32-true",
-            "model.precision",
+            f"'{key}' {precision}: {name} cannot compute in bfloat16 (compute "
+            f"capability 8.0 or newer needed); use {key}=32-true",
+            key,
         )
     if not native_bf16(device):
         return (
-            f"model.precision={precision}: this {device.type.upper()} has no bf16 instructions "
+            f"{key}={precision}: this {device.type.upper()} has no bf16 instructions "
             "(torch emulates them, far slower than float32); 32-true is faster here"
         )
     return None

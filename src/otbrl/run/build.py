@@ -213,12 +213,29 @@ def build_reward_model(cfg: Config, world: World) -> RewardModel:
     return model
 
 
+def build_teacher(cfg: Config, tokenizer, common: dict) -> Engine:
+    """The frozen teacher of ``algorithm.distill``: an engine of its own (sharded as the
+    reference is), in its own precision — the policy's weights dtype when unset, so that a
+    teacher equal to the policy scores exactly as the policy does — and micro-batches. Loaded
+    with the run's ``tokenizer`` (the preflight checked that the teacher's is the same)."""
+    d = cfg.algorithm.distill
+    if d.precision is None:
+        dtype, precision = policy_dtype(cfg), cfg.model.precision
+    else:  # frozen: no float32 master copy under bf16-mixed
+        dtype, precision = "float32" if d.precision == "32-true" else "bfloat16", d.precision
+    model = load_model(resolve_model_dir(d.teacher_path), tokenizer, dtype=dtype)
+    micro = d.micro_batch_size or cfg.actor.micro_batch_size
+    options = {**common, "precision": precision}
+    return Engine(model, None, name="teacher", micro_batch_size=micro, **options)
+
+
 @dataclass
 class RunParts:
     """Everything a run is built from. ``engines``: the trained ones (``policy``, and
     ``critic`` when the plan needs values), checkpointed together; ``reference``: the frozen
-    reference policy or None. ``sampler``: ``backend``, or the agent loop over it.
-    ``reward_model``: the frozen learned reward model (``reward.model.path``) or None."""
+    reference policy or None; ``teacher``: the frozen distillation teacher or None.
+    ``sampler``: ``backend``, or the agent loop over it. ``reward_model``: the frozen learned
+    reward model (``reward.model.path``) or None."""
 
     tokenizer: object
     eos_ids: list[int]
@@ -227,6 +244,7 @@ class RunParts:
     sampler: Sampler
     engines: dict[str, Engine]
     reference: Engine | None
+    teacher: Engine | None
     policy_loss: loss_terms.Loss
     critic_loss: loss_terms.Loss | None
     reward_model: RewardModel | None = None
@@ -295,6 +313,7 @@ def build_run(cfg: Config, plan: Plan, world: World, path: Path) -> RunParts:
         reference = Engine(
             ref_model, None, name="reference", micro_batch_size=a.micro_batch_size, **common
         )
+    teacher = build_teacher(cfg, tokenizer, common) if plan.spec.use_teacher else None
     if cfg.model.lora.adapter_path is not None and cfg.rollout.name == "vllm":
         # the engine started from the base model: it must sample with the saved adapter
         sync_rollout(backend, engines["policy"])
@@ -309,6 +328,7 @@ def build_run(cfg: Config, plan: Plan, world: World, path: Path) -> RunParts:
         sampler=sampler,
         engines=engines,
         reference=reference,
+        teacher=teacher,
         policy_loss=policy_loss(cfg),
         critic_loss=critic_loss(cfg) if plan.spec.use_critic else None,
         reward_model=reward_model,

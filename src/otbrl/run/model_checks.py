@@ -1,8 +1,8 @@
 """The preflight's checks against the model itself, before its weights load: read from its
 ``config.json`` or a meta-device copy of the architecture (no memory) — the context fits its
 positions, the precision this device, the parallel layout its heads, the fused head its logits,
-LoRA its modules and a saved adapter its shapes. Each problem is a ``ConfigError`` naming the
-key to change."""
+LoRA its modules, a saved adapter its shapes and a distillation teacher the policy's
+tokenizer. Each problem is a ``ConfigError`` naming the key to change."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def check_model_settings(cfg: Config, dims: ParallelDims) -> list[str]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     note = check_precision_device(cfg.model.precision, device)
     if dims.tp > 1 or dims.sp > 1:
-        _check_layout_fits_model(cfg, dims)
+        _check_layout_fits_model(cfg.model.path, dims)
     if dims.fused and cfg.model.path != "builtin":
         _check_fused_head_fits_model(cfg)
     lora = cfg.model.lora
@@ -89,12 +89,11 @@ def _text_config(path: str):
     return getattr(config, "text_config", None) or config
 
 
-def _check_layout_fits_model(cfg: Config, dims: ParallelDims) -> None:
-    """The TP size divides the model's attention heads, KV heads and MLP width (each rank
-    holds whole heads), and the Ulysses size its attention heads (KV heads are replicated up):
-    read from config.json, so a layout the model cannot take is one line, not a traceback per
-    rank after the weights load."""
-    path = cfg.model.path
+def _check_layout_fits_model(path: str, dims: ParallelDims) -> None:
+    """The TP size divides the attention heads, KV heads and MLP width of the model at ``path``
+    (each rank holds whole heads), and the Ulysses size its attention heads (KV heads are
+    replicated up): read from config.json, so a layout the model cannot take is one line, not a
+    traceback per rank after the weights load."""
     fields = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
     if path == "builtin":
         sizes = {k: DEFAULT_SIZE[k] for k in fields}
@@ -140,3 +139,62 @@ def _meta_model(cfg: Config):
             return random_causal_lm("llama", vocab_size=64, **DEFAULT_SIZE)
         config = AutoConfig.from_pretrained(resolve_model_dir(cfg.model.path))
         return AutoModelForCausalLM.from_config(config)
+
+
+def check_teacher(cfg: Config, tokenizer, context: int, dims: ParallelDims) -> list[str]:
+    """The distillation teacher (``algorithm.distill.teacher_path``) before any weights load:
+    a model directory whose tokenizer maps every token to the id the policy's ``tokenizer``
+    does (the teacher scores the policy's sampled ids), whose embedding covers those ids, whose
+    positions hold ``context`` tokens, whose heads take the parallel layout and whose precision
+    this device runs. Returns the start-up notes; raises ``ConfigError`` naming the key."""
+    import torch
+
+    from otbrl.models import load_tokenizer
+
+    key, d = "algorithm.distill.teacher_path", cfg.algorithm.distill
+    try:
+        path = resolve_model_dir(d.teacher_path)
+        theirs = load_tokenizer(path)
+        config = _text_config(str(path))
+    except Exception as err:  # a missing dir (ValueError) or what transformers raises
+        first = (str(err).splitlines() or [type(err).__name__])[0].removeprefix("path: ")
+        raise ConfigError(f"'{key}': {first}", key) from None
+    ours, their_vocab = tokenizer.get_vocab(), theirs.get_vocab()
+    if ours != their_vocab:
+        missing = sorted(set(ours) - set(their_vocab))
+        moved = sorted(t for t in set(ours) & set(their_vocab) if ours[t] != their_vocab[t])
+        example = (
+            f"{missing[0]!r} is not in the teacher's"
+            if missing
+            else f"{moved[0]!r} is id {ours[moved[0]]} in the policy's, {their_vocab[moved[0]]} "
+            "in the teacher's"
+            if moved
+            else f"the teacher's has {len(their_vocab) - len(ours)} more tokens"
+        )
+        raise ConfigError(
+            f"'{key}': the teacher's tokenizer ({len(their_vocab)} tokens) is not the policy's "
+            f"({len(ours)} tokens; {example}): the teacher scores the policy's token ids, so "
+            "both must share one vocabulary",
+            key,
+        )
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int) and vocab < len(tokenizer):
+        raise ConfigError(
+            f"'{key}': the teacher's embedding has {vocab} rows, fewer than the tokenizer's "
+            f"{len(tokenizer)} tokens",
+            key,
+        )
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, int) and context > positions:
+        raise ConfigError(
+            f"'{key}': the longest prompt plus the response budget is {context} tokens, more "
+            f"than the teacher's {positions} positions",
+            key,
+        )
+    if dims.tp > 1 or dims.sp > 1:
+        _check_layout_fits_model(str(path), dims)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if d.precision is None:  # the policy's: model.precision was checked already
+        return []
+    note = check_precision_device(d.precision, device, "algorithm.distill.precision")
+    return [note] if note else []

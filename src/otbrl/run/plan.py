@@ -39,7 +39,7 @@ from otbrl.rewards import (
 from otbrl.rewards.reward_model import check_reward_model_dir
 from otbrl.rollout import check_vllm_installed, make_agent
 from otbrl.rollout.server import ServerError, check_cpu_head_dim, check_server_url
-from otbrl.run.model_checks import check_context, check_model_settings
+from otbrl.run.model_checks import check_context, check_model_settings, check_teacher
 from otbrl.run.spec import RunSpec, resolve
 from otbrl.tools import resolve_tools, tools_for_row
 
@@ -147,6 +147,9 @@ def preflight(cfg: Config, spec: RunSpec, *, train: bool = True) -> Plan:
     val_rows, longest_val, val_notes = check_prompt_lengths(cfg, val_rows, tokenizer, tools, "val")
     check_context(cfg, max(longest, longest_val))
     notes = [*notes, *check_model_settings(cfg, spec.dims)]
+    if spec.use_teacher:
+        context = max(longest, longest_val) + cfg.rollout.max_new_tokens
+        notes += check_teacher(cfg, tokenizer, context, spec.dims)
     if train and len(train_rows) < cfg.data.train_batch_size:
         raise ConfigError(
             f"'data.train_batch_size' ({cfg.data.train_batch_size}) is larger than the training "

@@ -38,8 +38,8 @@ ESTIMATOR_OPTION_KEYS = {
 @dataclass(frozen=True)
 class Source:
     """Where a batch statistic comes from: the ``engine`` that computes it (``policy``,
-    ``reference`` or ``critic``), the name of that engine's forward ``output``, and the config
-    key that switches the provider on (None: always on)."""
+    ``reference``, ``teacher`` or ``critic``), the name of that engine's forward ``output``,
+    and the config key that switches the provider on (None: always on)."""
 
     engine: str
     output: str
@@ -53,6 +53,8 @@ SOURCES = {
     "entropy": Source("policy", "entropy"),
     "sum_pi_squared": Source("policy", "sum_pi_squared", "actor.calculate_sum_pi_squared"),
     "ref_log_probs": Source("reference", "log_probs", "actor.use_kl_loss"),
+    # the distillation teacher's log-probs of the sampled tokens (its own engine and precision)
+    "teacher_log_probs": Source("teacher", "log_probs", "algorithm.distill.teacher_path"),
     "values": Source("critic", "values", "critic.enable"),
     # the learned reward model scores the decoded conversations in the sampling step (its own
     # tokenizer and template), before the policy's forward; it adds to token_level_scores
@@ -64,19 +66,21 @@ SOURCES = {
 class RunSpec:
     """What ``resolve`` decided; ``otbrl.run.build`` builds exactly this and the trainer follows it.
 
-    ``needs``: batch statistics the estimator, the losses and the enabled metrics need (each
-    has a ``SOURCES`` entry). ``dims``: the parallel layout. ``mini_batch_size``: prompts per
+    ``needs``: batch statistics the estimator, the losses and the enabled metrics need (each has
+    a ``SOURCES`` entry). ``dims``: the parallel layout. ``mini_batch_size``: prompts per
     optimizer step. ``estimator`` and ``estimator_options``: the registry's advantage estimator
     and the keyword options it is called with. ``correction``: the ``rollout_is_weights`` mode
     (``algorithm.off_policy`` or ``algorithm.rollout_correction``), ``correction_cap`` its C.
-    ``kl_in_reward_coef``: the in-reward KL's weight (None: off). ``overlong``: the sampling
-    step's mode for prompts over ``data.max_prompt_length`` (the preflight drops them under
-    ``filter``: any left then would be a bug, ``error``) and ``max_prompt_length`` the limit.
-    ``sampling`` / ``validation``: how training and validation sample (the stop ids and each
-    batch's seed are added where they are known: ``dataclasses.replace``), validation in
-    batches of ``validation_batch_size`` prompts. ``rollout_mode``:
-    ``colocated`` or ``server`` (``rollout.mode``); ``stale_samples``: what the producer does
-    with a batch past the staleness bound (``rollout.stale_samples``).
+    ``kl_in_reward_coef``: the in-reward KL's weight (None: off). ``distill_coef``: the weight
+    of the teacher's per-token signal in the rewards (None: no distillation);
+    ``distill_task_reward``: whether the task's reward is trained on beside it. ``overlong``:
+    the sampling step's mode for prompts over ``data.max_prompt_length`` (the preflight drops
+    them under ``filter``: any left then would be a bug, ``error``) and ``max_prompt_length``
+    the limit. ``sampling`` / ``validation``: how training and validation sample (the stop ids
+    and each batch's seed are added where they are known: ``dataclasses.replace``), validation
+    in batches of ``validation_batch_size`` prompts. ``rollout_mode``: ``colocated`` or
+    ``server`` (``rollout.mode``); ``stale_samples``: what the producer does with a batch past
+    the staleness bound (``rollout.stale_samples``).
     """
 
     needs: frozenset[str]
@@ -87,6 +91,8 @@ class RunSpec:
     correction: str
     correction_cap: float
     kl_in_reward_coef: float | None
+    distill_coef: float | None
+    distill_task_reward: bool
     overlong: str
     max_prompt_length: int
     sampling: SamplingParams
@@ -99,6 +105,11 @@ class RunSpec:
     def use_reference(self) -> bool:
         """A frozen reference policy is built (a KL loss or KL reward needs its log-probs)."""
         return "ref_log_probs" in self.needs
+
+    @property
+    def use_teacher(self) -> bool:
+        """A frozen distillation teacher is built (``algorithm.distill.teacher_path``)."""
+        return "teacher_log_probs" in self.needs
 
     @property
     def use_reward_model(self) -> bool:
@@ -141,6 +152,8 @@ def stat_needs(cfg: Config) -> frozenset[str]:
         needs.add("sum_pi_squared")
     if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         needs.add("ref_log_probs")
+    if cfg.algorithm.distill.teacher_path is not None:
+        needs.add("teacher_log_probs")
     if cfg.reward.model.path is not None:
         needs.add("rm_scores")
     return frozenset(needs)
@@ -220,6 +233,8 @@ def resolve(cfg: Config, world_size: int = 1) -> RunSpec:
         correction=correction_mode(cfg),
         correction_cap=algo.rollout_is_cap,
         kl_in_reward_coef=algo.kl_coef if algo.use_kl_in_reward else None,
+        distill_coef=algo.distill.coef if algo.distill.teacher_path is not None else None,
+        distill_task_reward=algo.distill.task_reward,
         overlong="truncate_left" if cfg.data.overlong_prompts == "truncate_left" else "error",
         max_prompt_length=cfg.data.max_prompt_length,
         sampling=SamplingParams(

@@ -4,9 +4,10 @@
     sample   = sample_batch(sampler, rows)          # n responses each, scored, reward placed
     batch   += each engine's statistics the plan needs, in one forward each
                (policy: old_log_probs, entropy [, sum_pi_squared]; reference: ref_log_probs;
-                critic: values)
+                teacher: teacher_log_probs; critic: values)
     weights  = rollout correction (token_tis / seq_mis) of the rollout engine's log-probs
-    rewards  = token_level_scores [− β·KL]; advantages, returns = estimator(batch)
+    rewards  = token_level_scores [− β·KL] [+ c·(log π_teacher − log π)]
+    advantages, returns = estimator(batch)
     critic.update(value loss); policy.update(policy loss); sync the rollout's weights
     metrics  = step_metrics(batch), averaged over ranks; validate; checkpoint
 
@@ -52,7 +53,7 @@ from otbrl.run.seeds import seed_everything, step_seed
 from otbrl.store import checkpoint
 
 # the timing key of each engine's statistics forward
-TIMING = {"policy": "old_stats", "reference": "ref", "critic": "values"}
+TIMING = {"policy": "old_stats", "reference": "ref", "teacher": "teacher", "critic": "values"}
 
 
 @contextlib.contextmanager
@@ -93,6 +94,7 @@ class Trainer:
         self.tokenizer, self.eos_ids, self.dataset = parts.tokenizer, parts.eos_ids, parts.dataset
         self.rollout, self.sampler = parts.backend, parts.sampler
         self.engines, self.reference = parts.engines, parts.reference
+        self.teacher = parts.teacher
         self.policy_loss, self.critic_loss = parts.policy_loss, parts.critic_loss
         self.scoring = scoring(cfg, plan, parts.reward_model, pool=True)
         self.step = 0
@@ -156,7 +158,7 @@ class Trainer:
 
     def statistics(self, batch: dict[str, Tensor], timing: dict) -> None:
         """Each engine's share of the plan's needs, from one forward of the sampled batch."""
-        engines = {**self.engines, "reference": self.reference}
+        engines = {**self.engines, "reference": self.reference, "teacher": self.teacher}
         for name, key in TIMING.items():
             outputs = self.spec.outputs(name)
             if outputs:
@@ -187,9 +189,12 @@ class Trainer:
         return metrics
 
     def advantage(self, batch: dict[str, Tensor]) -> dict[str, float]:
-        """Token rewards (minus the in-reward KL when on), then the registry's estimator."""
+        """Token rewards (minus the in-reward KL when on, plus the distillation signal when a
+        teacher is set), then the registry's estimator."""
         metrics = {}
         rewards = batch["token_level_scores"]
+        if self.spec.distill_coef is not None and not self.spec.distill_task_reward:
+            rewards = rewards.new_zeros(rewards.shape)  # still scored: reward/* is logged
         if self.spec.kl_in_reward_coef is not None:
             rewards, kl = kl_in_reward(
                 rewards,
@@ -199,6 +204,9 @@ class Trainer:
                 coef=self.spec.kl_in_reward_coef,
             )
             metrics["train/kl_in_reward"] = float(kl)
+        if self.spec.distill_coef is not None:
+            rewards, distill = self._distill(rewards, batch)
+            metrics.update(distill)
         batch["token_level_rewards"] = rewards
         batch["advantages"], batch["returns"] = compute_advantage(
             self.spec.estimator, **batch, index=batch["uid"], **self.spec.estimator_options
@@ -207,6 +215,26 @@ class Trainer:
             masked_mean(batch["advantages"], batch["response_mask"])
         )
         return metrics
+
+    def _distill(self, rewards: Tensor, batch: dict[str, Tensor]) -> tuple[Tensor, dict]:
+        """``rewards`` + coef·(log π_teacher − log π) on the response tokens ``[B, L]``, and the
+        distillation metrics. It is the in-reward KL's equation with the teacher in the
+        reference's place: the k1 estimate of the per-token reverse KL, log π − log π_teacher,
+        of the policy that is about to be updated (π: ``old_log_probs``, the trainer's own
+        numerics — a teacher equal to the policy gives exactly 0)."""
+        mask = batch["response_mask"]
+        rewards, reverse_kl = kl_in_reward(
+            rewards,
+            batch["old_log_probs"],
+            batch["teacher_log_probs"],
+            mask,
+            coef=self.spec.distill_coef,
+        )
+        teacher = masked_mean(batch["teacher_log_probs"], mask)
+        return rewards, {
+            "distill/reverse_kl": float(reverse_kl),
+            "distill/teacher_log_prob": float(teacher),
+        }
 
     def train_step(self) -> dict[str, float]:
         """One full RL step on every rank; returns its metrics (reduced over ranks)."""
@@ -237,9 +265,9 @@ class Trainer:
             metrics.update(timing)
             metrics["memory/peak_gb"] = peak_memory_gb(self.world.device)
             if not self._memory_logged:  # the optimizer state exists after the first update
-                # every model this process holds (policy, reference, critic), its shards
-                reference = [self.reference] if self.reference is not None else []
-                metrics.update(state_memory([*self.engines.values(), *reference]))
+                # every model this process holds (policy, reference, teacher, critic), its shards
+                frozen = [e for e in (self.reference, self.teacher) if e is not None]
+                metrics.update(state_memory([*self.engines.values(), *frozen]))
                 self._memory_logged = True
             return self.world.mean_metrics(metrics)
 

@@ -1,0 +1,174 @@
+"""On-policy distillation against RL from the reward alone, on the built-in arithmetic task.
+
+    python benchmarks/distill_demo.py --out runs/distill-demo      # ~40 min on 2 CPU cores
+
+The teacher is the built-in model after RL (the demo's run: ``TEACHER_SEED``'s warm start,
+``TEACHER_STEPS`` RL steps, its last checkpoint). Each student seed starts from its own fresh
+warm start (none of them the teacher's) and trains ``--steps`` RL steps in three arms, all
+with the demo's estimator (OTB) and batch sizes:
+
+- ``rl``: the task's reward alone (what ``otbrl demo`` does);
+- ``distill``: the teacher's per-token signal alone (``algorithm.distill.task_reward=false``:
+  the reward is scored and logged, not trained on);
+- ``distill+rl``: both.
+
+Reported: validation accuracy (500 prompts, greedy) every 25 steps, each arm's final accuracy,
+and for each distillation arm the first step at which it reached the ``rl`` arm's final accuracy
+of the same seed. Each run is one ``python -m otbrl train`` process; a run whose
+``summary.json`` exists is not run again, so a killed study resumes where it stopped. Writes
+``results.json`` and ``distill_demo.png`` into ``--out`` (``--figure`` copies the image).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+TEACHER_SEED = 1
+TEACHER_STEPS = 800
+ARMS = {
+    "rl": [],
+    "distill": ["algorithm.distill.task_reward=false"],
+    "distill+rl": [],
+}
+VAL_EVERY = 25
+
+
+def _common(out: Path, cache: Path, seed: int, steps: int) -> list[str]:
+    return [
+        f"trainer.output_dir={out}",
+        f"sft.cache_dir={cache}",
+        f"trainer.seed={seed}",
+        f"trainer.total_steps={steps}",
+        f"trainer.val_every={VAL_EVERY}",
+        "actor.ppo_mini_batch_size=16",  # the demo's
+        "trainer.logger=[jsonl]",
+    ]
+
+
+def _run(out: Path, overrides: list[str]) -> dict:
+    """One ``otbrl train`` run into ``out`` (skipped when it finished before): its summary."""
+    summary = out / "summary.json"
+    if not summary.is_file():
+        shutil.rmtree(out, ignore_errors=True)  # a run killed part-way starts again
+        log = out.with_suffix(".log")
+        with log.open("w") as f:
+            cmd = [sys.executable, "-m", "otbrl", "train", *overrides]
+            subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=True)
+    return json.loads(summary.read_text())
+
+
+def _val_curve(out: Path) -> list[tuple[int, float]]:
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]
+
+
+def _first_step_reaching(curve: list[tuple[int, float]], target: float) -> int | None:
+    return next((step for step, acc in curve if acc >= target), None)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="runs/distill-demo")
+    p.add_argument("--seeds", default="0,2,3", help="student seeds (not the teacher's)")
+    p.add_argument("--steps", type=int, default=400, help="RL steps per student run")
+    p.add_argument("--coef", type=float, default=1.0, help="algorithm.distill.coef")
+    p.add_argument("--figure", default=None, help="also copy the figure here")
+    args = p.parse_args()
+    root = Path(args.out).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    cache = root / "cache"
+    seeds = [int(s) for s in args.seeds.split(",")]
+    if TEACHER_SEED in seeds:
+        raise SystemExit(f"--seeds: {TEACHER_SEED} is the teacher's seed")
+    teacher_run = root / "teacher"
+    teacher = _run(
+        teacher_run,
+        [
+            *_common(teacher_run, cache, TEACHER_SEED, TEACHER_STEPS),
+            f"trainer.save_every={TEACHER_STEPS}",
+        ],
+    )
+    teacher_dir = teacher_run / "checkpoints" / f"step_{TEACHER_STEPS}"
+    print(f"teacher: {teacher['initial_val_accuracy']} -> {teacher['final_val_accuracy']}")
+    distill = [
+        f"algorithm.distill.teacher_path={teacher_dir}",
+        f"algorithm.distill.coef={args.coef}",
+    ]
+    results: dict = {
+        "teacher": {"seed": TEACHER_SEED, "steps": TEACHER_STEPS, **teacher},
+        "steps": args.steps,
+        "coef": args.coef,
+        "runs": {},
+    }
+    for seed in seeds:
+        for arm, extra in ARMS.items():
+            out = root / f"{arm}-seed{seed}"
+            more = [] if arm == "rl" else [*distill, *extra]
+            summary = _run(out, [*_common(out, cache, seed, args.steps), *more])
+            results["runs"][f"{arm}/{seed}"] = {
+                "initial": summary["initial_val_accuracy"],
+                "final": summary["final_val_accuracy"],
+                "curve": _val_curve(out),
+            }
+            print(f"seed {seed} {arm}: {summary['initial_val_accuracy']} -> "
+                  f"{summary['final_val_accuracy']}", flush=True)  # fmt: skip
+    reach = {}
+    for seed in seeds:
+        target = results["runs"][f"rl/{seed}"]["final"]
+        for arm in ("distill", "distill+rl"):
+            curve = results["runs"][f"{arm}/{seed}"]["curve"]
+            reach[f"{arm}/{seed}"] = _first_step_reaching(curve, target)
+    results["steps_to_rl_final"] = reach
+    (root / "results.json").write_text(json.dumps(results, indent=1))
+    figure = _plot(results, seeds, root / "distill_demo.png")
+    if args.figure:
+        shutil.copyfile(figure, args.figure)
+    print(_table(results, seeds))
+    return 0
+
+
+def _table(results: dict, seeds: list[int]) -> str:
+    lines = ["seed | rl final | distill final (step reaching rl's) | distill+rl final (step)"]
+    for seed in seeds:
+        runs, reach = results["runs"], results["steps_to_rl_final"]
+        cells = [f"{runs[f'rl/{seed}']['final']:.3f}"]
+        for arm in ("distill", "distill+rl"):
+            step = reach[f"{arm}/{seed}"]
+            cells.append(
+                f"{runs[f'{arm}/{seed}']['final']:.3f} ({step if step is not None else '-'})"
+            )
+        lines.append(f"{seed} | " + " | ".join(cells))
+    return "\n".join(lines)
+
+
+def _plot(results: dict, seeds: list[int], path: Path) -> Path:
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"rl": "tab:gray", "distill": "tab:blue", "distill+rl": "tab:green"}
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for arm, color in colors.items():
+        for i, seed in enumerate(seeds):
+            steps, acc = zip(*results["runs"][f"{arm}/{seed}"]["curve"], strict=True)
+            ax.plot(steps, acc, color=color, alpha=0.9, lw=1.2, label=arm if i == 0 else None)
+    teacher = results["teacher"]["final_val_accuracy"]
+    ax.axhline(teacher, color="black", ls="--", lw=0.8, label=f"teacher ({teacher:.2f})")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("validation accuracy (500 prompts, greedy)")
+    ax.set_title(f"arithmetic: distillation vs RL alone, seeds {','.join(map(str, seeds))}")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
