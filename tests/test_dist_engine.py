@@ -195,15 +195,20 @@ def test_ulysses_engine_matches_actor(tmp_path):
     assert results[0]["logits_shape"][0] == -(-nnz // 2)
 
 
-def test_ulysses_gspo_matches_one_process(tmp_path):
-    """GSPO's per-row mean over Ulysses ranks, which each run half of every packed sequence:
-    the engine gathers whole rows before the loss, so stats, tally and gradients are the
-    one-process ones."""
-    results = check_ok(
-        launch(_engine_worker, 2, tmp_path, "fsdp", 2, 1, True, 0, None, None, "gspo")
-    )
-    check_against_reference(results, 2, loss="gspo")
-    assert "policy/seq_clip_frac" in results[0]["tally"]
+@pytest.mark.parametrize(
+    ("engine", "sp", "tp", "packed", "loss"),
+    [("fsdp", 2, 1, True, "gspo"), ("tp", 1, 2, False, "gspo"), ("tp", 1, 2, False, "cispo")],
+    ids=["ulysses-gspo", "tp-gspo", "tp-cispo"],
+)
+def test_sequence_and_weight_losses_match_one_process(tmp_path, engine, sp, tp, packed, loss):
+    """GSPO's per-row mean over Ulysses ranks, which each run half of every packed sequence
+    (the engine gathers whole rows before the loss), and GSPO / CISPO with the vocabulary
+    sharded by tensor parallelism: stats, tally and gradients are the one-process ones."""
+    args = (engine, sp, tp, packed, 0, None, None, loss)
+    results = check_ok(launch(_engine_worker, 2, tmp_path, *args))
+    check_against_reference(results, 2, loss=loss)
+    tally = results[0]["tally"]
+    assert "policy/clip_frac" in tally and (loss != "gspo" or "policy/seq_clip_frac" in tally)
 
 
 CHECKPOINTING = {"gradient_checkpointing": True}

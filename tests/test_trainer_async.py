@@ -135,3 +135,20 @@ def test_partial_rollouts_span_updates_within_the_bound(vllm_server, data, tmp_p
         assert r["async/token_staleness_mean"] <= r["async/staleness_mean"] + 1e-9
         assert math.isfinite(r["policy/pg_loss"]) and r["policy/grad_norm"] > 0
     assert any(r["async/partial_rows_frac"] > 0 for r in steps), steps
+
+
+def test_distillation_one_update_ahead(vllm_server, data, tmp_path):
+    """The teacher (here the served model's first weights) scores at training time, against the
+    trainer's log-probs of the policy being updated: exactly no signal before the first update,
+    a signal once the policy moved, with samples drawn one update behind."""
+    out = tmp_path / "run"
+    args = overrides(vllm_server[0], data, out, *server(vllm_server), "trainer.total_steps=4",
+                     "trainer.max_staleness=1", "algorithm.off_policy=decoupled",
+                     f"algorithm.distill.teacher_path={vllm_server[0]}")  # fmt: skip
+    assert cli.main(["train", *args]) == 0
+    steps = [r for r in read_metrics(out) if r["step"] > 0]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert steps[0]["distill/reverse_kl"] == 0.0
+    assert all(abs(r["distill/reverse_kl"]) > 0 for r in steps[1:])
+    assert any(r["async/staleness_max"] >= 1 for r in steps)
+    assert all(math.isfinite(r["policy/pg_loss"]) for r in steps)

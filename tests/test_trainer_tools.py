@@ -20,7 +20,7 @@ from otbrl.run.evaluate import evaluate_accuracy
 from otbrl.run.sampling import Sample, Scoring
 from otbrl.run.seeds import step_seed
 from run_utils import data_files, read_metrics, stable_metrics, train_overrides
-from tiny_models import ONE_LAYER
+from tiny_models import ONE_LAYER, steer_to_calls
 
 TOOL_METRICS = (
     "tool/calls_per_sample",
@@ -53,16 +53,6 @@ def overrides(model_dir, files, out, *extra):
     run = ["trainer.total_steps=2", "trainer.val_every=2", "actor.micro_batch_size=8"]
     files = data_files(*files)
     return train_overrides(model_dir, out, *files, *run, "data.max_response_length=24", *extra)
-
-
-def steer_to_calls(model, tokenizer):
-    """A random model seldom writes a call: raise the logits of ``<tool_call>`` and
-    ``</tool_call>`` in every forward (sampling and the trainer's alike), so samples hold calls
-    (error observations mostly: the bodies are random), holes and later turns."""
-    bias = torch.zeros(model.config.vocab_size)
-    bias[tokenizer.convert_tokens_to_ids("<tool_call>")] = 3.0
-    bias[tokenizer.convert_tokens_to_ids("</tool_call>")] = 2.5
-    model.lm_head.register_forward_hook(lambda module, args, out: out + bias)
 
 
 def test_multi_turn_training_steps(tool_dir, tool_files, tmp_path, monkeypatch):

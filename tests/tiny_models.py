@@ -75,3 +75,13 @@ def taught_tool_model(path: Path, task, *, rows: int, steps: int, **size):
     model.eval()
     model.save_pretrained(path)
     return model, tok
+
+
+def steer_to_calls(model, tokenizer):
+    """A random model seldom writes a call: raise the logits of ``<tool_call>`` and
+    ``</tool_call>`` in every forward (sampling and the trainer's alike), so samples hold calls
+    (error observations mostly: the bodies are random), holes and later turns."""
+    bias = torch.zeros(model.config.vocab_size)
+    bias[tokenizer.convert_tokens_to_ids("<tool_call>")] = 3.0
+    bias[tokenizer.convert_tokens_to_ids("</tool_call>")] = 2.5
+    model.lm_head.register_forward_hook(lambda module, args, out: out + bias)
