@@ -31,6 +31,7 @@ from otbrl.settings import (
 # must be that very tuple (or, for KL_KINDS, its names)
 OWNERS = {
     "model.precision": ("otbrl.engine.precision", "PRECISIONS"),
+    "algorithm.distill.precision": ("otbrl.engine.precision", "PRECISIONS"),
     "model.lora.sync": ("otbrl.models.config", "LORA_SYNCS"),
     "rollout.name": ("otbrl.rollout.config", "ROLLOUT_NAMES"),
     "rollout.mode": ("otbrl.rollout.config", "ROLLOUT_MODES"),
@@ -118,13 +119,15 @@ def test_defaults_are_allowed_and_other_values_refused():
     cfg = load_config(overrides=[])
     # the schema's own defaults (no preset) pass their fields' rules
     check_settings(OmegaConf.to_object(OmegaConf.structured(Config)))
+    nullable = {"algorithm.distill.precision"}  # None: the policy's (model.precision)
     for key, allowed in choices().items():
         value = cfg
         for part in key.split("."):
             value = getattr(value, part)
         for item in value if isinstance(value, list) else [value]:
-            assert item in allowed, key
-    for key in ("model.precision", "rollout.stale_samples", "algorithm.off_policy"):
+            assert item in allowed or (item is None and key in nullable), key
+    keys = ("model.precision", "rollout.stale_samples", "algorithm.off_policy")
+    for key in (*keys, "algorithm.distill.precision"):
         with pytest.raises(ConfigError, match=re.escape(key)) as err:
             load_config(overrides=[f"{key}=nonsense"])
         assert err.value.key == key

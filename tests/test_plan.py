@@ -77,11 +77,11 @@ def test_the_plan_asks_each_engine_for_what_its_sources_list():
     # critic.enable=true with GRPO: the critic is trained, so its values are a need
     critic = plan_run(load_config(None, ["critic.enable=true"]))
     assert critic.spec.use_critic and critic.spec.outputs("critic") == {"values"}
-    heads = {"policy": "policy", "reference": "policy", "critic": "value"}
+    heads = {"policy": "policy", "reference": "policy", "teacher": "policy", "critic": "value"}
     for src in SOURCES.values():  # every source names an output its engine's head can compute
         if src.engine in heads:
             assert src.output in HEAD_OUTPUTS[heads[src.engine]], src
-    assert {s.engine for s in SOURCES.values()} == {"policy", "reference", "critic",
+    assert {s.engine for s in SOURCES.values()} == {"policy", "reference", "teacher", "critic",
                                                     "reward_model"}  # fmt: skip
     assert not critic.spec.use_reward_model and critic.spec.outputs("reward_model") == frozenset()
 
