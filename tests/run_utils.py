@@ -128,3 +128,21 @@ def kill_at_first_checkpoint(command: list[str], run_dir: Path, env: dict) -> No
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
+
+
+def spy_advantage(monkeypatch) -> list[dict]:
+    """The keyword arguments (tensors cloned) of every ``compute_advantage`` call the trainer
+    makes from now on in this test: the step's batch as the estimator got it."""
+    import torch
+
+    import otbrl.run.trainer as trainer_mod
+
+    seen = []
+    real = trainer_mod.compute_advantage
+
+    def spy(name, **kwargs):
+        seen.append({k: v.clone() if torch.is_tensor(v) else v for k, v in kwargs.items()})
+        return real(name, **kwargs)
+
+    monkeypatch.setattr(trainer_mod, "compute_advantage", spy)
+    return seen

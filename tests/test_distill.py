@@ -21,6 +21,7 @@ from run_utils import (
     data_files,
     read_metrics,
     refused,
+    spy_advantage,
     stable_metrics,
     tiny_run_factory,
     train_overrides,
@@ -49,19 +50,6 @@ def teacher(tmp_path_factory):
     return root
 
 
-def _spy_advantage(monkeypatch) -> list[dict]:
-    """The keyword arguments of every ``compute_advantage`` call the trainer makes."""
-    seen = []
-    real = trainer_mod.compute_advantage
-
-    def spy(name, **kwargs):
-        seen.append({k: v.clone() if torch.is_tensor(v) else v for k, v in kwargs.items()})
-        return real(name, **kwargs)
-
-    monkeypatch.setattr(trainer_mod, "compute_advantage", spy)
-    return seen
-
-
 def _float64_log_probs(model_dir, batch: dict, temperature: float) -> torch.Tensor:
     """log softmax(logits / T) of each response token ``[B, Lr]``, in float64, from a plain HF
     forward of the whole (prompt + response) sequence."""
@@ -83,7 +71,7 @@ def test_the_teacher_scores_the_sampled_tokens_and_the_rewards_carry_its_signal(
     run, teacher, tmp_path, monkeypatch
 ):
     overrides, _ = run
-    seen = _spy_advantage(monkeypatch)
+    seen = spy_advantage(monkeypatch)
     cfg = load_config(
         None,
         overrides(
@@ -193,7 +181,7 @@ def test_with_tools_observation_tokens_carry_no_signal(tmp_path, monkeypatch):
         write_parquet_rows(task.rows("train", 8, seed=0), tmp_path / "train.parquet"),
         write_parquet_rows(task.rows("val", 4, seed=0), tmp_path / "val.parquet"),
     )
-    seen = _spy_advantage(monkeypatch)
+    seen = spy_advantage(monkeypatch)
     cfg = load_config(
         None,
         train_overrides(

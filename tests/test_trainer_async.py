@@ -152,3 +152,18 @@ def test_distillation_one_update_ahead(vllm_server, data, tmp_path):
     assert all(abs(r["distill/reverse_kl"]) > 0 for r in steps[1:])
     assert any(r["async/staleness_max"] >= 1 for r in steps)
     assert all(math.isfinite(r["policy/pg_loss"]) for r in steps)
+
+
+def test_dynamic_sampling_one_update_ahead(vllm_server, data, tmp_path):
+    """The producer samples rounds until its batch holds groups with signal (each rank on its
+    own: servers sample without collectives); the staleness bound holds for every kept row."""
+    out = tmp_path / "run"
+    args = overrides(vllm_server[0], data, out, *server(vllm_server), "trainer.total_steps=4",
+                     "trainer.max_staleness=1", "algorithm.dynamic_sampling=true",
+                     "algorithm.max_sample_rounds=4")  # fmt: skip
+    assert cli.main(["train", *args]) == 0
+    steps = [r for r in read_metrics(out) if r["step"] > 0]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    for r in steps:
+        assert 1 <= r["dynamic_sampling/rounds"] <= 4 and 0 <= r["async/staleness_max"] <= 1
+        assert r["dynamic_sampling/filled_frac"] < 1 and r["policy/grad_norm"] > 0

@@ -47,12 +47,15 @@ class Estimator:
     ``fn(**kwargs) -> (advantages [B, L], returns [B, L])``; ``needs``: the statistics (batch
     keys such as ``"old_log_probs"``, ``"sum_pi_squared"``, ``"values"``) it needs with default
     options; ``options_needs``: optional ``(**options) -> frozenset`` for option-dependent needs.
+    ``group_relative``: a group whose rewards are all equal gets zero advantages, whatever the
+    rest of the batch holds (what dynamic sampling relies on to drop it).
     """
 
     name: str
     fn: Callable[..., tuple[Tensor, Tensor]]
     needs: frozenset[str]
     options_needs: Callable[..., frozenset[str]] | None = None
+    group_relative: bool = False
     params: frozenset[str] = field(init=False)  # keyword arguments fn takes
     takes_any: bool = field(init=False)  # fn has **kwargs: it is handed everything
 
@@ -79,14 +82,19 @@ ESTIMATORS: dict[str, Estimator] = {}
 
 
 def register_estimator(
-    name: str, *, needs=(), options_needs: Callable[..., frozenset[str]] | None = None
+    name: str,
+    *,
+    needs=(),
+    options_needs: Callable[..., frozenset[str]] | None = None,
+    group_relative: bool = False,
 ):
-    """Decorator: register ``fn`` under ``name`` with the statistics it needs."""
+    """Decorator: register ``fn`` under ``name`` with the statistics it needs (and whether a
+    group of equal rewards gets zero advantages from it: ``Estimator.group_relative``)."""
 
     def wrap(fn):
         if name in ESTIMATORS:
             raise ValueError(f"estimator {name!r} is already registered")
-        ESTIMATORS[name] = Estimator(name, fn, frozenset(needs), options_needs)
+        ESTIMATORS[name] = Estimator(name, fn, frozenset(needs), options_needs, group_relative)
         return fn
 
     return wrap
@@ -127,12 +135,15 @@ def _otb_needs(energy: str = "logit_gradient", **_) -> frozenset[str]:
     return frozenset({"old_log_probs", "sum_pi_squared"})
 
 
-register_estimator("optimal_token_baseline", needs=_otb_needs(), options_needs=_otb_needs)(
-    optimal_token_baseline
-)
-register_estimator("tir_optimal_token_baseline", needs=_otb_needs(), options_needs=_otb_needs)(
-    tir_optimal_token_baseline
-)
+register_estimator(
+    "optimal_token_baseline", needs=_otb_needs(), options_needs=_otb_needs, group_relative=True
+)(optimal_token_baseline)
+register_estimator(
+    "tir_optimal_token_baseline",
+    needs=_otb_needs(),
+    options_needs=_otb_needs,
+    group_relative=True,
+)(tir_optimal_token_baseline)
 
 
 def _scores_and_groups(token_level_rewards, response_mask, index):
@@ -142,7 +153,7 @@ def _scores_and_groups(token_level_rewards, response_mask, index):
     return masked_sum(r, m, dim=-1), m, gid, n
 
 
-@register_estimator("grpo")
+@register_estimator("grpo", group_relative=True)
 def grpo(
     *, token_level_rewards, response_mask, index, norm_adv_by_std_in_grpo: bool = True
 ) -> tuple[Tensor, Tensor]:
@@ -164,7 +175,7 @@ def grpo(
     return adv, adv.clone()
 
 
-@register_estimator("rloo")
+@register_estimator("rloo", group_relative=True)
 def rloo(*, token_level_rewards, response_mask, index) -> tuple[Tensor, Tensor]:
     """RLOO: a_i = (n·score_i − Σ_g score)/(n − 1) (score minus the others' mean); n = 1: score_i.
 

@@ -98,11 +98,30 @@ class AlgorithmConfig:
     # against π_prox, × π_prox/π_behave where ≤ C, else 0); π_prox = the trainer's log-probs at
     # the start of the update, π_behave = the rollout's; OTB's W takes the weights squared
     off_policy: str = setting("none", choices=OFF_POLICY)
+    # DAPO's dynamic sampling: drop each group whose trained rewards are all equal (it carries no
+    # signal for a group-relative estimator) and sample more prompts until the step holds
+    # data.train_batch_size groups with signal, or max_sample_rounds rounds were sampled
+    dynamic_sampling: bool = False
+    # rounds of data.train_batch_size prompts one step may sample under dynamic_sampling; a step
+    # still short after them fills up with groups without signal (dynamic_sampling/filled_frac)
+    max_sample_rounds: int = setting(10, ge=1)
     otb: OTBConfig = field(default_factory=OTBConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
 
     def check(self, at: str) -> None:
-        """``off_policy`` and ``rollout_correction`` both weight the samples: one at a time."""
+        """``off_policy`` and ``rollout_correction`` both weight the samples: one at a time;
+        dynamic sampling's keys only with it, and not with a teacher (whose signal varies
+        inside every group)."""
+        if not self.dynamic_sampling:
+            because = f"'{at}dynamic_sampling' is false"
+            refuse_unset(self, at, because, "set it true", ["max_sample_rounds"])
+        elif self.distill.teacher_path is not None:
+            raise ConfigError(
+                f"'{at}dynamic_sampling' drops the groups whose rewards are all equal, but the "
+                f"teacher of '{at}distill.teacher_path' gives every token a signal of its own; "
+                "set one of them",
+                f"{at}dynamic_sampling",
+            )
         if self.off_policy != "none" and self.rollout_correction != "none":
             raise ConfigError(
                 f"'{at}off_policy={self.off_policy}' and "

@@ -34,6 +34,7 @@ from otbrl.rollout import (
     completions_to_batch,
     decode_responses,
     decode_transcripts,
+    left_pad,
     tool_metrics,
     transcript_rows,
     unpad_prompts,
@@ -87,7 +88,9 @@ class Sample(NamedTuple):
     ``timing/reward_model``, and, multi-turn, the ``tool/*`` set. ``token_level_scores`` carry
     the trained reward (rule + shaping + weighted reward model), ``scores`` the rule reward
     alone (what validation accuracy counts). ``responses``: [B] each response as text
-    (multi-turn: the whole transcript, observations included), for logs.
+    (multi-turn: the whole transcript, observations included), for logs. ``prompt_ids`` [P]
+    (each prompt's token ids, unpadded) and ``completions`` [P] (each prompt's ``n``): what the
+    batch was built from, so that a subset of its groups can be rebuilt (``merge_groups``).
     """
 
     batch: dict[str, Tensor]
@@ -96,6 +99,8 @@ class Sample(NamedTuple):
     metrics: dict[str, float]
     responses: list[str]
     finish: Callable | None = None  # set while the scores are still on their way
+    prompt_ids: list[list[int]] | None = None
+    completions: list | None = None
 
     def resolve(self) -> Sample:
         """The scored sample: waits for scores computed elsewhere (``sample_batch(...,
@@ -163,7 +168,7 @@ def sample_batch(
         metrics.update(tool_metrics(batch))
     width = enc["input_ids"].shape[1]
     finish = _Finish(pending, texts, params, scoring, width)
-    sample = Sample(batch, repeated, [], metrics, list(responses), finish)
+    sample = Sample(batch, repeated, [], metrics, list(responses), finish, prompts, completions)
     return sample if defer else sample.resolve()
 
 
@@ -217,4 +222,56 @@ class _Finish:
         metrics.update({k: float(v) for k, v in info.items()})
         metrics.update(shaping)
         metrics.update(sample.metrics)
-        return Sample(batch, sample.rows, list(scores), metrics, sample.responses)
+        return sample._replace(scores=list(scores), metrics=metrics, finish=None)
+
+
+def signal_groups(sample: Sample, n: int) -> list[int]:
+    """The groups of a scored ``sample`` (``n`` adjacent rows each) whose trained rewards are
+    not all equal: the ones a group-relative estimator gets a signal from. Shapes:
+    ``token_level_scores`` [B, Lr], B = P · n -> indices in [0, P)."""
+    rewards = sample.batch["token_level_scores"].sum(dim=1).view(-1, n)
+    spread = rewards.max(dim=1).values - rewards.min(dim=1).values
+    return spread.nonzero().flatten().tolist()
+
+
+# sampling metrics that count (summed over rounds) or take the largest; the rest are means
+_SUMMED = ("timing/", "reward/errors", "reward/timeouts", "tool/errors")
+
+
+def merge_groups(
+    picks: Sequence[tuple[Sample, Sequence[int]]], n: int, *, pad_id: int, uid_offset: int = 0
+) -> Sample:
+    """One scored sample made of chosen groups of several (``picks``: each scored sample with
+    the indices of its groups to keep, in order), rebuilt from their prompts and completions by
+    ``completions_to_batch`` — the one constructor of the batch contract — with each row's
+    trained reward placed again and ``uid`` = ``uid_offset`` + the group's position.
+
+    Its metrics describe every sample of ``picks``, kept or not (each round has as many
+    samples: ``train/*`` means are their mean): timings and counts summed, maxima the largest.
+    """
+    prompt_ids, completions, rows, scores, responses, rewards = [], [], [], [], [], []
+    for sample, groups in picks:
+        trained = sample.batch["token_level_scores"].sum(dim=1)
+        for g in groups:
+            prompt_ids.append(sample.prompt_ids[g])
+            completions.append(sample.completions[g])
+            span = slice(g * n, (g + 1) * n)
+            rows += sample.rows[span]
+            scores += sample.scores[span]
+            responses += sample.responses[span]
+            rewards.append(trained[span])
+    ids, mask = left_pad(prompt_ids, pad_id)
+    batch = completions_to_batch(ids, mask, completions, pad_id=pad_id)
+    batch["uid"] = batch["uid"] + uid_offset
+    batch["token_level_scores"] = place_scores(torch.cat(rewards), batch["response_mask"])
+    metrics: dict[str, float] = {}
+    rounds = [sample.metrics for sample, _ in picks]
+    for key in {k for m in rounds for k in m}:
+        values = [m[key] for m in rounds if key in m]
+        if key.startswith(_SUMMED):
+            metrics[key] = float(sum(values))
+        elif key.endswith("_max"):
+            metrics[key] = float(max(values))
+        else:
+            metrics[key] = float(sum(values) / len(values))
+    return Sample(batch, rows, scores, metrics, responses, None, prompt_ids, completions)

@@ -19,7 +19,8 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def step_seed(seed: int, step: int, rank: int = 0) -> int:
-    """The sampling seed of one step (or repeat) on one data-parallel rank: every sample is a
-    function of (seed, step, rank), which makes runs resume exactly."""
-    return seed * 1_000_003 + step + rank * 1_000_000_007
+def step_seed(seed: int, step: int, rank: int = 0, round_: int = 0) -> int:
+    """The sampling seed of one step (or repeat) on one data-parallel rank, in one round of
+    dynamic sampling: every sample is a function of (seed, step, rank, round), which makes runs
+    resume exactly."""
+    return seed * 1_000_003 + step + rank * 1_000_000_007 + round_ * 1_000_000_000_039

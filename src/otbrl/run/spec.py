@@ -73,7 +73,9 @@ class RunSpec:
     (``algorithm.off_policy`` or ``algorithm.rollout_correction``), ``correction_cap`` its C.
     ``kl_in_reward_coef``: the in-reward KL's weight (None: off). ``distill_coef``: the weight
     of the teacher's per-token signal in the rewards (None: no distillation);
-    ``distill_task_reward``: whether the task's reward is trained on beside it. ``overlong``:
+    ``distill_task_reward``: whether the task's reward is trained on beside it.
+    ``max_sample_rounds``: under dynamic sampling, the rounds of prompts a step may sample to
+    fill its batch with groups that carry signal (None: no dynamic sampling). ``overlong``:
     the sampling step's mode for prompts over ``data.max_prompt_length`` (the preflight drops
     them under ``filter``: any left then would be a bug, ``error``) and ``max_prompt_length``
     the limit. ``sampling`` / ``validation``: how training and validation sample (the stop ids
@@ -93,6 +95,7 @@ class RunSpec:
     kl_in_reward_coef: float | None
     distill_coef: float | None
     distill_task_reward: bool
+    max_sample_rounds: int | None
     overlong: str
     max_prompt_length: int
     sampling: SamplingParams
@@ -176,6 +179,14 @@ def _check_registries(cfg: Config) -> None:
             f"'algorithm.adv_estimator' must be one of {sorted(ESTIMATORS)}, got '{name}'{hint}",
             "algorithm.adv_estimator",
         )
+    if cfg.algorithm.dynamic_sampling and not ESTIMATORS[name].group_relative:
+        grouped = sorted(k for k, e in ESTIMATORS.items() if e.group_relative)
+        raise ConfigError(
+            f"'algorithm.dynamic_sampling' drops the groups whose rewards are all equal, which "
+            f"still carry a signal under '{name}' (its baseline is not the group's); use one "
+            f"of {grouped}",
+            "algorithm.dynamic_sampling",
+        )
 
 
 def _check_providers(cfg: Config, needs: frozenset[str], use_critic: bool) -> None:
@@ -235,6 +246,7 @@ def resolve(cfg: Config, world_size: int = 1) -> RunSpec:
         kl_in_reward_coef=algo.kl_coef if algo.use_kl_in_reward else None,
         distill_coef=algo.distill.coef if algo.distill.teacher_path is not None else None,
         distill_task_reward=algo.distill.task_reward,
+        max_sample_rounds=algo.max_sample_rounds if algo.dynamic_sampling else None,
         overlong="truncate_left" if cfg.data.overlong_prompts == "truncate_left" else "error",
         max_prompt_length=cfg.data.max_prompt_length,
         sampling=SamplingParams(

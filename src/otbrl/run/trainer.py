@@ -37,6 +37,7 @@ from otbrl.algos.metrics import step_metrics
 from otbrl.algos.reductions import masked_mean
 from otbrl.algos.rollout_correction import rollout_is_weights, rollout_mismatch_metrics
 from otbrl.config import Config, to_dict
+from otbrl.data import pad_token_id
 from otbrl.engine.engine import NumericsError
 from otbrl.engine.memory import peak_memory_gb, reset_peak_memory, state_memory
 from otbrl.engine.world import collective_guard, start_world, teardown_distributed
@@ -48,7 +49,7 @@ from otbrl.run.evaluate import validate
 from otbrl.run.plan import Plan, plan_run
 from otbrl.run.producer import Produced, Producer, version_metrics
 from otbrl.run.rundir import RunDir, claim_run_dir
-from otbrl.run.sampling import sample_batch
+from otbrl.run.sampling import merge_groups, sample_batch, signal_groups
 from otbrl.run.seeds import seed_everything, step_seed
 from otbrl.store import checkpoint
 
@@ -114,16 +115,73 @@ class Trainer:
         return self.engines["policy"]
 
     # -- one step ---------------------------------------------------------------------------------
-    def sample(self, step: int | None = None):
+    def sample(self, step: int | None = None, *, agree: bool = True):
         """This rank's share of the next prompts, ``rollout.n`` responses each, seeded by
         ``step`` (default: the current one); its scores may still be on their way
-        (``sample.resolve()`` waits for them)."""
+        (``sample.resolve()`` waits for them). Under dynamic sampling, the groups with signal
+        of as many rounds as it takes (``_sample_with_signal``; ``agree``: the ranks agree on
+        the number of rounds, which a sampler that is collective needs)."""
         step = self.step if step is None else step
+        if self.spec.max_sample_rounds is not None:
+            return self._sample_with_signal(step, agree)
+        return self._sample_round(step, 0)
+
+    def _sample_with_signal(self, step: int, agree: bool):
+        """DAPO's dynamic sampling: rounds of this rank's share of the next prompts until it
+        holds that many groups whose rewards are not all equal (with ``agree``, until every
+        rank does: each round is sampled on every rank), at most ``max_sample_rounds``; a share
+        still short then is filled with the latest groups without signal (zero advantages
+        under a group-relative estimator: they add no gradient, and the step keeps its size on
+        every rank). Groups found beyond the share are dropped, never trained."""
+        quota = self.cfg.data.train_batch_size // self.world.dp_size
+        n, found, signal = self.spec.sampling.n, 0, 0
+        rounds: list = []  # per round: (its sample, the groups taken from it, the others)
+        while len(rounds) < self.spec.max_sample_rounds:
+            if rounds:
+                self.rollout.wake_up()  # the round before put it to sleep
+            sample = self._sample_round(step, len(rounds)).resolve()
+            groups = signal_groups(sample, n)
+            signal += len(groups)
+            take = groups[: quota - found]
+            found += len(take)
+            others = sorted(set(range(len(sample.prompt_ids))) - set(groups))
+            rounds.append((sample, take, others))
+            short = found < quota
+            if agree and self.world.dp_size > 1:
+                short = self.world.sum([float(short)], over="dp")[0] > 0
+            if not short:
+                break
+        filled = 0
+        for _, take, others in reversed(rounds):  # the latest groups without signal first
+            extra = others[: quota - found - filled]
+            take += extra
+            filled += len(extra)
+        merged = merge_groups(
+            [(sample, sorted(take)) for sample, take, _ in rounds],
+            n,
+            pad_id=pad_token_id(self.tokenizer),
+            uid_offset=self.world.dp_rank * quota,
+        )
+        rounds = len(rounds)
+        generated = rounds * quota
+        merged.metrics.update(
+            {
+                "dynamic_sampling/rounds": float(rounds),
+                "dynamic_sampling/kept_frac": signal / generated,
+                "dynamic_sampling/filled_frac": filled / quota,
+                "dynamic_sampling/samples_per_trained": generated / quota,
+            }
+        )
+        return merged
+
+    def _sample_round(self, step: int, round_: int):
+        """One round of sampling: this rank's share of the next prompts, seeded by ``step``
+        and the round; scores may still be on their way."""
         rows = self.world.shard(self.dataset.next_batch())
         params = dataclasses.replace(
             self.spec.sampling,
             stop_token_ids=tuple(self.eos_ids),
-            seed=step_seed(self.cfg.trainer.seed, step, self.world.dp_rank),
+            seed=step_seed(self.cfg.trainer.seed, step, self.world.dp_rank, round_),
         )
         sample = sample_batch(
             self.sampler,
@@ -142,7 +200,7 @@ class Trainer:
     def _produce(self, index: int) -> Produced:
         """Batch ``index`` of the producer (its thread): sampled, scored, with the data
         stream's state after its rows were drawn."""
-        sample = self.sample(step=index)
+        sample = self.sample(step=index, agree=False)  # servers: no collective sampling
         state = self.dataset.state_dict()
         return Produced(index, state, sample.resolve())
 
