@@ -115,3 +115,33 @@ def test_critic_trains_under_tp_and_fsdp_and_resumes_across_them(tmp_path):
     for line in lines[1:]:
         assert torch.isfinite(torch.tensor(line["critic/value_loss"])), line
         assert line["critic/skipped_steps"] == 0
+
+
+# rank 0's groups: the response's length parity (signal in most groups); rank 1's: always 0
+RANKED_REWARD = """
+import os
+
+def score(data_source, solution_str, ground_truth, extra_info):
+    return float(len(solution_str) % 2) if os.environ["RANK"] == "0" else 0.0
+"""
+
+
+def test_dynamic_sampling_ranks_agree_on_their_rounds(tmp_path):
+    """Each rank fills its own share with groups that carry signal; sampling is collective
+    (the HF backend on an FSDP2-sharded model), so a rank already full samples on with the
+    others. Here rank 1 never finds a signal: both ranks sample all 3 rounds every step (the
+    ranks' mean is 3), rank 1 fills its share, and both train every step."""
+    from otbrl.models import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model", **SMALL)
+    (tmp_path / "ranked.py").write_text(RANKED_REWARD)
+    run = tmp_path / "run"
+    overrides = [*_common(model, run), "trainer.total_steps=3", "trainer.save_every=0",
+                 "algorithm.dynamic_sampling=true", "algorithm.max_sample_rounds=3",
+                 "rollout.n=4", f"reward.function={tmp_path / 'ranked.py'}:score"]  # fmt: skip
+    check_ok(launch(_train_worker, 2, tmp_path, overrides))
+    steps, lines = _steps(run)
+    assert steps == [1, 2, 3]
+    for line in [line for line in lines if "policy/loss" in line]:
+        assert line["dynamic_sampling/rounds"] == 3
+        assert line["dynamic_sampling/filled_frac"] >= 0.5  # rank 1's whole share, at least
