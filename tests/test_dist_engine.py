@@ -74,9 +74,11 @@ def _engine_worker(
     model = tiny_llama(**(model_kwargs or {}))
     shapes = []  # the logits each forward produced: their vocabulary / sequence extent
     model.register_forward_hook(lambda _m, _i, out: shapes.append(tuple(out.logits.shape[-2:])))
+    engine_kwargs = dict(engine_kwargs or {})  # a token budget is an optimizer setting
+    budget = engine_kwargs.pop("max_tokens_per_micro_batch", None)
     actor = Engine(
         model,
-        actor_config(),
+        actor_config(max_tokens_per_micro_batch=budget),
         world=world,
         strategy=strategy,
         mini_batch_size=batch["uid"].numel(),
@@ -209,6 +211,20 @@ def test_sequence_and_weight_losses_match_one_process(tmp_path, engine, sp, tp, 
     check_against_reference(results, 2, loss=loss)
     tally = results[0]["tally"]
     assert "policy/clip_frac" in tally and (loss != "gspo" or "policy/seq_clip_frac" in tally)
+
+
+@pytest.mark.parametrize(
+    ("engine", "tp", "packed", "budget"),
+    [("fsdp", 1, True, 10), ("fsdp", 1, False, 18), ("tp", 2, False, 18)],
+    ids=["fsdp-packed", "fsdp-padded", "tp"],
+)
+def test_token_budget_micro_batches_match_one_process(tmp_path, engine, tp, packed, budget):
+    """Micro-batches by token budget on 2 ranks: under FSDP2 packed the ranks' rows need 3 and 4
+    micro-batches of 10 tokens, so both run 4 (the collective forwards pair up); stats, tally and
+    gradients are the one-process engine's, whose micro-batches are counted in rows."""
+    worker_args = (engine, 1, tp, packed, 0, None, {"max_tokens_per_micro_batch": budget})
+    results = check_ok(launch(_engine_worker, 2, tmp_path, *worker_args))
+    check_against_reference(results, 2)
 
 
 CHECKPOINTING = {"gradient_checkpointing": True}

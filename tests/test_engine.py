@@ -152,7 +152,7 @@ def test_bad_inputs():
         with pytest.raises(ValueError, match=f"'{next(iter(bad))}' must be"):
             Engine(model, OptimConfig(**bad))
     # the engine takes its own settings (the actor's and critic's groups are OptimConfigs with
-    # more keys: it keeps only its six), never an untyped mapping
+    # more keys: it keeps only its own), never an untyped mapping
     with pytest.raises(TypeError, match="OptimConfig"):
         Engine(model, {"lr": 1e-3})
     group = load_config(overrides=["actor.lr=0.5", "actor.micro_batch_size=3"]).actor
@@ -207,6 +207,43 @@ def test_gradient_accumulation_is_exact(mode, micro):
     assert metrics[1].keys() == metrics[0].keys()
     for key, value in metrics[0].items():
         assert metrics[1][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.parametrize(
+    "mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+)
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_token_budget_micro_batches_give_the_whole_batch_gradient(mode, packed):
+    """Rows packed by length under a token budget (several micro-batches, rows out of order)
+    accumulate the gradient and metrics of the mini-batch at once, and the statistics forward
+    returns each row's outputs in the batch's order."""
+    loss = build_loss(
+        loss_agg_mode=mode, horizon=7, entropy_coeff=0.01, kl_loss_coef=0.1, kl_loss_type="k3"
+    )
+    budget = 30 if packed else 36  # padded: 3 rows of width 12; packed: ~3-5 rows of 2-12
+    grads, metrics, stats = [], [], []
+    for optim in (OptimConfig(micro_batch_size=8), OptimConfig(max_tokens_per_micro_batch=budget)):
+        model = tiny_model()
+        engine = Engine(model, optim, packed=packed)
+        batch = rl_batch(engine)
+        bins = engine.micro_batches(batch)
+        assert sorted(torch.cat(bins).tolist()) == list(range(8))
+        if optim.max_tokens_per_micro_batch:
+            assert len(bins) > 1
+            tokens = batch["attention_mask"].sum(1) if packed else torch.full((8,), 12)
+            assert all(int(tokens[b].sum()) <= budget for b in bins)
+        stats.append(engine.compute(batch, frozenset({"log_probs", "entropy"})))
+        engine.model.train()
+        metrics.append(engine.accumulate_gradients(batch, loss))
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-4)
+    for key, value in metrics[0].items():
+        assert metrics[1][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    for key in stats[0]:
+        torch.testing.assert_close(stats[1][key], stats[0][key], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch: a row of 12 tokens"):
+        Engine(tiny_model(), OptimConfig(max_tokens_per_micro_batch=11)).micro_batches(batch)
 
 
 def test_update_metrics_and_steps():

@@ -29,6 +29,7 @@ from otbrl.algos.loss_terms import Loss
 from otbrl.engine import parallel
 from otbrl.engine import state as checkpoint_state
 from otbrl.engine.layout import Layout, forward_outputs
+from otbrl.engine.micro import first_fit_bins, token_bins
 from otbrl.engine.optim import OptimConfig, warmup_schedule
 from otbrl.engine.precision import get_precision
 from otbrl.engine.world import World
@@ -85,6 +86,7 @@ class Engine:
         temperature: float = 1.0,
         mini_batch_size: int | None = None,
         micro_batch_size: int | None = None,
+        max_tokens_per_micro_batch: int | None = None,
         seed: int = 0,
         precision: str = "32-true",
         gradient_checkpointing: bool = False,
@@ -106,6 +108,16 @@ class Engine:
         if not isinstance(micro, int) or micro < 1:
             raise ValueError(f"micro_batch_size: expected an int >= 1, got {micro!r}")
         self.micro_batch_size = micro
+        budget = (
+            optim.max_tokens_per_micro_batch if optim is not None else max_tokens_per_micro_batch
+        )
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, int) or budget < 1
+        ):
+            raise ValueError(
+                f"max_tokens_per_micro_batch: expected None or an int >= 1, got {budget!r}"
+            )
+        self.max_tokens = budget
         mesh = self.world.mesh
         dp = self.world.dp_size
         if mini_batch_size is not None and (mini_batch_size < 1 or mini_batch_size % dp):
@@ -191,8 +203,33 @@ class Engine:
         """``outputs`` (e.g. ``{"log_probs", "sum_pi_squared"}`` or ``{"values"}``) of the whole
         batch, micro-batch by micro-batch, each [B, Lr] float32 (0 where not scored)."""
         self.model.eval()
-        parts = [self.forward(micro, outputs) for micro in split(batch, self.micro_batch_size)]
-        return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+        bins = self.micro_batches(batch)
+        parts = [self.forward({k: v[idx] for k, v in batch.items()}, outputs) for idx in bins]
+        back = torch.cat(bins).argsort()  # the rows in the batch's order again
+        return {key: torch.cat([p[key] for p in parts])[back] for key in parts[0]}
+
+    def micro_batches(self, batch: dict[str, Tensor]) -> list[Tensor]:
+        """The rows of each micro-batch of ``batch`` (int64 index tensors, together a
+        permutation of its B rows): consecutive runs of ``micro_batch_size`` rows, or, with a
+        token budget, rows packed by length (``otbrl.engine.micro``) into as many micro-batches
+        as the rank that needs the most (a forward is collective: every rank runs as many).
+        Tokens: a row's real tokens in the packed layout, the batch's width in the padded one."""
+        rows = batch["input_ids"].shape[0]
+        if self.max_tokens is None:
+            cap = self.micro_batch_size
+            return [torch.arange(i, min(i + cap, rows)) for i in range(0, rows, cap)]
+        mask = batch["attention_mask"]
+        lengths = mask.sum(dim=1).tolist() if self.layout.packed else [mask.shape[1]] * rows
+        try:
+            need = len(first_fit_bins(lengths, self.max_tokens))
+        except ValueError as err:
+            raise ValueError(
+                f"max_tokens_per_micro_batch: {str(err).removeprefix('lengths: ')}"
+            ) from None
+        count = int(self.world.max([need])[0])
+        return [
+            torch.tensor(b, dtype=torch.long) for b in token_bins(lengths, self.max_tokens, count)
+        ]
 
     # -- training ----------------------------------------------------------------------------
     def update(self, batch: dict[str, Tensor], loss_fn: Loss) -> dict[str, float]:
@@ -248,7 +285,8 @@ class Engine:
         norms = self.normalizers(mini["response_mask"])
         self.optimizer.zero_grad(set_to_none=True)
         tally: dict[str, float] = {}
-        for micro in split(mini, self.micro_batch_size):
+        for idx in self.micro_batches(mini):
+            micro = {k: v[idx] for k, v in mini.items()}
             out = self.forward(micro, frozenset(loss_fn.needs))
             loss, metrics = loss_fn(out, micro, norms)
             loss.backward()
@@ -433,9 +471,3 @@ class Engine:
         self.generator.set_state(state["generator"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
-
-
-def split(batch: dict[str, Tensor], cap: int) -> list[dict[str, Tensor]]:
-    """Consecutive micro-batches of at most ``cap`` rows (the last one may be smaller)."""
-    total = batch["input_ids"].shape[0]
-    return [{k: v[i : i + cap] for k, v in batch.items()} for i in range(0, total, cap)]

@@ -1,7 +1,7 @@
 """An engine's training settings: the AdamW optimizer, its warmup and the update's loops.
 
 Pure Python (no torch): the CLI's ``actor`` and ``critic`` groups are ``OptimConfig``s with
-their own keys added (``otbrl.engine.config``), so these six keys are declared once.
+their own keys added (``otbrl.engine.config``), so these keys are declared once.
 """
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ class OptimConfig:
     # at most this many sequences per forward/backward (the last micro-batch may be smaller;
     # gradients are accumulated exactly, as if the mini-batch ran at once)
     micro_batch_size: int = setting(8, gt=0)
+    # at most this many tokens per forward/backward instead (rows packed by length, the same
+    # number of micro-batches on every rank; with model.use_remove_padding=true real tokens
+    # count, else rows x the batch's width); None: micro_batch_size rows
+    max_tokens_per_micro_batch: int | None = setting(None, gt=0, null="micro_batch_size rows")
     # global gradient-norm clip; 0 = none
     grad_clip: float = setting(1.0, ge=0)
 

@@ -210,6 +210,14 @@ class World:
         dist.all_reduce(tally, group=self.mesh["dp"].get_group() if over == "dp" else None)
         return tally.tolist()
 
+    def max(self, values: Sequence[float]) -> list[float]:
+        """Element-wise largest value over every rank; the values themselves on one process."""
+        if self.mesh is None:
+            return [float(v) for v in values]
+        tally = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        dist.all_reduce(tally, op=dist.ReduceOp.MAX)
+        return tally.tolist()
+
     def mean_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """Metrics reduced over the ranks that report them: averaged, except ``throughput/*``
         (summed), ``memory/*`` (the largest rank's: the one that runs out first) and maxima /

@@ -226,7 +226,15 @@ def build_teacher(cfg: Config, tokenizer, common: dict) -> Engine:
     model = load_model(resolve_model_dir(d.teacher_path), tokenizer, dtype=dtype)
     micro = d.micro_batch_size or cfg.actor.micro_batch_size
     options = {**common, "precision": precision}
-    return Engine(model, None, name="teacher", micro_batch_size=micro, **options)
+    budget = cfg.actor.max_tokens_per_micro_batch
+    return Engine(
+        model,
+        None,
+        name="teacher",
+        micro_batch_size=micro,
+        max_tokens_per_micro_batch=budget,
+        **options,
+    )
 
 
 @dataclass
@@ -311,7 +319,12 @@ def build_run(cfg: Config, plan: Plan, world: World, path: Path) -> RunParts:
         # the policy's precision, so that KL = 0 before the first update
         ref_model = load_model(path, tokenizer, dtype=policy_dtype(cfg))
         reference = Engine(
-            ref_model, None, name="reference", micro_batch_size=a.micro_batch_size, **common
+            ref_model,
+            None,
+            name="reference",
+            micro_batch_size=a.micro_batch_size,
+            max_tokens_per_micro_batch=a.max_tokens_per_micro_batch,
+            **common,
         )
     teacher = build_teacher(cfg, tokenizer, common) if plan.spec.use_teacher else None
     if cfg.model.lora.adapter_path is not None and cfg.rollout.name == "vllm":

@@ -41,6 +41,23 @@ def check_context(cfg: Config, longest_prompt: int) -> None:
         )
 
 
+def check_token_budgets(cfg: Config, context: int) -> None:
+    """A token budget per micro-batch holds the longest sequence the run can make (the longest
+    prompt plus the response budget, ``context`` tokens): a row over it would have no
+    micro-batch to run in, found only when such a row is sampled, hours in."""
+    for key, budget in (
+        ("actor.max_tokens_per_micro_batch", cfg.actor.max_tokens_per_micro_batch),
+        ("critic.max_tokens_per_micro_batch", cfg.critic.max_tokens_per_micro_batch),
+    ):
+        if budget is not None and budget < context:
+            raise ConfigError(
+                f"'{key}' ({budget}) is smaller than the longest sequence the run can make: the "
+                f"longest prompt plus the response budget is {context} tokens; set it to at "
+                f"least {context}",
+                key,
+            )
+
+
 def check_model_settings(cfg: Config, dims: ParallelDims) -> list[str]:
     """``model.precision`` on this device and ``model.lora`` against the model's modules, on a
     meta-device copy of the architecture (no weights load). Returns the notes to print at

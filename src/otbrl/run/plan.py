@@ -39,7 +39,12 @@ from otbrl.rewards import (
 from otbrl.rewards.reward_model import check_reward_model_dir
 from otbrl.rollout import check_vllm_installed, make_agent
 from otbrl.rollout.server import ServerError, check_cpu_head_dim, check_server_url
-from otbrl.run.model_checks import check_context, check_model_settings, check_teacher
+from otbrl.run.model_checks import (
+    check_context,
+    check_model_settings,
+    check_teacher,
+    check_token_budgets,
+)
 from otbrl.run.spec import RunSpec, resolve
 from otbrl.tools import resolve_tools, tools_for_row
 
@@ -146,6 +151,7 @@ def preflight(cfg: Config, spec: RunSpec, *, train: bool = True) -> Plan:
     train_rows, longest, notes = check_prompt_lengths(cfg, train_rows, tokenizer, tools, "train")
     val_rows, longest_val, val_notes = check_prompt_lengths(cfg, val_rows, tokenizer, tools, "val")
     check_context(cfg, max(longest, longest_val))
+    check_token_budgets(cfg, max(longest, longest_val) + cfg.rollout.max_new_tokens)
     notes = [*notes, *check_model_settings(cfg, spec.dims)]
     if spec.use_teacher:
         context = max(longest, longest_val) + cfg.rollout.max_new_tokens

@@ -1,0 +1,72 @@
+"""Micro-batches by token budget: which rows of a batch run in one forward.
+
+A batch whose response lengths vary 10× either wastes its micro-batches on padding or runs out
+of memory on the longest one when micro-batches are counted in rows. Under a token budget T a
+rank's rows are packed into as few micro-batches as first-fit decreasing finds (each ≤ T
+tokens); every rank of a collective forward must then run the same number k of them (the
+largest of the ranks' counts), so each rank re-partitions its rows into exactly k bins —
+longest-processing-time first (each row, longest first, to the lightest bin: a makespan within
+4/3 of the optimum) when that keeps every bin under T, else the first-fit bins split until
+there are k. Pure Python over row lengths: the engine asks for the bins, the ranks agree on k.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+
+def _check(lengths: Sequence[int], budget: int) -> None:
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"budget: expected an int >= 1, got {budget!r}")
+    if not lengths:
+        raise ValueError("lengths: expected at least one row")
+    longest = max(lengths)
+    if longest > budget:
+        raise ValueError(
+            f"lengths: a row of {longest} tokens is longer than the budget of {budget} tokens"
+        )
+
+
+def first_fit_bins(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Rows (indices into ``lengths`` [N], tokens per row) packed first-fit decreasing into
+    bins of at most ``budget`` tokens each; every bin non-empty, rows in index order within it.
+    ``ValueError`` for a row longer than the budget."""
+    _check(lengths, budget)
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for b, load in enumerate(loads):
+            if load + lengths[i] <= budget:
+                bins[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    return [sorted(b) for b in bins]
+
+
+def token_bins(lengths: Sequence[int], budget: int, count: int) -> list[list[int]]:
+    """Exactly ``count`` non-empty bins of the rows of ``lengths`` [N], each of at most
+    ``budget`` tokens, as balanced as the methods of the module docstring give; ``count`` must
+    lie between the first-fit count and N."""
+    bins = first_fit_bins(lengths, budget)
+    if not len(bins) <= count <= len(lengths):
+        raise ValueError(
+            f"count: expected between {len(bins)} (bins the budget needs) and {len(lengths)} "
+            f"(rows), got {count}"
+        )
+    heap = [(0, b) for b in range(count)]  # (load, bin): the lightest first
+    balanced: list[list[int]] = [[] for _ in range(count)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        load, b = heapq.heappop(heap)
+        balanced[b].append(i)
+        heapq.heappush(heap, (load + lengths[i], b))
+    if max(load for load, _ in heap) <= budget:
+        return [sorted(b) for b in balanced]
+    while len(bins) < count:  # split the bin of most rows: both halves stay under the budget
+        big = max(range(len(bins)), key=lambda b: (len(bins[b]), -b))
+        rows = sorted(bins.pop(big), key=lambda i: (-lengths[i], i))
+        bins += [sorted(rows[0::2]), sorted(rows[1::2])]
+    return bins

@@ -1,0 +1,65 @@
+"""Micro-batches by token budget (``otbrl.engine.micro``): a partition of the rows, each bin
+under the budget, exactly the count the ranks agreed on, balanced on a skewed distribution;
+and the config check that a budget holds the longest sequence, before any model loads."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from otbrl.engine.micro import first_fit_bins, token_bins
+from run_utils import refused, tiny_run_factory
+
+
+@given(
+    lengths=st.lists(st.integers(1, 64), min_size=1, max_size=40),
+    slack=st.integers(0, 100),
+    data=st.data(),
+)
+def test_bins_partition_the_rows_under_the_budget(lengths, slack, data):
+    budget = max(lengths) + slack
+    first = first_fit_bins(lengths, budget)
+    count = data.draw(st.integers(len(first), len(lengths)))
+    for bins in (first, token_bins(lengths, budget, count)):
+        assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+        assert all(b and sum(lengths[i] for i in b) <= budget for b in bins)
+    assert len(token_bins(lengths, budget, count)) == count
+    # first-fit decreasing never needs more than twice the bins the tokens fill
+    assert len(first) <= max(1, 2 * -(-sum(lengths) // budget))
+
+
+def test_a_skewed_batch_is_balanced_within_one_row():
+    """Lengths spanning 16-512 tokens (most short, a few long), as reasoning batches have: the
+    bins' loads differ by at most the longest row (LPT's bound), where consecutive runs of rows
+    differ by far more."""
+    rng = random.Random(0)
+    lengths = [min(512, int(16 * 2 ** rng.expovariate(0.7))) for _ in range(64)]
+    assert max(lengths) >= 256 and min(lengths) < 32
+    budget = 2048
+    count = len(first_fit_bins(lengths, budget)) + 1  # another rank needed one more
+    loads = [sum(lengths[i] for i in b) for b in token_bins(lengths, budget, count)]
+    assert max(loads) - min(loads) <= max(lengths)
+    consecutive = [sum(lengths[k * 64 // count : (k + 1) * 64 // count]) for k in range(count)]
+    assert max(consecutive) - min(consecutive) > max(loads) - min(loads)
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="a row of 9 tokens is longer than the budget of 8"):
+        first_fit_bins([3, 9], 8)
+    with pytest.raises(ValueError, match=r"count: expected between 2 .* and 3"):
+        token_bins([5, 5, 5], 10, 4)
+    with pytest.raises(ValueError, match="budget"):
+        first_fit_bins([3], 0)
+
+
+def test_a_budget_below_the_longest_sequence_is_refused_before_loading(
+    tmp_path, capsys, no_model_loading
+):
+    overrides = tiny_run_factory(tmp_path)
+    for key in ("actor.max_tokens_per_micro_batch", "critic.max_tokens_per_micro_batch"):
+        extra = ["critic.enable=true"] if key.startswith("critic") else []
+        refused(["train", *overrides(tmp_path / "run", f"{key}=8", *extra)], capsys, key,
+                "longest prompt plus the response budget")  # fmt: skip
