@@ -225,6 +225,11 @@ def test_token_budget_micro_batches_match_one_process(tmp_path, engine, tp, pack
     worker_args = (engine, 1, tp, packed, 0, None, {"max_tokens_per_micro_batch": budget})
     results = check_ok(launch(_engine_worker, 2, tmp_path, *worker_args))
     check_against_reference(results, 2)
+    # the update (packed: its rows dealt out again over the ranks by token load first) takes
+    # the same gradient
+    norm = single_process_reference(ppo_batch())[3]
+    for rank in range(2):
+        assert results[rank]["metrics"]["policy/grad_norm"] == pytest.approx(norm, rel=1e-5)
 
 
 CHECKPOINTING = {"gradient_checkpointing": True}

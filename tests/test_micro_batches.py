@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from otbrl.engine.micro import first_fit_bins, token_bins
+from otbrl.engine.micro import balance_ranks, first_fit_bins, token_bins
 from run_utils import refused, tiny_run_factory
 
 
@@ -46,6 +46,14 @@ def test_a_skewed_batch_is_balanced_within_one_row():
     assert max(consecutive) - min(consecutive) > max(loads) - min(loads)
 
 
+@given(lengths=st.lists(st.integers(1, 512), min_size=4, max_size=64), ranks=st.integers(1, 4))
+def test_ranks_get_every_row_once_and_near_equal_loads(lengths, ranks):
+    dealt = balance_ranks(lengths, ranks)
+    assert sorted(i for d in dealt for i in d) == list(range(len(lengths)))
+    loads = [sum(lengths[i] for i in d) for d in dealt]
+    assert all(dealt) and max(loads) - min(loads) <= max(lengths)
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="a row of 9 tokens is longer than the budget of 8"):
         first_fit_bins([3, 9], 8)
@@ -53,6 +61,8 @@ def test_bad_arguments_are_refused():
         token_bins([5, 5, 5], 10, 4)
     with pytest.raises(ValueError, match="budget"):
         first_fit_bins([3], 0)
+    with pytest.raises(ValueError, match="at least 3 rows"):
+        balance_ranks([1, 2], 3)
 
 
 def test_a_budget_below_the_longest_sequence_is_refused_before_loading(

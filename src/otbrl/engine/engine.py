@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
@@ -29,7 +30,7 @@ from otbrl.algos.loss_terms import Loss
 from otbrl.engine import parallel
 from otbrl.engine import state as checkpoint_state
 from otbrl.engine.layout import Layout, forward_outputs
-from otbrl.engine.micro import first_fit_bins, token_bins
+from otbrl.engine.micro import balance_ranks, first_fit_bins, token_bins
 from otbrl.engine.optim import OptimConfig, warmup_schedule
 from otbrl.engine.precision import get_precision
 from otbrl.engine.world import World
@@ -261,9 +262,10 @@ class Engine:
             order = torch.randperm(size, generator=self.generator)
             for start in range(0, size, mini):
                 idx = order[start : start + mini]
-                metrics, finite = self._optimizer_step(
-                    {k: v[idx] for k, v in batch.items()}, loss_fn
-                )
+                rows = {k: v[idx] for k, v in batch.items()}
+                if self.max_tokens is not None and self.layout.packed and self.world.dp_size > 1:
+                    rows = self.balanced(rows)
+                metrics, finite = self._optimizer_step(rows, loss_fn)
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + value
                 steps += 1
@@ -294,6 +296,34 @@ class Engine:
                 tally[key] = tally.get(key, 0.0) + float(value)
         keys = sorted(tally)
         return dict(zip(keys, self.world.sum([tally[k] for k in keys], over="dp")))
+
+    def balanced(self, mini: dict[str, Tensor]) -> dict[str, Tensor]:
+        """This rank's rows of the global mini-batch after the data-parallel ranks dealt all of
+        them out again by token load (``otbrl.engine.micro.balance_ranks``). Collective over the
+        data-parallel group: every rank's rows are gathered (re-padded to the widest prompt and
+        response: ``prompts`` [B, Lp], ``input_ids``-like [B, Lp + Lr] keys, response-aligned
+        [B, Lr] keys and [B] keys), then each keeps the rows dealt to it."""
+        group = self.world.mesh["dp"].get_group()
+        dp = self.world.dp_size
+        lr = mini["responses"].shape[1]
+        lp = mini["input_ids"].shape[1] - lr
+        shape = torch.tensor([mini["input_ids"].shape[0], lp, lr], device=self.world.device)
+        shapes = [torch.empty_like(shape) for _ in range(dp)]
+        dist.all_gather(shapes, shape, group=group)
+        counts = [int(s[0]) for s in shapes]
+        rows, wp, wr = max(counts), max(int(s[1]) for s in shapes), max(int(s[2]) for s in shapes)
+        out = {}
+        for key in sorted(mini):
+            value = mini[key]
+            padded = _repad(value, lp, lr, wp, wr, rows, prompt_key=key == "prompts")
+            cast = padded.to(torch.uint8) if padded.dtype == torch.bool else padded
+            parts = [torch.empty_like(cast) for _ in range(dp)]
+            dist.all_gather(parts, cast.contiguous(), group=group)
+            whole = torch.cat([p[:n] for p, n in zip(parts, counts, strict=True)])
+            out[key] = whole.to(value.dtype)
+        lengths = out["attention_mask"].sum(dim=1).tolist()
+        mine = torch.tensor(balance_ranks(lengths, dp)[self.world.dp_rank], dtype=torch.long)
+        return {key: value[mine] for key, value in out.items()}
 
     def _optimizer_step(self, mini: dict[str, Tensor], loss_fn: Loss) -> tuple[dict, bool]:
         metrics = self.accumulate_gradients(mini, loss_fn)
@@ -471,3 +501,27 @@ class Engine:
         self.generator.set_state(state["generator"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _repad(x: Tensor, lp: int, lr: int, wp: int, wr: int, rows: int, *, prompt_key: bool) -> Tensor:
+    """A batch key ``x`` [B, ...] re-padded to ``rows`` rows and to prompts of ``wp`` / responses
+    of ``wr`` tokens (from ``lp`` / ``lr``): prompt-aligned columns padded on the left,
+    response-aligned ones on the right, with zeros (their masks are 0 there)."""
+    pad_rows = rows - x.shape[0]
+    if x.dim() == 1:
+        return torch.nn.functional.pad(x, (0, pad_rows))
+    width = x.shape[1]
+    if prompt_key:
+        left, right = wp - lp, 0
+    elif width == lp + lr:
+        prompt, response = x[:, :lp], x[:, lp:]
+        x = torch.cat([torch.nn.functional.pad(prompt, (wp - lp, 0)),
+                       torch.nn.functional.pad(response, (0, wr - lr))], dim=1)  # fmt: skip
+        left = right = 0
+    elif width == lr:
+        left, right = 0, wr - lr
+    else:
+        raise ValueError(f"batch key of shape {tuple(x.shape)}: expected [B], [B, {lp}], [B, {lr}] "
+                         f"or [B, {lp + lr}]")  # fmt: skip
+    extra = [0, 0] * (x.dim() - 2)
+    return torch.nn.functional.pad(x, (*extra, left, right, 0, pad_rows))

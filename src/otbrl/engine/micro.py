@@ -8,6 +8,11 @@ largest of the ranks' counts), so each rank re-partitions its rows into exactly 
 longest-processing-time first (each row, longest first, to the lightest bin: a makespan within
 4/3 of the optimum) when that keeps every bin under T, else the first-fit bins split until
 there are k. Pure Python over row lengths: the engine asks for the bins, the ranks agree on k.
+
+Before that, in the packed layout, the rows of each global mini-batch are dealt out again over
+the data-parallel ranks (``balance_ranks``, LPT again) so that each rank's token load is near
+the mean: the rank with the most tokens sets the step's time, and the loss is normalised by the
+global mini-batch's counts, so which rank trains a row does not change the gradient.
 """
 
 from __future__ import annotations
@@ -70,3 +75,22 @@ def token_bins(lengths: Sequence[int], budget: int, count: int) -> list[list[int
         rows = sorted(bins.pop(big), key=lambda i: (-lengths[i], i))
         bins += [sorted(rows[0::2]), sorted(rows[1::2])]
     return bins
+
+
+def balance_ranks(lengths: Sequence[int], ranks: int) -> list[list[int]]:
+    """The rows of ``lengths`` [N] (tokens per row, N ≥ ``ranks``) dealt to ``ranks`` data-
+    parallel ranks, longest first to the least-loaded rank (LPT): every rank gets a row and the
+    loads differ by at most the longest row. Rows in index order on each rank."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks: expected an int >= 1, got {ranks!r}")
+    if len(lengths) < ranks:
+        raise ValueError(
+            f"lengths: expected at least {ranks} rows (one per rank), got {len(lengths)}"
+        )
+    heap = [(0, 0, r) for r in range(ranks)]  # (load, rows, rank): the lightest first
+    dealt: list[list[int]] = [[] for _ in range(ranks)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        load, count, r = heapq.heappop(heap)
+        dealt[r].append(i)
+        heapq.heappush(heap, (load + lengths[i], count + 1, r))
+    return [sorted(d) for d in dealt]
