@@ -12,11 +12,13 @@ with the demo's estimator (OTB) and batch sizes:
   the reward is scored and logged, not trained on);
 - ``distill+rl``: both.
 
-Reported: validation accuracy (500 prompts, greedy) every 25 steps, each arm's final accuracy,
-and for each distillation arm the first step at which it reached the ``rl`` arm's final accuracy
-of the same seed. Each run is one ``python -m otbrl train`` process; a run whose
-``summary.json`` exists is not run again, so a killed study resumes where it stopped. Writes
-``results.json`` and ``distill_demo.png`` into ``--out`` (``--figure`` copies the image).
+Reported: validation accuracy (500 prompts, greedy) every 25 steps; each arm's final accuracy as
+the mean of its last ``LAST`` validations (one validation swings by ±0.1 between neighbouring
+checks on this task, in every arm); and for every arm the first step at which it reached the
+``rl`` arm's final accuracy of the same seed. Each run is one ``python -m otbrl train``
+process; a run whose ``summary.json`` exists is not run again, so a killed study resumes where
+it stopped. Writes ``results.json`` and ``distill_demo.png`` into ``--out`` (``--figure`` copies
+the image).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ ARMS = {
     "distill+rl": [],
 }
 VAL_EVERY = 25
+LAST = 3  # validations averaged into an arm's final accuracy
 
 
 def _common(out: Path, cache: Path, seed: int, steps: int) -> list[str]:
@@ -111,17 +114,23 @@ def main() -> int:
             out = root / f"{arm}-seed{seed}"
             more = [] if arm == "rl" else [*distill, *extra]
             summary = _run(out, [*_common(out, cache, seed, args.steps), *more])
+            curve = _val_curve(out)
+            final = sum(acc for _, acc in curve[-LAST:]) / LAST
             results["runs"][f"{arm}/{seed}"] = {
                 "initial": summary["initial_val_accuracy"],
-                "final": summary["final_val_accuracy"],
-                "curve": _val_curve(out),
+                "final": final,
+                "last": summary["final_val_accuracy"],
+                "curve": curve,
             }
-            print(f"seed {seed} {arm}: {summary['initial_val_accuracy']} -> "
-                  f"{summary['final_val_accuracy']}", flush=True)  # fmt: skip
+            print(
+                f"seed {seed} {arm}: {summary['initial_val_accuracy']} -> {final:.3f} "
+                f"(mean of the last {LAST} validations)",
+                flush=True,
+            )
     reach = {}
     for seed in seeds:
         target = results["runs"][f"rl/{seed}"]["final"]
-        for arm in ("distill", "distill+rl"):
+        for arm in ARMS:
             curve = results["runs"][f"{arm}/{seed}"]["curve"]
             reach[f"{arm}/{seed}"] = _first_step_reaching(curve, target)
     results["steps_to_rl_final"] = reach
@@ -134,15 +143,17 @@ def main() -> int:
 
 
 def _table(results: dict, seeds: list[int]) -> str:
-    lines = ["seed | rl final | distill final (step reaching rl's) | distill+rl final (step)"]
+    """One row per seed: the start, each arm's final accuracy and the first step at which it
+    reached the rl arm's final accuracy ("-": never within the run)."""
+    head = " | ".join(f"{arm} final (step reaching rl's)" for arm in ARMS)
+    lines = [f"seed | start | {head}"]
+    runs, reach = results["runs"], results["steps_to_rl_final"]
     for seed in seeds:
-        runs, reach = results["runs"], results["steps_to_rl_final"]
-        cells = [f"{runs[f'rl/{seed}']['final']:.3f}"]
-        for arm in ("distill", "distill+rl"):
+        cells = [f"{runs[f'rl/{seed}']['initial']:.3f}"]
+        for arm in ARMS:
             step = reach[f"{arm}/{seed}"]
-            cells.append(
-                f"{runs[f'{arm}/{seed}']['final']:.3f} ({step if step is not None else '-'})"
-            )
+            final = runs[f"{arm}/{seed}"]["final"]
+            cells.append(f"{final:.3f} ({'-' if step is None else step})")
         lines.append(f"{seed} | " + " | ".join(cells))
     return "\n".join(lines)
 
@@ -153,10 +164,13 @@ def _plot(results: dict, seeds: list[int], path: Path) -> Path:
 
     colors = {"rl": "tab:gray", "distill": "tab:blue", "distill+rl": "tab:green"}
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for arm, color in colors.items():
-        for i, seed in enumerate(seeds):
-            steps, acc = zip(*results["runs"][f"{arm}/{seed}"]["curve"], strict=True)
-            ax.plot(steps, acc, color=color, alpha=0.9, lw=1.2, label=arm if i == 0 else None)
+    for arm, color in colors.items():  # each seed thin, their mean thick
+        curves = [results["runs"][f"{arm}/{seed}"]["curve"] for seed in seeds]
+        for curve in curves:
+            steps, acc = zip(*curve, strict=True)
+            ax.plot(steps, acc, color=color, alpha=0.3, lw=0.8)
+        mean = [sum(c[i][1] for c in curves) / len(curves) for i in range(len(curves[0]))]
+        ax.plot(steps, mean, color=color, lw=2.0, label=f"{arm} (mean of {len(seeds)} seeds)")
     teacher = results["teacher"]["final_val_accuracy"]
     ax.axhline(teacher, color="black", ls="--", lw=0.8, label=f"teacher ({teacher:.2f})")
     ax.set_xlabel("RL step")
