@@ -27,9 +27,9 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
+
+from study_runs import first_step_reaching, run_once, val_curve
 
 TEACHER_SEED = 1
 TEACHER_STEPS = 800
@@ -54,27 +54,6 @@ def _common(out: Path, cache: Path, seed: int, steps: int) -> list[str]:
     ]
 
 
-def _run(out: Path, overrides: list[str]) -> dict:
-    """One ``otbrl train`` run into ``out`` (skipped when it finished before): its summary."""
-    summary = out / "summary.json"
-    if not summary.is_file():
-        shutil.rmtree(out, ignore_errors=True)  # a run killed part-way starts again
-        log = out.with_suffix(".log")
-        with log.open("w") as f:
-            cmd = [sys.executable, "-m", "otbrl", "train", *overrides]
-            subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=True)
-    return json.loads(summary.read_text())
-
-
-def _val_curve(out: Path) -> list[tuple[int, float]]:
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]
-
-
-def _first_step_reaching(curve: list[tuple[int, float]], target: float) -> int | None:
-    return next((step for step, acc in curve if acc >= target), None)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/distill-demo")
@@ -90,7 +69,7 @@ def main() -> int:
     if TEACHER_SEED in seeds:
         raise SystemExit(f"--seeds: {TEACHER_SEED} is the teacher's seed")
     teacher_run = root / "teacher"
-    teacher = _run(
+    teacher = run_once(
         teacher_run,
         [
             *_common(teacher_run, cache, TEACHER_SEED, TEACHER_STEPS),
@@ -113,8 +92,8 @@ def main() -> int:
         for arm, extra in ARMS.items():
             out = root / f"{arm}-seed{seed}"
             more = [] if arm == "rl" else [*distill, *extra]
-            summary = _run(out, [*_common(out, cache, seed, args.steps), *more])
-            curve = _val_curve(out)
+            summary = run_once(out, [*_common(out, cache, seed, args.steps), *more])
+            curve = val_curve(out)
             final = sum(acc for _, acc in curve[-LAST:]) / LAST
             results["runs"][f"{arm}/{seed}"] = {
                 "initial": summary["initial_val_accuracy"],
@@ -132,7 +111,7 @@ def main() -> int:
         target = results["runs"][f"rl/{seed}"]["final"]
         for arm in ARMS:
             curve = results["runs"][f"{arm}/{seed}"]["curve"]
-            reach[f"{arm}/{seed}"] = _first_step_reaching(curve, target)
+            reach[f"{arm}/{seed}"] = first_step_reaching(curve, target)
     results["steps_to_rl_final"] = reach
     (root / "results.json").write_text(json.dumps(results, indent=1))
     figure = _plot(results, seeds, root / "distill_demo.png")
