@@ -223,6 +223,22 @@ def test_a_reward_model_of_the_family(zoo, shape, tmp_path, capsys):
     assert any("reward/model_mean" in r for r in rows)
 
 
+def test_distillation_from_another_family_member_that_shares_the_vocabulary(zoo, tmp_path, capsys):
+    """A Qwen2.5 student (tied, q/k/v bias) distilled from a Qwen3 teacher (q/k norms, another
+    head_dim) — one tokenizer, as in the real families — in bf16 for the teacher and the
+    student's packed layout; a Llama-3.2 teacher (another vocabulary) is refused, one line."""
+    rows = _train(
+        zoo, QWEN, tmp_path / "run", f"algorithm.distill.teacher_path={zoo['qwen3']}",
+        "algorithm.distill.precision=bf16-true", "model.use_remove_padding=true",
+        "actor.max_tokens_per_micro_batch=128", capsys=capsys,
+    )  # fmt: skip
+    steps = [r for r in rows if "distill/reverse_kl" in r]
+    assert len(steps) == 2 and all(r["distill/teacher_log_prob"] < 0 for r in steps)
+    key = "algorithm.distill.teacher_path"
+    args = _args(zoo, QWEN, tmp_path / "other", [f"{key}={zoo['llama3.2']}"])
+    refused(["train", *args], capsys, key, "tokenizer (400 tokens) is not the policy's")
+
+
 # -- refused, one line, before any model loads ------------------------------------------------
 def test_cells_that_cannot_work_are_one_line_errors(zoo, tmp_path, capsys):
     from otbrl.config import ConfigError, load_config
