@@ -35,6 +35,7 @@ OWNERS = {
     "model.lora.sync": ("otbrl.models.config", "LORA_SYNCS"),
     "rollout.name": ("otbrl.rollout.config", "ROLLOUT_NAMES"),
     "rollout.mode": ("otbrl.rollout.config", "ROLLOUT_MODES"),
+    "rollout.server.weight_transport": ("otbrl.rollout.config", "WEIGHT_TRANSPORTS"),
     "rollout.stale_samples": ("otbrl.run.producer", "STALE_SAMPLES"),
     "rollout.vllm.dtype": ("otbrl.models.hf", "DTYPES"),
     "rollout.multi_turn.format": ("otbrl.tools.formats", "FORMATS"),

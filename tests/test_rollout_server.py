@@ -5,10 +5,13 @@ killed with SIGKILL restarted with the newest weights, and the one-line errors o
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 import torch
@@ -213,5 +216,62 @@ def test_partial_rollout_keeps_requests_across_an_update(vllm_server, model):
         assert spans["async/staleness_max"] == 1
         assert 0 < spans["async/token_staleness_mean"] < 1
         assert all(c.version == start for g in result["out"] for c in g)  # the oldest token's
+    finally:
+        backend.close()
+
+
+def test_weights_over_http_with_no_shared_directory(vllm_server, model, monkeypatch):
+    """A user's server (``urls``) gets each update from the trainer over HTTP (``auto``): the
+    worker is told a url and a token, never a path; its log-probs then equal the trainer's. A
+    bucket that is not the one written is refused by the worker before a tensor of it loads — a
+    ``ServerError`` naming the server, after one retry — and the next good update heals it; the
+    trainer serves buckets alone, and only with the run's token."""
+    import otbrl.rollout.server as server_mod
+    from otbrl.rollout.config import ServerConfig
+    from otbrl.rollout.server import ServerError, ServerRollout
+
+    model_dir, started = vllm_server
+    url = started.servers[0].url
+    backend = ServerRollout(model_dir, ServerConfig(urls=[url]), max_model_len=64, seed=0)
+    try:
+        assert backend.weight_transport == "http"
+        sent = []
+        real = server_mod.request_json
+
+        def spy(address, body=None, **kwargs):
+            if address.endswith("/collective_rpc") and body["method"] == "otbrl_load_weights":
+                sent.append(body["kwargs"])
+            return real(address, body, **kwargs)
+
+        monkeypatch.setattr(server_mod, "request_json", spy)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        backend.sync_weights(model.named_parameters())
+        assert "directory" not in sent[-1] and sent[-1]["url"].startswith("http://127.0.0.1:")
+        assert _mismatch(backend, model, _params(3))[0] <= TOL
+        good = backend._manifest
+        bad = [{**good[0], "sha256": "0" * 64}, *good[1:]]
+        monkeypatch.setattr(server_mod, "write_buckets", lambda *a, **k: bad)
+        with pytest.raises(ServerError, match=rf"{url}.*failed twice.*not the one the trainer"):
+            backend.sync_weights(model.named_parameters())
+        monkeypatch.undo()
+        # the trainer's WeightServer: a bucket for the run's token only, nothing but buckets
+        ws, name = backend._weight_server, good[0]["name"]
+        for headers in ({}, {"Authorization": "Bearer not-the-token"}):
+            request = urllib.request.Request(f"{ws.url}/{name}", headers=headers)
+            with pytest.raises(urllib.error.HTTPError, match="401"):
+                urllib.request.urlopen(request, timeout=10)
+        token = {"Authorization": f"Bearer {ws.token}"}
+        for path in ("../config.json", "config.json", "%2e%2e/x"):
+            request = urllib.request.Request(f"{ws.url}/{path}", headers=token)
+            with pytest.raises(urllib.error.HTTPError, match="404"):
+                urllib.request.urlopen(request, timeout=10)
+        body = urllib.request.urlopen(
+            urllib.request.Request(f"{ws.url}/{name}", headers=token), timeout=10
+        ).read()
+        assert hashlib.sha256(body).hexdigest() == good[0]["sha256"]
+        backend.sync_weights(model.named_parameters())
+        assert _mismatch(backend, model, _params(4))[0] <= TOL
     finally:
         backend.close()

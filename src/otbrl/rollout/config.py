@@ -14,6 +14,7 @@ from otbrl.tools.formats import FORMATS
 
 ROLLOUT_NAMES = ("hf", "vllm")  # rollout.name: the backends (HFRollout, VLLMRollout/servers)
 ROLLOUT_MODES = ("colocated", "server")  # rollout.mode: in the trainer's process, or servers
+WEIGHT_TRANSPORTS = ("auto", "file", "http")  # rollout.server.weight_transport
 # rollout.stale_samples: a batch older than the staleness bound is dropped, or the producer
 # waits before sampling that far ahead (otbrl.run.producer)
 STALE_SAMPLES = ("drop", "wait")
@@ -69,9 +70,15 @@ class ServerConfig:
     request_timeout_s: float = setting(300.0, gt=0)
     # restarts of a started server that died before the run fails
     max_restarts: int = setting(2, ge=0)
-    # where the trainer writes weight buckets for the servers to load (every server must see
+    # where the trainer writes weight buckets (with weight_transport=file every server must see
     # it); null: a fresh directory in /dev/shm, removed at the end
     weights_dir: str | None = None
+    # how the servers get each update's buckets: "file" (read from weights_dir) | "http"
+    # (fetched from the trainer, with a per-run token: no shared file system) | "auto" (http
+    # for servers of urls without a weights_dir, else file)
+    weight_transport: str = setting("auto", choices=WEIGHT_TRANSPORTS)
+    # the trainer's address as the servers reach it (weight_transport=http; it listens there)
+    weights_host: str = "127.0.0.1"
     # one weight bucket: the trainer holds one at a time
     bucket_mb: float = setting(64.0, gt=0)
 

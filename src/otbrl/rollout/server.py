@@ -60,7 +60,7 @@ from otbrl.rollout.vllm_common import (
     request_seeds,
     sampling_fields,
 )
-from otbrl.rollout.weight_buckets import scratch_dir, write_buckets
+from otbrl.rollout.weight_buckets import WeightServer, scratch_dir, write_buckets
 from otbrl.settings import check_settings
 
 # what callers (plan, cli, tests) import from here; the helpers live in the modules above
@@ -75,6 +75,15 @@ __all__ = [
 ]
 
 SERVED_NAME = ServerConfig().served_model_name
+
+
+def weight_transport(settings: ServerConfig) -> str:
+    """``rollout.server.weight_transport`` resolved: ``auto`` is ``http`` for servers the user
+    started (``urls``: maybe on other hosts, which cannot see the trainer's ``/dev/shm``) when
+    no shared ``weights_dir`` is given, else ``file``."""
+    if settings.weight_transport != "auto":
+        return settings.weight_transport
+    return "http" if settings.urls and settings.weights_dir is None else "file"
 
 
 class ServerRollout:
@@ -127,6 +136,14 @@ class ServerRollout:
         self._own_weights_dir = s.weights_dir is None
         self.weights_dir = scratch_dir() if s.weights_dir is None else Path(s.weights_dir)
         self.weights_dir.mkdir(parents=True, exist_ok=True)
+        self.weight_transport = weight_transport(s)
+        # http: the servers fetch the buckets from the trainer (no shared file system)
+        self._weight_server = (
+            WeightServer(self.weights_dir, s.weights_host)
+            if self.weight_transport == "http"
+            else None
+        )
+        self._manifest: list[dict] = []  # the buckets of the newest weights
         self._has_weights = False
         self.weight_version = 0
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="otbrl-rollout")
@@ -279,7 +296,7 @@ class ServerRollout:
                 self._gate.wait()
         try:
             with self._server_lock:
-                write_buckets(self.weights_dir, named_tensors, self.bucket_bytes)
+                self._manifest = write_buckets(self.weights_dir, named_tensors, self.bucket_bytes)
                 self._has_weights = True
                 for server in self.servers:
                     self._load(server, pause=True)
@@ -301,9 +318,7 @@ class ServerRollout:
                     request_json(f"{server.url}/pause?mode=wait", {}, timeout=t)
                 if keep:
                     self._mark_update(server)
-                directory = {"directory": str(self.weights_dir)}
-                rpc = {"method": "otbrl_load_weights", "kwargs": directory}
-                request_json(f"{server.url}/collective_rpc", rpc, timeout=t)
+                self._load_weights(server)
                 # kept requests are preempted: their KV cache is recomputed by the new weights
                 query = "?reset_running_requests=true" if keep else ""
                 reset = request_json(f"{server.url}/reset_prefix_cache{query}", {}, timeout=t)
@@ -322,6 +337,40 @@ class ServerRollout:
                     raise ServerError(why) from None
                 self._restart(server, f"weight update failed: {err}")  # loads the new weights
                 return
+
+    def _load_weights(self, server: Server) -> None:
+        """The worker extension loads the newest buckets (from the weights directory, or over
+        HTTP from the trainer's ``WeightServer``), each checked against the manifest; every
+        worker must report the manifest's tensor count, else a ``ServerError`` naming the
+        server (a server that loaded nothing, or other weights, keeps sampling otherwise).
+        A failed load is tried once more (it reloads every bucket: safe to repeat)."""
+        expected = sum(entry["tensors"] for entry in self._manifest)
+        if self._weight_server is None:
+            source = {"directory": str(self.weights_dir)}
+        else:
+            ws = self._weight_server
+            source = {"url": ws.url, "token": ws.token, "timeout": self.request_timeout_s}
+        kwargs = {"manifest": self._manifest, **source}
+        rpc = {"method": "otbrl_load_weights", "kwargs": kwargs}
+        for attempt in (1, 2):
+            try:
+                answer = request_json(
+                    f"{server.url}/collective_rpc", rpc, timeout=self.request_timeout_s
+                )
+                break
+            except ServerError as err:
+                if attempt == 2:
+                    raise ServerError(
+                        f"vLLM server {server.url}: the weight update failed twice "
+                        f"({self.weight_transport} transport): {err}"
+                    ) from None
+        counts = (answer or {}).get("results")  # one per worker, as text
+        if not counts or any(str(c) != str(expected) for c in counts):
+            raise ServerError(
+                f"vLLM server {server.url}: its workers loaded {counts} tensors of the "
+                f"{expected} the trainer sent ({self.weight_transport} transport); its weights "
+                "are not the policy's"
+            )
 
     def _mark_update(self, server: Server) -> None:
         """Partial rollouts, ``server`` paused: record where the next version starts in every
@@ -346,5 +395,7 @@ class ServerRollout:
             if server.owned:
                 server.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._weight_server is not None:
+            self._weight_server.close()
         if self._own_weights_dir:
             shutil.rmtree(self.weights_dir, ignore_errors=True)

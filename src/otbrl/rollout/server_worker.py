@@ -2,35 +2,50 @@
 otbrl.rollout.server_worker.WeightLoader``) so otbrl can push weights into it on CPU.
 
 vLLM's weight-transfer engines (NCCL, IPC) are GPU ones; here the trainer writes the weights as
-safetensors buckets (``otbrl.rollout.weight_buckets``) into a directory both sides see
-(``/dev/shm`` on one machine) and calls, through the dev-mode ``/collective_rpc`` endpoint (string
-arguments only), ``otbrl_load_weights(directory)``: the worker streams the buckets, in their file
-order, into one ``reload_weights`` pass (the same in-place reload the in-process backend uses) and
-repacks a tied lm_head on CPU. ``otbrl_progress()`` reports how many tokens each in-flight request
-has generated (partial rollouts: where a weight update falls inside a completion). The extension
-imports only torch and safetensors at call time.
+safetensors buckets with a manifest (``otbrl.rollout.weight_buckets``) and calls, through the
+dev-mode ``/collective_rpc`` endpoint (JSON arguments only), ``otbrl_load_weights(manifest,
+...)``: the worker reads each bucket from the trainer's directory (``directory``: one machine,
+or a shared file system) or fetches it from the trainer's ``WeightServer`` (``url`` and
+``token``: no shared file system), checks it against the manifest (size, SHA-256, tensor count)
+before any of its tensors loads, streams the buckets in order into one ``reload_weights`` pass
+(the same in-place reload the in-process backend uses), repacks a tied lm_head on CPU and
+returns the tensor count, which the trainer checks. ``otbrl_progress()`` reports how many
+tokens each in-flight request has generated (partial rollouts: where a weight update falls
+inside a completion). The extension imports only torch and safetensors at call time.
 """
 
 from __future__ import annotations
 
-from otbrl.rollout.weight_buckets import iter_buckets
+from otbrl.rollout.weight_buckets import checked_buckets, read_file, read_http
 
 
 class WeightLoader:
     """Mixed into vLLM's worker class by ``--worker-extension-cls``: its methods become
     ``collective_rpc`` targets."""
 
-    def otbrl_load_weights(self, directory: str) -> int:
-        """Load every bucket of ``directory`` (HF names) in place; returns the tensor count."""
+    def otbrl_load_weights(
+        self,
+        manifest: list,
+        directory: str | None = None,
+        url: str | None = None,
+        token: str | None = None,
+        timeout: float = 300.0,
+    ) -> int:
+        """Load every bucket of ``manifest`` (HF names) in place, from ``directory`` or from
+        the ``WeightServer`` at ``url`` (with its ``token``), each checked first; returns the
+        tensor count."""
         from vllm.platforms import current_platform
 
         from otbrl.rollout.vllm_common import repack_tied_lm_head, tied_lm_head
 
+        if (directory is None) == (url is None):
+            raise ValueError("otbrl_load_weights: expected a directory or a url, not both")
+        read = read_file(directory) if url is None else read_http(url, token or "", timeout)
         count = 0
 
         def counted():
             nonlocal count
-            for item in iter_buckets(directory):
+            for item in checked_buckets(manifest, read, f"weights from {directory or url}"):
                 count += 1
                 yield item
 

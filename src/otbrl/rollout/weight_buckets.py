@@ -1,14 +1,22 @@
-"""Weights as safetensors buckets in a directory the trainer and the vLLM servers both see
-(``/dev/shm`` on one machine, a shared file system across hosts): the trainer writes them
-(``ServerRollout.sync_weights``), the servers' worker extension (``otbrl.rollout.server_worker``)
-streams them back in the order they were written. The bucket format lives here alone.
+"""Weights as safetensors buckets: the trainer writes them into a directory of its own
+(``ServerRollout.sync_weights``) with a manifest (each bucket's name, size, SHA-256 and tensor
+count), and the servers' worker extension (``otbrl.rollout.server_worker``) streams them back in
+the order they were written — read from that directory when the servers see it (``file``:
+``/dev/shm`` on one machine, a shared file system across hosts), or fetched from the trainer's
+``WeightServer`` over HTTP (``http``: no shared file system) — checking every bucket against the
+manifest before a tensor of it loads. The bucket format and its checks live here alone.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import tempfile
+import threading
+import urllib.request
 from collections.abc import Iterable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 BUCKET_GLOB = "bucket-*.safetensors"
@@ -22,25 +30,31 @@ def scratch_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="otbrl-weights-", dir=root))
 
 
-def write_buckets(directory: Path, named_tensors: Iterable, bucket_bytes: int) -> None:
+def write_buckets(directory: Path, named_tensors: Iterable, bucket_bytes: int) -> list[dict]:
     """Replace the buckets of ``directory`` with ``named_tensors`` ((HF name, tensor) pairs),
     ~``bucket_bytes`` a bucket. One bucket is in memory at a time (never a second full copy
-    of the model); each file appears whole (written, then renamed)."""
-    from safetensors.torch import save_file
+    of the model); each file appears whole (written, then renamed). Returns the manifest: per
+    bucket, in order, ``{"name", "bytes", "sha256", "tensors"}``."""
+    from safetensors.torch import save
     from torch import Tensor
 
     for old in bucket_files(directory):
         old.unlink()
     bucket: dict[str, Tensor] = {}
     size, index = 0, 0
+    manifest: list[dict] = []
 
     def flush():
         nonlocal bucket, size, index
         if bucket:
             path = directory / f"bucket-{index:05d}.safetensors"
             tmp = path.with_suffix(".tmp")
-            save_file(bucket, str(tmp))
+            data = save(bucket)
+            tmp.write_bytes(data)
             tmp.rename(path)
+            digest = hashlib.sha256(data).hexdigest()
+            entry = {"name": path.name, "bytes": len(data), "sha256": digest}
+            manifest.append({**entry, "tensors": len(bucket)})
             index += 1
         bucket, size = {}, 0
 
@@ -52,6 +66,7 @@ def write_buckets(directory: Path, named_tensors: Iterable, bucket_bytes: int) -
         if size >= bucket_bytes:
             flush()
     flush()
+    return manifest
 
 
 def bucket_files(directory: str | Path) -> list[Path]:
@@ -59,11 +74,94 @@ def bucket_files(directory: str | Path) -> list[Path]:
     return sorted(Path(directory).glob(BUCKET_GLOB))
 
 
-def iter_buckets(directory: str | Path):
-    """(HF name, tensor) of every bucket of ``directory``, one bucket open at a time."""
-    from safetensors import safe_open
+def checked_buckets(manifest: list[dict], read, source: str):
+    """(HF name, tensor) of every bucket of ``manifest``, in order, one bucket in memory at a
+    time: ``read(entry) -> bytes`` gets a bucket (from the directory, or over HTTP); a bucket
+    whose size, SHA-256 or tensor count differs from its entry is a ``ValueError`` naming
+    ``source`` and the bucket, raised before any tensor of it is handed on."""
+    from safetensors.torch import load
 
-    for path in bucket_files(directory):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                yield name, f.get_tensor(name)
+    for entry in manifest:
+        data = read(entry)
+        digest = hashlib.sha256(data).hexdigest()
+        if len(data) != entry["bytes"] or not hmac.compare_digest(digest, entry["sha256"]):
+            raise ValueError(
+                f"{source}: weight bucket {entry['name']} is not the one the trainer wrote "
+                f"({len(data)} bytes, sha256 {digest[:12]}…; expected {entry['bytes']} bytes, "
+                f"{entry['sha256'][:12]}…)"
+            )
+        tensors = load(data)
+        if len(tensors) != entry["tensors"]:
+            raise ValueError(
+                f"{source}: weight bucket {entry['name']} holds {len(tensors)} tensors, the "
+                f"manifest {entry['tensors']}"
+            )
+        yield from tensors.items()
+
+
+def read_file(directory: str | Path):
+    """``checked_buckets``' reader of the buckets in ``directory``."""
+    return lambda entry: (Path(directory) / entry["name"]).read_bytes()
+
+
+def read_http(url: str, token: str, timeout: float = 300.0):
+    """``checked_buckets``' reader of the buckets a ``WeightServer`` at ``url`` serves."""
+
+    def read(entry: dict) -> bytes:
+        request = urllib.request.Request(f"{url}/{entry['name']}")
+        request.add_header("Authorization", f"Bearer {token}")
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.read()
+
+    return read
+
+
+class WeightServer:
+    """The trainer's buckets over HTTP for servers that do not share its file system: ``GET
+    /<bucket name>`` with ``Authorization: Bearer <token>`` (a fresh random token per run; a
+    request without it is refused, 401) serves that bucket of ``directory``; nothing else is
+    served. Binds ``host`` (the address the servers reach the trainer at) on a free port;
+    ``url`` is where it listens. Plain HTTP: on a network others can read, tunnel it."""
+
+    def __init__(self, directory: Path, host: str = "127.0.0.1") -> None:
+        import secrets
+
+        self.directory = Path(directory)
+        self.token = secrets.token_urlsafe(32)
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                given = self.headers.get("Authorization", "")
+                if not hmac.compare_digest(given, f"Bearer {server.token}"):
+                    self.send_error(401, "a weight bucket needs the run's token")
+                    return
+                name = self.path.lstrip("/")
+                path = server.directory / name
+                if "/" in name or not path.match(BUCKET_GLOB) or not path.is_file():
+                    self.send_error(404, "no such weight bucket")
+                    return
+                data = path.read_bytes()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/octet-stream")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):  # the run's log is not for access lines
+                pass
+
+        self._httpd = ThreadingHTTPServer((host, 0), Handler)
+        self._httpd.daemon_threads = True
+        bound = self._httpd.server_address
+        self.url = f"http://{host}:{bound[1]}"
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, name="otbrl-weights", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop serving (idempotent)."""
+        if self._thread.is_alive():
+            self._httpd.shutdown()
+            self._httpd.server_close()
