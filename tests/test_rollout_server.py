@@ -273,5 +273,8 @@ def test_weights_over_http_with_no_shared_directory(vllm_server, model, monkeypa
         assert hashlib.sha256(body).hexdigest() == good[0]["sha256"]
         backend.sync_weights(model.named_parameters())
         assert _mismatch(backend, model, _params(4))[0] <= TOL
+        ws.close()  # the connection to the trainer drops: an error naming the server
+        with pytest.raises(ServerError, match=rf"{url}.*failed twice.*(refused|URLError)"):
+            backend.sync_weights(model.named_parameters())
     finally:
         backend.close()
