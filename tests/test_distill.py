@@ -7,6 +7,7 @@ with tools, with pure distillation's learning and with resume."""
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -157,6 +158,20 @@ def test_pure_distillation_moves_the_student_towards_the_teacher(run, teacher, t
     assert len(kl) == 12
     # measured here: 5.9 over the first three steps, 2.7 over the last three
     assert sum(kl[-3:]) / 3 < 0.6 * sum(kl[:3]) / 3, [round(x, 2) for x in kl]
+
+
+def test_a_distilled_run_evaluates_without_its_teacher(run, tmp_path, capsys):
+    """``otbrl eval`` of a run directory takes the run's saved config, teacher included: the
+    teacher is not needed to evaluate the student, and may be gone."""
+    overrides, _ = run
+    teacher = build_tiny_model(tmp_path / "teacher", seed=3, **ONE_LAYER)
+    out = tmp_path / "run"
+    args = overrides(out, f"algorithm.distill.teacher_path={teacher}", "trainer.total_steps=2")
+    assert cli.main(["train", *args]) == 0
+    shutil.rmtree(teacher)
+    capsys.readouterr()
+    assert cli.main(["eval", f"model.path={out}"]) == 0
+    assert "step_2" in capsys.readouterr().out
 
 
 def test_distillation_resumes_where_it_stopped(run, teacher, tmp_path):
