@@ -108,7 +108,8 @@ def main() -> int:
     arms = [f"tokens={args.budget}", *[f"rows={r}" for r in args.rows.split(",")]]
     results = []
     for arm in arms:
-        child = [a for a in sys.argv[1:] if not a.startswith("--out")]
+        keys = ("vocab", "hidden", "layers", "repeats", "threads", "seed", "batch_rows")
+        child = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys]
         cmd = [sys.executable, __file__, *child, "--arm", arm]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         results.append(json.loads(out.strip().splitlines()[-1]))
