@@ -162,11 +162,10 @@ class Trainer:
             pad_id=pad_token_id(self.tokenizer),
             uid_offset=self.world.dp_rank * quota,
         )
-        rounds = len(rounds)
-        generated = rounds * quota
+        generated = len(rounds) * quota
         merged.metrics.update(
             {
-                "dynamic_sampling/rounds": float(rounds),
+                "dynamic_sampling/rounds": float(len(rounds)),
                 "dynamic_sampling/kept_frac": signal / generated,
                 "dynamic_sampling/filled_frac": filled / quota,
                 "dynamic_sampling/samples_per_trained": generated / quota,
