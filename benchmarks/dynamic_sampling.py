@@ -61,6 +61,7 @@ def main() -> int:
             ]
             results["runs"][f"{arm}/{seed}"] = {
                 "curve": curve,
+                "final": sum(acc for _, acc in curve[-3:]) / 3,  # one check swings ±0.1
                 "step_reaching_target": reached,
                 "seconds_to_target": _seconds_to(out, reached),
                 "seconds_per_step": statistics.median(r["timing/step"] for r in steps),
@@ -68,7 +69,8 @@ def main() -> int:
             }
             print(f"seed {seed} {arm}: {results['runs'][f'{arm}/{seed}']}"[:200], flush=True)
     (root / "results.json").write_text(json.dumps(results, indent=1))
-    print(f"seed | arm | step reaching {args.target} | RL seconds to it | s/step | signal share")
+    print(f"seed | arm | step reaching {args.target} | RL seconds to it | s/step | signal share "
+          "| final (mean of the last 3 checks)")  # fmt: skip
     for seed in seeds:
         for arm in ARMS:
             r = results["runs"][f"{arm}/{seed}"]
@@ -76,7 +78,7 @@ def main() -> int:
             kept = r["kept_frac_mean"]
             print(f"{seed} | {arm} | {r['step_reaching_target']} | "
                   f"{'-' if secs is None else f'{secs:.0f}'} | {r['seconds_per_step']:.2f} | "
-                  f"{'-' if kept is None else f'{kept:.2f}'}")  # fmt: skip
+                  f"{'-' if kept is None else f'{kept:.2f}'} | {r['final']:.3f}")  # fmt: skip
     times = {
         arm: [results["runs"][f"{arm}/{s}"]["seconds_to_target"] for s in seeds] for arm in ARMS
     }
