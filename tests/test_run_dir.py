@@ -161,6 +161,28 @@ def test_flipped_bytes_fall_back_to_the_previous_checkpoint(setup, tmp_path, cap
     assert damaged[0]["path"].endswith("step_4") and "model.safetensors" in damaged[0]["error"]
 
 
+def test_an_old_step_resume_keeps_the_later_branch(setup, tmp_path, capsys):
+    """``trainer.resume=<step_2>`` of a run that went on to step 4 starts a new branch (here
+    one that ends at step 3): the abandoned step_4 and the logs up to it move to ``branch-*/``.
+    On main step_4 stayed where it was, so ``resume=auto`` went back to the abandoned branch
+    and retention (by step number) deleted the new branch's checkpoints first."""
+    overrides, finished = setup
+    run = copy_run(setup, tmp_path)
+    start = run / "checkpoints" / "step_2"
+    cut = "trainer.total_steps=3"
+    Trainer(load_config(None, overrides(run, f"trainer.resume={start}", cut))).fit()
+    assert "the later branch (step_4, its logs) moved to branch-" in capsys.readouterr().err
+    (branch,) = run.glob("branch-*")
+    assert verify_checkpoint(branch / "checkpoints" / "step_4") == 4
+    assert stable_metrics(branch) == stable_metrics(finished)  # the abandoned branch's logs
+    kept = json.loads((run / "run.json").read_text())["starts"][-1]["branch_kept"]
+    assert kept["checkpoints"] == ["step_4"] and kept["path"] == str(branch)
+    assert [c.name for c in list_checkpoints(run / "checkpoints")] == ["step_2", "step_3"]
+    # resume=auto continues the new branch
+    Trainer(load_config(None, overrides(run, "trainer.total_steps=4"))).fit()
+    assert "from step_3 (step 3)" in capsys.readouterr().err
+
+
 def test_explicit_resume_of_a_damaged_checkpoint_names_the_file(
     setup, tmp_path, capsys, no_model_loading
 ):

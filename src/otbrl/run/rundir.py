@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import socket
 import sys
 import time
@@ -333,6 +334,40 @@ def _move_aside(path: Path) -> Path:
     return target
 
 
+def _keep_later_branch(path: Path, start: Path, entry: dict, stream: TextIO) -> None:
+    """Resuming this run from one of its older checkpoints (``start``) starts a new branch: the
+    checkpoints of later steps, and the logs that run on past ``start``, move to
+    ``<path>/branch-<time>/`` (named, never deleted) — left in place, the new branch would
+    overwrite them step by step, retention would delete its own newer checkpoints first (it
+    goes by step number), and ``resume=auto`` would go back to the abandoned branch."""
+    root = path / CHECKPOINTS
+    if start.resolve().parent != root.resolve():
+        return  # another run's checkpoint: this run's own are not abandoned
+    step = checkpoint.checkpoint_step(start)
+    later = [c for c in checkpoint.list_checkpoints(root) if checkpoint.checkpoint_step(c) > step]
+    if not later:
+        return
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    branch = path / f"branch-{stamp}"
+    n = 0
+    while branch.exists():
+        n += 1
+        branch = path / f"branch-{stamp}-{n}"
+    (branch / CHECKPOINTS).mkdir(parents=True)
+    for ckpt in later:
+        os.rename(ckpt, branch / CHECKPOINTS / ckpt.name)
+    for name in ("metrics.jsonl", "generations.jsonl", "summary.json"):
+        if (path / name).is_file():  # the resumed run cuts these back to its start: copy
+            shutil.copy2(path / name, branch / name)
+    names = ", ".join(c.name for c in later)
+    entry["branch_kept"] = {"path": str(branch), "checkpoints": [c.name for c in later]}
+    print(
+        f"otbrl: resuming from {start.name}, older than this run's newest checkpoint: the later "
+        f"branch ({names}, its logs) moved to {branch.name}/ (nothing deleted)",
+        file=stream,
+    )
+
+
 def _resume_from(cfg: Config, path: Path, entry: dict, stream: TextIO) -> Path | None:
     resume = cfg.trainer.resume
     if resume == "never":
@@ -342,6 +377,7 @@ def _resume_from(cfg: Config, path: Path, entry: dict, stream: TextIO) -> Path |
             checkpoint.verify_checkpoint(resume)
         except ValueError as err:
             raise ConfigError(f"'trainer.resume': {err}", "trainer.resume") from None
+        _keep_later_branch(path, Path(resume), entry, stream)
         return Path(resume)
     root = path / CHECKPOINTS
     found, skipped = checkpoint.latest_verified_checkpoint(root)
