@@ -255,6 +255,21 @@ def test_hermes_parse():
     assert listy.name == "calculator" and "must be a JSON object" in listy.error
 
 
+def test_what_the_policy_writes_in_a_call_is_a_sample_error_never_a_crash():
+    """Nesting past Python's recursion limit and integers past its digit limit made
+    ``json.loads`` raise RecursionError / ValueError out of the parser (and the agent loop)."""
+    hermes = HermesFormat(resolve_tools(["calculator"]))
+    compact = CompactFormat(resolve_tools(["calculator", "calculator"]))
+    deep = '{"name": "calculator", "arguments": {"x": ' + "[" * 100_000 + "]" * 100_000 + "}}"
+    huge = '{"name": "calculator", "arguments": {"x": ' + "9" * 5000 + "}}"
+    inner = json.dumps({"name": "calculator", "arguments": "[" * 100_000})
+    for text, why in ((deep, "nested too deeply"), (huge, "digits"), (inner, "nested too deeply")):
+        (call,) = hermes.parse(f"<tool_call>{text}</tool_call>")
+        assert call.error is not None and why in call.error, call.error
+    (call,) = compact.parse("<tool_call>calculator:{" + '"x": ' + "9" * 5000 + "}</tool_call>")
+    assert call.name == "calculator" and "digits" in call.error
+
+
 def test_compact_parse(user_file):
     one = CompactFormat(resolve_tools(["calculator"]))
     assert one.call_text("calculator", {"expression": "12*3"}) == "<tool_call>12*3</tool_call>"

@@ -67,6 +67,21 @@ class ToolCallFormat:
         raise NotImplementedError
 
 
+def _loads(text: str) -> tuple[object, str | None]:
+    """``(value, None)`` of JSON ``text``, or ``(None, why)`` for anything the policy can write
+    that ``json.loads`` refuses — invalid JSON, but also nesting deeper than Python's recursion
+    limit (``RecursionError``) and integers over its digit limit (a ``ValueError``): a sample's
+    error, never the run's."""
+    try:
+        return json.loads(text), None
+    except json.JSONDecodeError as err:
+        return None, err.msg
+    except RecursionError:
+        return None, "nested too deeply"
+    except ValueError as err:  # e.g. "Exceeds the limit (4300 digits) for integer string ..."
+        return None, (str(err).splitlines() or ["unreadable"])[0][:120]
+
+
 class HermesFormat(ToolCallFormat):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (arguments may also be a
     JSON string holding the object, as some models write it)."""
@@ -78,18 +93,16 @@ class HermesFormat(ToolCallFormat):
         return f"{CALL_OPEN}\n{body}\n{CALL_CLOSE}"
 
     def _body(self, body: str) -> ToolCall:
-        try:
-            call = json.loads(body)
-        except json.JSONDecodeError as err:
-            return ToolCall(None, error=f"the tool call is not valid JSON ({err.msg})")
+        call, why = _loads(body)
+        if why is not None:
+            return ToolCall(None, error=f"the tool call is not valid JSON ({why})")
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return ToolCall(None, error='a tool call must be a JSON object with a "name"')
         arguments = call.get("arguments", {})
         if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except json.JSONDecodeError as err:
-                return ToolCall(call["name"], error=f"arguments are not valid JSON ({err.msg})")
+            arguments, why = _loads(arguments) if arguments.strip() else ({}, None)
+            if why is not None:
+                return ToolCall(call["name"], error=f"arguments are not valid JSON ({why})")
         if not isinstance(arguments, dict):
             return ToolCall(call["name"], error='"arguments" must be a JSON object')
         return ToolCall(call["name"], arguments)
@@ -120,10 +133,9 @@ class CompactFormat(ToolCallFormat):
         else:
             return ToolCall(None, error="name the tool: write name:argument in the call")
         if body.lstrip().startswith("{"):
-            try:
-                arguments = json.loads(body)
-            except json.JSONDecodeError as err:
-                return ToolCall(name, error=f"arguments are not valid JSON ({err.msg})")
+            arguments, why = _loads(body)
+            if why is not None:
+                return ToolCall(name, error=f"arguments are not valid JSON ({why})")
             return ToolCall(name, arguments)
         return ToolCall(name, body)
 
