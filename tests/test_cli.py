@@ -93,3 +93,50 @@ def test_missing_logger_package_is_a_config_error_before_loading(backend, module
     if importlib.util.find_spec(module) is not None:
         pytest.skip(f"{module} is installed here")
     refused(["train", f"trainer.logger=[console,{backend}]"], capsys, "'trainer.logger'", module)
+
+
+MARKED_REWARD = """
+import pathlib
+pathlib.Path(__file__).with_suffix(".imported").touch()
+
+def score(data_source, solution_str, ground_truth, extra_info):
+    return float(len(solution_str) % 2)
+"""
+
+
+def test_eval_treats_a_checkpoints_config_as_data(tiny_run, tmp_path, capsys, monkeypatch):
+    """``otbrl eval RUN_DIR`` of someone else's run: the user code its config names is not
+    imported unless given again (said on stderr), its ``${...}`` text is not resolved (here it
+    would read an environment variable into a file path), and the hosts and engines eval does
+    not use are not taken (its vLLM server urls are never contacted)."""
+    import yaml
+
+    reward = tmp_path / "marked.py"
+    reward.write_text(MARKED_REWARD)
+    run = tmp_path / "run"
+    assert cli.main(["train", *tiny_run(run, f"reward.function={reward}:score")]) == 0
+    marker = reward.with_suffix(".imported")
+    assert marker.exists()  # training imported it
+    marker.unlink()
+    capsys.readouterr()
+    assert cli.main(["eval", f"model.path={run}"]) == 0
+    err = capsys.readouterr().err
+    assert not marker.exists() and f"reward.function={reward}:score" in err
+    assert cli.main(["eval", f"model.path={run}", f"reward.function={reward}:score"]) == 0
+    assert "not taken from the checkpoint" not in capsys.readouterr().err  # given again
+    # a config edited to read a secret and to point at servers
+    monkeypatch.setenv("OTBRL_TEST_SECRET", "s3cret")
+    saved = next((run / "checkpoints").glob("step_*")) / "config.yaml"
+    cfg = yaml.safe_load(saved.read_text())
+    cfg["rollout"].update(name="vllm", mode="server")  # eval samples with the HF engine
+    cfg["rollout"]["server"]["urls"] = ["http://127.0.0.1:9/${oc.env:OTBRL_TEST_SECRET}"]
+    saved.write_text(yaml.safe_dump(cfg))
+    assert cli.main(["eval", f"model.path={saved.parent}"]) == 0  # the url: never contacted
+    cfg["data"]["val_files"] = ["/nowhere/${oc.env:OTBRL_TEST_SECRET}.parquet"]
+    saved.write_text(yaml.safe_dump(cfg))
+    capsys.readouterr()
+    assert cli.main(["eval", f"model.path={saved.parent}"]) == 2
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert "'data.val_files' file not found" in line and "Traceback" not in err
+    assert "${oc.env:OTBRL_TEST_SECRET}" in line and "s3cret" not in err

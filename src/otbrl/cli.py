@@ -206,10 +206,21 @@ def _eval(args: argparse.Namespace) -> int:
             args.overrides = [*others, f"model.lora.adapter_path={adapter}"]
         else:
             args.overrides = [*others, f"model.path={ckpt}"]
-    # a checkpoint's own settings (response budget, tools, reward...) unless overridden
+    # a checkpoint's own settings (response budget, tools, reward...) unless overridden, but
+    # not the code, sandbox switch or hosts it names (its config is data)
+    dropped: list[str] = []
+    if base is not None:
+        given = {o.partition("=")[0].strip() for o in args.overrides}
+        base, dropped = _trusted_for_eval(base, given)
     cfg = _load(args, base=base)
     if base is not None:
         print(f"evaluating {ckpt} with the configuration it was trained with", file=sys.stderr)
+    if dropped:  # said before any error it may cause (a data source left without its reward)
+        print(
+            "otbrl: not taken from the checkpoint's config (code it would run: give it again on "
+            f"the command line to trust it): {', '.join(dropped)}",
+            file=sys.stderr,
+        )
     from otbrl.run.plan import plan_run
 
     plan = plan_run(cfg, train=False)
@@ -234,6 +245,43 @@ def _eval(args: argparse.Namespace) -> int:
         f"({ckpt or cfg.model.path})" + ("" if rate is None else f"; tool-call rate {rate:.3f}")
     )
     return 0
+
+
+def _trusted_for_eval(saved: dict, given: set[str]) -> tuple[dict, list[str]]:
+    """``otbrl eval``'s view of a checkpoint's saved config, which is data (it may come from
+    someone else): the user code it names (a ``reward.function`` or tools given as
+    ``path.py:fn``) and the sandbox's off switch are left out unless ``given`` on the command
+    line (returned as ``key=value`` texts, to say so), and what eval does not use — the rollout
+    engine and its servers (hosts it would contact), staleness, the logger, the learned reward
+    model — falls back to the defaults."""
+    import copy
+
+    saved = copy.deepcopy(saved)
+    dropped: list[str] = []
+    reward, rollout = saved.setdefault("reward", {}), saved.setdefault("rollout", {})
+    function = reward.get("function")
+    if "reward.function" not in given and isinstance(function, str) and ":" in function:
+        dropped.append(f"reward.function={function}")
+        reward["function"] = None
+    turn = rollout.get("multi_turn") or {}
+    tools = [str(t) for t in turn.get("tools") or []]
+    if "rollout.multi_turn.tools" not in given and any(":" in t for t in tools):
+        dropped.append(f"rollout.multi_turn.tools=[{','.join(tools)}]")
+        builtin = [t for t in tools if ":" not in t]
+        if builtin:
+            turn["tools"] = builtin
+        else:  # no tools left: the group's other keys would be refused without them
+            rollout.pop("multi_turn")
+    code = reward.get("code") or {}
+    if "reward.code.allow_unsandboxed" not in given and code.get("allow_unsandboxed"):
+        dropped.append("reward.code.allow_unsandboxed=true")
+        code["allow_unsandboxed"] = False
+    for key in ("name", "mode", "server", "vllm", "stale_samples", "partial_rollout"):
+        rollout.pop(key, None)
+    saved.get("trainer", {}).pop("max_staleness", None)
+    saved.get("trainer", {}).pop("logger", None)
+    reward.pop("model", None)
+    return saved, dropped
 
 
 def _checkpoint_config(overrides: list[str]) -> tuple[dict | None, str | None]:

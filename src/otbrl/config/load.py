@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import difflib
 import functools
+import re
 import warnings
 from pathlib import Path
 
@@ -111,6 +112,19 @@ def _merge(
         raise ConfigError(f"invalid value for '{key}' in {source}: {msg}", key) from None
 
 
+def _literal(value):
+    """A saved configuration with every string's ``${`` escaped: OmegaConf then reads it as the
+    text it is instead of resolving it (``${oc.env:HF_TOKEN}`` in a checkpoint someone sent
+    must not read your environment)."""
+    if isinstance(value, dict):
+        return {k: _literal(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_literal(v) for v in value]
+    if isinstance(value, str):  # k backslashes before "${" escape as 2k + 1 (OmegaConf's rule)
+        return re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", value)
+    return value
+
+
 def load_config(
     config_file: str | Path | None = None,
     overrides: list[str] | None = None,
@@ -129,8 +143,9 @@ def load_config(
     """
     user = _user_layers(config_file, overrides or [])
     cfg = OmegaConf.structured(Config)
-    if base is not None:
-        cfg = _merge(cfg, OmegaConf.create(upgrade_saved(base)), "the saved configuration")
+    if base is not None:  # data: a "${...}" in it is text, never resolved (env vars, files)
+        saved = OmegaConf.create(_literal(upgrade_saved(base)))
+        cfg = _merge(cfg, saved, "the saved configuration")
     else:
         probe = cfg
         for layer, source, key in user:
