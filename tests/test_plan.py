@@ -3,6 +3,8 @@ made (the data read once, a built-in task's preset applied by every command)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from otbrl import cli
@@ -239,3 +241,20 @@ def test_the_plan_loads_the_one_tokenizer_the_model_was_saved_with(tmp_path, tas
         )
         batch = planned(["12+3=", "1="], padding=True)["input_ids"]
         assert batch == saved(["12+3=", "1="], padding=True)["input_ids"]
+
+
+def test_runs_sharing_a_weights_dir_get_their_own_buckets(tmp_path):
+    """A shared ``rollout.server.weights_dir`` (the README's multi-host recipe) holds one
+    directory per run and rank: on main every run's rank r wrote (and deleted) ``rank-r``."""
+    from types import SimpleNamespace
+
+    from otbrl.run.build import weights_subdir
+
+    def subdir(out, rank):
+        cfg = load_config(None, [f"trainer.output_dir={out}"])
+        return weights_subdir(cfg, "/shared/w", SimpleNamespace(dp_rank=rank))
+
+    a, b = subdir(tmp_path / "a", 0), subdir(tmp_path / "b", 0)
+    assert a != b and a.parent.parent == b.parent.parent == Path("/shared/w")
+    assert subdir(tmp_path / "a", 1) == a.parent / "rank-1"
+    assert subdir(tmp_path / "x" / ".." / "a", 0) == a  # the same run, however it is written

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,7 +147,7 @@ def build_backend(
         server = dataclasses.replace(
             server,
             urls=list(server.urls)[world.dp_rank :: world.dp_size],
-            weights_dir=None if shared is None else f"{shared}/rank-{world.dp_rank}",
+            weights_dir=None if shared is None else str(weights_subdir(cfg, shared, world)),
         )
         return ServerRollout(
             model_dir,
@@ -193,6 +194,14 @@ def build_sampler(
         per_trajectory=cfg.rollout.mode == "server",  # one agent loop per sample
         max_concurrent_trajectories=cfg.rollout.max_concurrent_trajectories,
     )
+
+
+def weights_subdir(cfg: Config, shared: str, world: World) -> Path:
+    """This rank's bucket directory under a shared ``rollout.server.weights_dir``: one per run
+    (named by a hash of the run's absolute output directory) and per data-parallel rank, so two
+    runs that share the directory never write, or delete, each other's buckets."""
+    run = hashlib.sha256(str(Path(cfg.trainer.output_dir).resolve()).encode()).hexdigest()[:12]
+    return Path(shared) / f"run-{run}" / f"rank-{world.dp_rank}"
 
 
 def build_reward_model(cfg: Config, world: World) -> RewardModel:
