@@ -144,6 +144,10 @@ def test_user_file_errors_are_clear(user_file, tmp_path):
     broken.write_text("import not_a_module_anywhere\n")
     with pytest.raises(ValueError, match=r"importing .* failed: ModuleNotFoundError"):
         resolve_reward_function(f"{broken}:fn")
+    leaving = tmp_path / "leaving.py"  # exit() at import ended the run silently on main
+    leaving.write_text("import sys\nsys.exit(3)\n")
+    with pytest.raises(ValueError, match=r"importing .* failed: SystemExit: 3"):
+        resolve_reward_function(f"{leaving}:fn")
 
 
 def test_errors_in_user_code_are_wrapped_with_index_and_name(user_file):

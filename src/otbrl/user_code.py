@@ -56,7 +56,7 @@ def import_user_file(path: Path, file: str, what: str) -> ModuleType:
     sys.modules[module_name] = module  # lets dataclasses/pickling inside the file resolve it
     try:
         module_spec.loader.exec_module(module)
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # a file that calls exit() must not end the run silently
         del sys.modules[module_name]
         raise ValueError(f"{what}: importing {file!r} failed: {type(e).__name__}: {e}") from e
     module.__otbrl_mtime__ = stamp
