@@ -240,3 +240,19 @@ def test_lock_conflicts_within_one_process_until_released(setup, tmp_path):
     start = time.monotonic()
     claim_run_dir(cfg).release()
     assert time.monotonic() - start < 5
+
+
+def test_a_file_system_without_locks_is_named(setup, tmp_path, monkeypatch):
+    """``flock`` unsupported (NFS without a lock daemon): on main a misleading 'not writable'."""
+    import errno
+
+    import otbrl.store.files as files
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(files.fcntl, "flock", no_locks)
+    overrides, _ = setup
+    with pytest.raises(ConfigError, match="does not support locks") as err:
+        claim_run_dir(load_config(None, overrides(tmp_path / "run")))
+    assert err.value.key == "trainer.output_dir"

@@ -26,6 +26,7 @@ checkpoint choice once the process group exists.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -228,6 +229,13 @@ def _lock(path: Path) -> int:
             key,
         ) from None
     except OSError as err:
+        if err.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise ConfigError(
+                f"'{key}': its file system does not support locks ({err.strerror}; e.g. NFS "
+                f"without a lock daemon), which keep two runs out of '{path}': use a directory "
+                "on a local file system",
+                key,
+            ) from None
         raise ConfigError(
             f"'{key}' is not writable: cannot create '{lock}': {err.strerror}", key
         ) from None
