@@ -134,3 +134,24 @@ def test_unsandboxed_runs_only_when_allowed(monkeypatch):
     # the audit hook still refuses to start processes
     run = run_program("import os\nos.system('true')", [""], config=allowed)
     assert run.cases[0]["status"] == "error" and "os.system" in run.violations
+
+
+@pytest.mark.parametrize(
+    ("written", "violation"),
+    [
+        (b'{"setup_error": "forged"}', "setup"),  # raised SandboxUnavailable on main
+        (b"[]", "bad_reply"),  # AttributeError on main
+        (b'{"cases": [1], "violations": []}', "bad_reply"),  # AttributeError when scored
+        (b"[" * 100_000, "killed"),  # RecursionError on main
+    ],
+    ids=["setup_error", "a list", "bad cases", "deep nesting"],
+)
+def test_a_forged_reply_is_the_samples_failure_never_the_runs(written, violation):
+    """The program under test writes the harness's reply channel (its fd 3) and leaves before
+    the harness can answer: whatever it wrote fails that sample alone."""
+    program = f"import os\nos.write(3, {written!r})\nos._exit(0)\n"
+    run = run_program(program, [""], config=LIMITS)
+    assert run.cases == [] and violation in run.violations and run.error
+    row = _code_row()
+    scores, _ = score_responses([f"```python\n{program}```"], [row], on_error="raise")
+    assert scores == [0.0]

@@ -195,13 +195,32 @@ def _run(code, inputs, fn_name, config: SandboxConfig, uid: int, sandboxed: bool
         text = reply_path.read_bytes()[: (config.file_mb + 1) * 2**20].decode(errors="replace")
     try:
         out = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         status = proc.returncode
         why = "cpu_time" if status in (-24, -9, 128 + 24, 128 + 9, 152, 137) else "killed"
         return RunResult(violations=[why], error=f"the run ended with status {status}")
-    if "setup_error" in out:
-        raise SandboxUnavailable(f"the sandbox could not be set up: {out['setup_error']}")
-    return RunResult(cases=list(out.get("cases", [])), violations=list(out.get("violations", [])))
+    return _reply(out)
+
+
+def _reply(out) -> RunResult:
+    """The harness's reply, read as what it may be: the program under test can write the same
+    channel, so anything but ``{"cases": [{"status": str, ...}], "violations": [str]}`` is this
+    sample's failure (``bad_reply``), never the run's — a ``setup_error`` too (the sandbox was
+    probed before the run; one sample claiming otherwise fails alone)."""
+    if isinstance(out, dict) and "setup_error" in out:
+        why = str(out["setup_error"])[:200]
+        return RunResult(violations=["setup"], error=f"the sandbox could not be set up: {why}")
+    cases, violations = (
+        out.get(k, []) if isinstance(out, dict) else None for k in ("cases", "violations")
+    )
+    if (
+        not isinstance(cases, list)
+        or not isinstance(violations, list)
+        or not all(isinstance(c, dict) and isinstance(c.get("status"), str) for c in cases)
+        or not all(isinstance(v, str) for v in violations)
+    ):
+        return RunResult(violations=["bad_reply"], error="the reply channel held no harness reply")
+    return RunResult(cases=cases, violations=violations)
 
 
 def _kill(proc: subprocess.Popen) -> None:
