@@ -199,6 +199,19 @@ def test_tool_results_are_cut_to_max_tool_response_tokens():
     ]
 
 
+def test_a_huge_tool_output_is_cut_by_characters_before_it_is_tokenized(monkeypatch):
+    """A tool that prints megabytes: the trainer tokenizes a prefix of it (on main the whole
+    output was encoded, then cut)."""
+    turns = agent_for(tool_then_answer, max_tool_response_tokens=3)[1].turns
+    seen = []
+    encode = turns.tokenizer.encode
+    monkeypatch.setattr(
+        turns.tokenizer, "encode", lambda t, **k: seen.append(len(t)) or encode(t, **k)
+    )
+    assert turns.truncate("1234" * 2_000_000, 3) == "123"
+    assert max(seen) < 1000
+
+
 def test_turn_limit():
     def always_call(prompt, sample, turn):
         return "<tool_call>1+1</tool_call>"
