@@ -245,6 +245,32 @@ def test_ctrl_c_says_what_was_kept(tiny, tmp_path, capsys, monkeypatch):
     assert "no checkpoint was written" in err and "starts over" in err
 
 
+def test_sigterm_cleans_up_like_ctrl_c(tiny, tmp_path, capsys, monkeypatch):
+    """``docker stop`` / a torchrun restart send SIGTERM: on main the process vanished at once,
+    orphaning its reward workers (and vLLM servers, weight buckets); now the run stops as on
+    Ctrl-C — workers stopped, what was kept said — and exits 128 + 15."""
+    import multiprocessing
+    import os
+    import signal
+
+    import otbrl.run.trainer as trainer_mod
+
+    overrides, _ = tiny
+    real = trainer_mod.Trainer.train_step
+
+    def terminate_at_3(self):
+        if self.step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self)
+
+    monkeypatch.setattr(trainer_mod.Trainer, "train_step", terminate_at_3)
+    assert cli.main(["train", *overrides(tmp_path / "a"), "reward.workers=1"]) == 143
+    err = capsys.readouterr().err
+    assert "interrupted at step 3" in err and "step_2" in err
+    assert multiprocessing.active_children() == []  # the reward worker is gone
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler was put back
+
+
 def test_eval_of_a_run_directory_uses_its_checkpoint_and_settings(tiny, tmp_path, capsys):
     """`otbrl eval` decoded 4 tokens unless told otherwise and ignored the checkpoint's config."""
     overrides, _ = tiny

@@ -9,7 +9,9 @@ checkpoint to resume from): a second run on it, or a mismatched resume, exits 2 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -408,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
             args = _build_parser().parse_args(argv)
     except SystemExit as exit_:  # argparse already printed usage + the error
         return int(exit_.code or 0)
+    restore = _interrupt_on_termination()
     try:
         return COMMANDS[args.command](args)
     except _Printed:
@@ -433,4 +436,31 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as err:
         if not getattr(err, "otbrl_reported", False):  # the trainer said what it kept
             print("otbrl: interrupted", file=sys.stderr)
-        return 130
+        return 128 + getattr(err, "signum", signal.SIGINT)
+    finally:
+        restore()
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (``docker stop``, a torchrun restart, a closed terminal), raised where
+    Ctrl-C would be: the same clean-up runs — servers, reward workers and tools stopped, weight
+    buckets removed — instead of the process vanishing and orphaning them."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _interrupt_on_termination():
+    """Turn SIGTERM and SIGHUP into ``_Terminated`` for the command's life (main thread only:
+    where Python can install handlers); returns what restores the previous handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def raise_terminated(signum, frame):
+        raise _Terminated(signum)
+
+    previous = {
+        sig: signal.signal(sig, raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)
+    }
+    return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()]
