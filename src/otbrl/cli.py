@@ -460,7 +460,7 @@ def _interrupt_on_termination():
     def raise_terminated(signum, frame):
         raise _Terminated(signum)
 
-    previous = {
-        sig: signal.signal(sig, raise_terminated) for sig in (signal.SIGTERM, signal.SIGHUP)
-    }
+    # a signal someone set to be ignored (nohup: SIGHUP) or handled stays as it is
+    mine = [s for s in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) is signal.SIG_DFL]
+    previous = {sig: signal.signal(sig, raise_terminated) for sig in mine}
     return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()]
