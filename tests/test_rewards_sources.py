@@ -112,3 +112,20 @@ def test_model_text_is_never_executed(tmp_path):
     assert safe_sympy_text("2*sqrt(x) + pi") and safe_arithmetic("[1, 2**3, -4/2]") == [1, 8, -2.0]
     with pytest.raises(ValueError, match="exponent"):
         safe_arithmetic("9**9**9")
+
+
+def test_a_huge_return_value_is_not_parsed_in_the_trainer(monkeypatch):
+    """A program's ``repr`` comes back to the trainer's process: megabytes of it were parsed
+    with ``ast.literal_eval`` (3 MB: 3 s, 1 GB). One far longer than the expected value cannot
+    match it and is refused unparsed; a matching one still is parsed and matches."""
+    import ast
+
+    from otbrl.rewards import code as code_mod
+
+    parsed = []
+    real = ast.literal_eval
+    monkeypatch.setattr(code_mod.ast, "literal_eval", lambda s: parsed.append(len(s)) or real(s))
+    assert not code_mod.call_output_matches("[" + "1, " * 1_000_000 + "1]", "[1, 2, 3]")
+    assert parsed == []
+    assert code_mod.call_output_matches("(1, 2, 3)", "[1, 2, 3]") and parsed == [9]
+    assert code_mod.call_output_matches("{1: 'é'}", '{"1": "\\u00e9"}')
