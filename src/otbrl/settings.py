@@ -23,6 +23,10 @@ from typing import Any
 from otbrl.errors import ConfigError
 
 TRISTATE = ("auto", "true", "false")  # a switch that "auto" sets from the rest of the config
+# the precisions an engine holds a model in (otbrl.engine.precision: what each means): declared
+# by two floors (model.precision in the engine's settings, algorithm.distill.precision in the
+# algorithm's), so it lives below both
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 
 
 def setting(

@@ -8,8 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from otbrl.errors import ConfigError
-from otbrl.models.config import PRECISIONS
-from otbrl.settings import refuse_unset, setting
+from otbrl.settings import PRECISIONS, refuse_unset, setting
 
 LOSS_AGG_MODES = (
     "token-mean",

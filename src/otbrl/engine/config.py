@@ -11,8 +11,8 @@ from otbrl.algos.config import KL_KINDS, LOSS_AGG_MODES, POLICY_LOSS_AGG, POLICY
 from otbrl.engine.dims import STRATEGIES
 from otbrl.engine.optim import OptimConfig
 from otbrl.errors import ConfigError
-from otbrl.models.config import PRECISIONS, LoraConfig
-from otbrl.settings import TRISTATE, refuse_unset, setting
+from otbrl.models.config import LoraConfig
+from otbrl.settings import PRECISIONS, TRISTATE, refuse_unset, setting
 
 
 @dataclass

@@ -25,7 +25,7 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from otbrl.errors import ConfigError
-from otbrl.models.config import PRECISIONS
+from otbrl.settings import PRECISIONS
 
 
 @dataclass(frozen=True)

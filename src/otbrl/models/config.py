@@ -1,6 +1,5 @@
-"""The model's own settings: LoRA adapters (``model.lora.*``), the dtype names a model may be
-loaded in and the precisions an engine may hold it in. No torch: the CLI's schema composes
-``LoraConfig`` and starts without it."""
+"""The model's own settings: LoRA adapters (``model.lora.*``) and the dtype names a model may be
+loaded in. No torch: the CLI's schema composes ``LoraConfig`` and starts without it."""
 
 from __future__ import annotations
 
@@ -15,8 +14,6 @@ from otbrl.settings import refuse_unset, setting
 LORA_SYNCS = ("merged", "adapter")
 # the dtypes a model or a rollout engine may be loaded in (``otbrl.models.hf.DTYPES``)
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-# model.precision, algorithm.distill.precision (otbrl.engine.precision: what each means)
-PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 ADAPTER_CONFIG = "adapter_config.json"
 
 
