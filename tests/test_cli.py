@@ -119,7 +119,7 @@ def test_eval_treats_a_checkpoints_config_as_data(tiny_run, tmp_path, capsys, mo
     assert marker.exists()  # training imported it
     marker.unlink()
     capsys.readouterr()
-    assert cli.main(["eval", f"model.path={run}"]) == 0
+    assert cli.main(["eval", f"model.path={run}"]) == 0  # arithmetic rows: a built-in reward
     err = capsys.readouterr().err
     assert not marker.exists() and f"reward.function={reward}:score" in err
     assert cli.main(["eval", f"model.path={run}", f"reward.function={reward}:score"]) == 0

@@ -80,6 +80,12 @@ def zoo(tmp_path_factory):
     return dirs
 
 
+def _reward(zoo) -> list[str]:
+    """The runs' reward function, given again: ``otbrl eval`` does not import the code a
+    checkpoint's config names (it is data)."""
+    return [o for o in zoo["data"] if o.startswith("reward.function=")]
+
+
 def _args(zoo, shape: str, out: Path, extra) -> list[str]:
     return [f"model.path={zoo[shape]}", *zoo["data"], f"trainer.output_dir={out}", *extra]
 
@@ -167,7 +173,10 @@ def _eval_and_export_full(zoo, shape, run, tmp_path, capsys):
     from otbrl.models.tied import tied_aliases
 
     capsys.readouterr()
-    assert cli.main(["eval", f"model.path={run}"]) == 0
+    # the checkpoint names its reward file: not imported from its config (data) — said so
+    assert cli.main(["eval", f"model.path={run}"]) == 2
+    assert "give it again on the command line" in capsys.readouterr().err.splitlines()[-1]
+    assert cli.main(["eval", f"model.path={run}", *_reward(zoo)]) == 0
     assert "step_2" in capsys.readouterr().out
     out = tmp_path / "export"
     assert cli.main(["export", str(run), str(out)]) == 0
@@ -191,7 +200,7 @@ def _eval_and_export_lora(zoo, shape, run, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
     capsys.readouterr()
-    assert cli.main(["eval", f"model.path={run}"]) == 0
+    assert cli.main(["eval", f"model.path={run}", *_reward(zoo)]) == 0
     assert "step_2" in capsys.readouterr().out
     merged, adapter = tmp_path / "merged", tmp_path / "adapter"
     assert cli.main(["export", str(run), str(merged)]) == 0

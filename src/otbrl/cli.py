@@ -217,15 +217,18 @@ def _eval(args: argparse.Namespace) -> int:
     cfg = _load(args, base=base)
     if base is not None:
         print(f"evaluating {ckpt} with the configuration it was trained with", file=sys.stderr)
-    if dropped:  # said before any error it may cause (a data source left without its reward)
-        print(
-            "otbrl: not taken from the checkpoint's config (code it would run: give it again on "
-            f"the command line to trust it): {', '.join(dropped)}",
-            file=sys.stderr,
-        )
+    hint = (
+        "not taken from the checkpoint's config (code it would run: give it again on the "
+        f"command line to trust it): {', '.join(dropped)}"
+    )
+    if dropped:
+        print(f"otbrl: {hint}", file=sys.stderr)
     from otbrl.run.plan import plan_run
 
-    plan = plan_run(cfg, train=False)
+    try:
+        plan = plan_run(cfg, train=False)
+    except ConfigError as err:  # e.g. a data source left without its reward: say why
+        raise ConfigError(f"{err}; {hint}" if dropped else str(err), err.key) from None
     from otbrl.engine.world import World
     from otbrl.models import eos_token_ids
     from otbrl.rollout import HFRollout
