@@ -108,20 +108,21 @@ def test_partial_rollouts_span_updates_within_the_bound(vllm_server, data, tmp_p
     """`rollout.partial_rollout=true` under max_staleness=1: the trainer's weight update does
     not wait for the producer's requests in flight; they go on with the new weights, so rows
     span an update (per-token versions), and no row is older than the bound. Long responses
-    and many samples make sampling the slower side; and each update first waits (a few seconds
-    at most) for the producer to have requests in flight, so that an update lands mid-batch
-    however the machine's load shifts the two sides."""
+    and many samples make sampling the slower side; and each update's pause first waits (a few
+    seconds at most) for the producer to have requests in flight — after the buckets are
+    written and hashed, which under load can outlast a batch — so that an update lands
+    mid-batch however the machine's load shifts the two sides."""
     from otbrl.rollout.server import ServerRollout
 
-    sync = ServerRollout.sync_weights
+    load = ServerRollout._load
 
-    def sync_while_sampling(self, named_tensors):
+    def load_while_sampling(self, server, *, pause=False):
         deadline = time.monotonic() + 5.0
-        while self._in_flight == 0 and time.monotonic() < deadline:
+        while pause and self._in_flight == 0 and time.monotonic() < deadline:
             time.sleep(0.005)
-        return sync(self, named_tensors)
+        return load(self, server, pause=pause)
 
-    monkeypatch.setattr(ServerRollout, "sync_weights", sync_while_sampling)
+    monkeypatch.setattr(ServerRollout, "_load", load_while_sampling)
     out = tmp_path / "run"
     args = overrides(vllm_server[0], data, out, *server(vllm_server), "trainer.total_steps=4",
                      "trainer.max_staleness=1", "rollout.partial_rollout=true",
