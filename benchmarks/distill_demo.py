@@ -29,7 +29,14 @@ import os
 import shutil
 from pathlib import Path
 
-from study_runs import first_step_reaching, run_once, val_curve
+from study_runs import (
+    LAST,
+    demo_overrides,
+    final_accuracy,
+    first_step_reaching,
+    run_once,
+    val_curve,
+)
 
 TEACHER_SEED = 1
 TEACHER_STEPS = 800
@@ -38,20 +45,6 @@ ARMS = {
     "distill": ["algorithm.distill.task_reward=false"],
     "distill+rl": [],
 }
-VAL_EVERY = 25
-LAST = 3  # validations averaged into an arm's final accuracy
-
-
-def _common(out: Path, cache: Path, seed: int, steps: int) -> list[str]:
-    return [
-        f"trainer.output_dir={out}",
-        f"sft.cache_dir={cache}",
-        f"trainer.seed={seed}",
-        f"trainer.total_steps={steps}",
-        f"trainer.val_every={VAL_EVERY}",
-        "actor.ppo_mini_batch_size=16",  # the demo's
-        "trainer.logger=[jsonl]",
-    ]
 
 
 def main() -> int:
@@ -72,7 +65,7 @@ def main() -> int:
     teacher = run_once(
         teacher_run,
         [
-            *_common(teacher_run, cache, TEACHER_SEED, TEACHER_STEPS),
+            *demo_overrides(teacher_run, cache, TEACHER_SEED, TEACHER_STEPS),
             f"trainer.save_every={TEACHER_STEPS}",
         ],
     )
@@ -92,9 +85,9 @@ def main() -> int:
         for arm, extra in ARMS.items():
             out = root / f"{arm}-seed{seed}"
             more = [] if arm == "rl" else [*distill, *extra]
-            summary = run_once(out, [*_common(out, cache, seed, args.steps), *more])
+            summary = run_once(out, [*demo_overrides(out, cache, seed, args.steps), *more])
             curve = val_curve(out)
-            final = sum(acc for _, acc in curve[-LAST:]) / LAST
+            final = final_accuracy(curve)
             results["runs"][f"{arm}/{seed}"] = {
                 "initial": summary["initial_val_accuracy"],
                 "final": final,

@@ -21,7 +21,14 @@ import json
 import statistics
 from pathlib import Path
 
-from study_runs import first_step_reaching, records, run_once, val_curve
+from study_runs import (
+    demo_overrides,
+    final_accuracy,
+    first_step_reaching,
+    records,
+    run_once,
+    val_curve,
+)
 
 ARMS = {"plain": [], "dynamic": ["algorithm.dynamic_sampling=true"]}
 
@@ -47,12 +54,7 @@ def main() -> int:
     for seed in seeds:
         for arm, extra in ARMS.items():
             out = root / f"{arm}-seed{seed}"
-            run_once(out, [
-                f"trainer.output_dir={out}", f"sft.cache_dir={root / 'cache'}",
-                f"trainer.seed={seed}", f"trainer.total_steps={args.steps}",
-                "trainer.val_every=25", "actor.ppo_mini_batch_size=16", "trainer.logger=[jsonl]",
-                *extra,
-            ])  # fmt: skip
+            run_once(out, [*demo_overrides(out, root / "cache", seed, args.steps), *extra])
             curve = val_curve(out)
             reached = first_step_reaching(curve, args.target)
             steps = [r for r in records(out) if "timing/step" in r]
@@ -61,7 +63,7 @@ def main() -> int:
             ]
             results["runs"][f"{arm}/{seed}"] = {
                 "curve": curve,
-                "final": sum(acc for _, acc in curve[-3:]) / 3,  # one check swings ±0.1
+                "final": final_accuracy(curve),
                 "step_reaching_target": reached,
                 "seconds_to_target": _seconds_to(out, reached),
                 "seconds_per_step": statistics.median(r["timing/step"] for r in steps),

@@ -204,18 +204,20 @@ class World:
         themselves when there is nobody to sum with."""
         if over not in ("world", "dp"):
             raise ValueError(f"over: expected 'world' or 'dp', got {over!r}")
-        if self.mesh is None or (over == "dp" and self.dp_size == 1):
+        if over == "dp" and self.dp_size == 1:
             return [float(v) for v in values]
-        tally = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
-        dist.all_reduce(tally, group=self.mesh["dp"].get_group() if over == "dp" else None)
-        return tally.tolist()
+        group = self.mesh["dp"].get_group() if over == "dp" and self.mesh is not None else None
+        return self._all_reduce(values, dist.ReduceOp.SUM, group)
 
     def max(self, values: Sequence[float]) -> list[float]:
         """Element-wise largest value over every rank; the values themselves on one process."""
+        return self._all_reduce(values, dist.ReduceOp.MAX, None)
+
+    def _all_reduce(self, values: Sequence[float], op, group) -> list[float]:
         if self.mesh is None:
             return [float(v) for v in values]
         tally = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
-        dist.all_reduce(tally, op=dist.ReduceOp.MAX)
+        dist.all_reduce(tally, op=op, group=group)
         return tally.tolist()
 
     def mean_metrics(self, metrics: dict[str, float]) -> dict[str, float]:

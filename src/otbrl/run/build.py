@@ -56,12 +56,18 @@ def model_path(cfg: Config) -> Path:
     return warm_start(cfg) if cfg.model.path == "builtin" else resolve_model_dir(cfg.model.path)
 
 
+def weights_dtype(precision: str, *, frozen: bool) -> str:
+    """The dtype a model's weights load in under ``precision``: its storage (float32 master
+    weights for bf16-mixed), except frozen weights under bf16-mixed, which need no master copy
+    and stay bf16."""
+    p = get_precision(precision)
+    return "bfloat16" if frozen and p.mixed else p.storage_name
+
+
 def policy_dtype(cfg: Config) -> str:
-    """The dtype the policy's weights load in: the precision's storage (float32 master weights
-    for bf16-mixed), except a LoRA model's frozen base under bf16-mixed, which needs no master
-    copy and stays bf16 (its adapters are the float32 master weights)."""
-    p = get_precision(cfg.model.precision)
-    return "bfloat16" if cfg.model.lora.rank and p.mixed else p.storage_name
+    """The dtype the policy's weights load in (``weights_dtype``): a LoRA model's base is frozen
+    (its adapters are the float32 master weights)."""
+    return weights_dtype(cfg.model.precision, frozen=bool(cfg.model.lora.rank))
 
 
 def load_policy(cfg: Config, path: Path, tokenizer):
@@ -230,8 +236,8 @@ def build_teacher(cfg: Config, tokenizer, common: dict) -> Engine:
     d = cfg.algorithm.distill
     if d.precision is None:
         dtype, precision = policy_dtype(cfg), cfg.model.precision
-    else:  # frozen: no float32 master copy under bf16-mixed
-        dtype, precision = "float32" if d.precision == "32-true" else "bfloat16", d.precision
+    else:
+        dtype, precision = weights_dtype(d.precision, frozen=True), d.precision
     model = load_model(resolve_model_dir(d.teacher_path), tokenizer, dtype=dtype)
     micro = d.micro_batch_size or cfg.actor.micro_batch_size
     options = {**common, "precision": precision}

@@ -326,16 +326,23 @@ def _check_same_run(path: Path, saved: dict, current: dict) -> dict[str, tuple]:
     return {k: v for k, v in diff.items() if k not in ("trainer.resume", "trainer.overwrite")}
 
 
-def _move_aside(path: Path) -> Path:
-    """Move everything in ``path`` but the lock into a new ``<path>.old-<time>`` sibling."""
+def _fresh_dir(base: Path) -> Path:
+    """A new, empty directory ``<base>-<time>`` (``-<n>`` added while that name is taken),
+    created here: two processes never get the same one."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for n in range(1000):
-        target = path.with_name(f"{path.name}.old-{stamp}" + (f"-{n}" if n else ""))
+        target = base.with_name(f"{base.name}-{stamp}" + (f"-{n}" if n else ""))
         try:
             target.mkdir(mode=0o777)
-            break
+            return target
         except FileExistsError:
             continue
+    raise FileExistsError(f"no free name for {base.name}-{stamp}-<n> in {base.parent}")
+
+
+def _move_aside(path: Path) -> Path:
+    """Move everything in ``path`` but the lock into a new ``<path>.old-<time>`` sibling."""
+    target = _fresh_dir(path.with_name(f"{path.name}.old"))
     for entry in sorted(path.iterdir()):
         if entry.name != LOCK:
             os.rename(entry, target / entry.name)
@@ -355,13 +362,8 @@ def _keep_later_branch(path: Path, start: Path, entry: dict, stream: TextIO) -> 
     later = [c for c in checkpoint.list_checkpoints(root) if checkpoint.checkpoint_step(c) > step]
     if not later:
         return
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    branch = path / f"branch-{stamp}"
-    n = 0
-    while branch.exists():
-        n += 1
-        branch = path / f"branch-{stamp}-{n}"
-    (branch / CHECKPOINTS).mkdir(parents=True)
+    branch = _fresh_dir(path / "branch")
+    (branch / CHECKPOINTS).mkdir()
     for ckpt in later:
         os.rename(ckpt, branch / CHECKPOINTS / ckpt.name)
     for name in ("metrics.jsonl", "generations.jsonl", "summary.json"):

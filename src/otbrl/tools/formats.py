@@ -175,7 +175,9 @@ class ChatTurns:
     def __init__(self, tokenizer, fmt: ToolCallFormat, eos_token_ids: Sequence[int], model=""):
         self.tokenizer, self.fmt, self.model = tokenizer, fmt, str(model)
         self.eos_ids = [int(i) for i in eos_token_ids]
-        self._longest_token: int | None = None  # characters, of the vocabulary's longest token
+        # characters of the vocabulary's longest token: how far to cut a tool output before
+        # tokenizing it (``truncate``)
+        self._longest_token = max((len(t) for t in tokenizer.get_vocab()), default=1)
         if not self.eos_ids:
             raise ValueError("eos_token_ids: expected at least one id that ends a model turn")
         self.stop_ids = list(self.eos_ids)
@@ -235,8 +237,6 @@ class ChatTurns:
         wraps it). Cut by characters first — (max_tokens + 1) × the vocabulary's longest token —
         so that a tool that prints megabytes costs the trainer a prefix's tokenization, not the
         whole output's."""
-        if self._longest_token is None:
-            self._longest_token = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         text = text[: (max_tokens + 1) * self._longest_token]
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return text if len(ids) <= max_tokens else self.tokenizer.decode(ids[:max_tokens])
