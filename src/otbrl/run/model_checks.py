@@ -210,8 +210,8 @@ def check_teacher(cfg: Config, tokenizer, context: int, dims: ParallelDims) -> l
         )
     if dims.tp > 1 or dims.sp > 1:
         _check_layout_fits_model(str(path), dims)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     if d.precision is None:  # the policy's: model.precision was checked already
         return []
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     note = check_precision_device(d.precision, device, "algorithm.distill.precision")
     return [note] if note else []
