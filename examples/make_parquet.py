@@ -1,12 +1,16 @@
 """Write a train/val pair of parquet files in the RL schema that ``otbrl train`` reads.
 
     python examples/make_parquet.py --out data/arith                 # the built-in task
+    python examples/make_parquet.py --out data/chain --task chain_sum  # any built-in task
     python examples/make_parquet.py --out data/toy_gsm8k --gsm8k-toy  # GSM8K-shaped word problems
 
 Then: ``otbrl train data.train_files=data/arith/train.parquet \
 data.val_files=data/arith/val.parquet``.
 Each row: ``prompt`` (chat messages), ``data_source`` (selects the reward: ``otbrl/arithmetic``
 → exact match, ``openai/gsm8k`` → ``#### answer`` extraction), ``reward_model.ground_truth``.
+A built-in task's rows also carry its demonstration as ``extra_info.answer`` (where verl's SFT
+datasets look for the response), so another framework can warm-start on them; ``chain_sum``'s
+answers end in ``####N``, so verl's GSM8K scorer grades them under ``--data-source openai/gsm8k``.
 """
 
 from __future__ import annotations
@@ -48,10 +52,29 @@ def gsm8k_toy_rows(n: int, seed: int, split: str) -> list[dict]:
     return rows
 
 
+def task_rows(name: str, n: int, seed: int, split: str, data_source: str | None) -> list[dict]:
+    """``n`` rows of built-in task ``name`` with their demonstrations in ``extra_info.answer``
+    (text demonstrations only: a tool task's turns stay out); ``data_source`` replaces the
+    task's own when given."""
+    task = get_task(name)
+    rows = task.rows(split, n, seed=seed)
+    for row in rows:
+        answer = task.demonstration(row)
+        if isinstance(answer, str):
+            row["extra_info"]["answer"] = answer
+        if data_source is not None:
+            row["data_source"] = data_source
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for train/val.parquet")
     parser.add_argument("--gsm8k-toy", action="store_true", help="GSM8K-shaped toy set instead")
+    parser.add_argument("--task", default="arithmetic", help="the built-in task to write")
+    parser.add_argument(
+        "--data-source", default=None, help="data_source of every row (default: the task's)"
+    )
     parser.add_argument("--n-train", type=int, default=2000)
     parser.add_argument("--n-val", type=int, default=500)
     parser.add_argument("--seed", type=int, default=0)
@@ -60,9 +83,8 @@ def main() -> None:
         train = gsm8k_toy_rows(args.n_train, args.seed, "train")
         val = gsm8k_toy_rows(args.n_val, args.seed, "val")
     else:
-        task = get_task("arithmetic")
-        train = task.rows("train", args.n_train, seed=args.seed)
-        val = task.rows("val", args.n_val, seed=args.seed)
+        train = task_rows(args.task, args.n_train, args.seed, "train", args.data_source)
+        val = task_rows(args.task, args.n_val, args.seed, "val", args.data_source)
     for split, rows in (("train", train), ("val", val)):
         path = write_parquet_rows(rows, args.out / f"{split}.parquet")
         print(f"{path}: {len(rows)} rows, e.g. {rows[0]['prompt'][0]['content']!r}")

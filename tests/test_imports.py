@@ -20,6 +20,7 @@ FLOORS = {
     "otbrl.config": 4,
     "otbrl.user_code": 0,
     "otbrl.quiet": 0,
+    "otbrl.children": 0,
     "otbrl.ops": 1,
     "otbrl.algos": 1,
     "otbrl.data": 2,

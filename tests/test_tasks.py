@@ -150,3 +150,119 @@ def test_tool_arithmetic_demonstrations_mix_calls_and_direct_answers():
         ToolArithmeticTask(tool_leading_digits="0")
     with pytest.raises(ValueError, match="tool_fraction"):
         ToolArithmeticTask(tool_fraction=1.5)
+
+
+def _check_chain(items: str, text: str) -> int:
+    """An independent reading of a chain_sum response: every item in order, each written total
+    the running sum so far (two digits, modulo 100), at most one item between totals, then
+    ``####`` and the sum."""
+    steps, _, answer = text.partition("####")
+    labels, digits = items[0::2], [int(d) for d in items[1::2]]
+    i, total = 0, 0
+    for step in steps.split(";")[:-1]:
+        pairs, _, written = step.partition("=")
+        assert 2 <= len(pairs) <= 4 and len(pairs) % 2 == 0, step
+        for k in range(0, len(pairs), 2):
+            assert pairs[k] == labels[i] and int(pairs[k + 1]) == digits[i], (step, i)
+            total += digits[i]
+            i += 1
+        assert written == f"{total % 100:02d}", step
+    assert steps.endswith(";") and i == len(digits) and answer == f"{total % 100:02d}"
+    return total % 100
+
+
+def test_chain_sum_demonstrations_walk_every_item_and_vary_in_length():
+    from otbrl.data import CHAIN_SUM_SOURCE, ChainSumTask
+    from otbrl.rewards.builtin import DATA_SOURCE_REWARDS
+
+    task = get_task("chain_sum")
+    assert isinstance(task, ChainSumTask)
+    rows = task.rows("train", 400, seed=0)
+    lengths_by_items = {}
+    for row in rows:
+        validate_row(row)
+        assert row["data_source"] == CHAIN_SUM_SOURCE
+        items = row["prompt"][0]["content"].removesuffix("=")
+        assert items == row["extra_info"]["items"] and 10 <= len(items) // 2 <= 26
+        demo = task.demonstration(row)
+        assert demo == task.demonstration(row)  # fixed per row
+        assert _check_chain(items, demo) == int(row["reward_model"]["ground_truth"])
+        assert set(demo) <= set(task.alphabet) and len(demo) <= task.max_response_chars
+        reward = DATA_SOURCE_REWARDS[CHAIN_SUM_SOURCE]
+        assert reward(CHAIN_SUM_SOURCE, demo, row["reward_model"]["ground_truth"], {}) == 1.0
+        wrong = demo.rsplit("####", 1)[0] + f"####{int(row['reward_model']['ground_truth']) + 1}"
+        assert reward(CHAIN_SUM_SOURCE, wrong, row["reward_model"]["ground_truth"], {}) == 0.0
+        lengths_by_items.setdefault(len(items) // 2, set()).add(len(demo))
+    lengths = [n for seen in lengths_by_items.values() for n in seen]
+    assert min(lengths) < 60 and max(lengths) > 140  # the 48-256-token regime
+    # the same number of items is written at several lengths (skipped totals): a group's
+    # samples can differ in length for one prompt
+    assert all(len(seen) >= 3 for n, seen in lengths_by_items.items() if n >= 14)
+    # the longest possible answer (every total written, the largest sum) fits the budget
+    longest = (
+        "".join(f"{c}9={9 * (i + 1) % 100:02d};" for i, c in enumerate(task.labels)) + "####34"
+    )
+    assert len(longest) == task.max_response_chars
+
+
+def test_chain_sum_splits_and_bad_arguments():
+    from otbrl.data import ChainSumTask
+
+    task = get_task("chain_sum")
+    val = {r["extra_info"]["items"] for r in task.rows("val")}
+    train = {r["extra_info"]["items"] for r in task.rows("train", 5000, seed=1)}
+    assert len(val) == 1000 and not val & train
+    assert {r["extra_info"]["items"] for r in ChainSumTask().rows("val")} == val
+    small = ChainSumTask(min_items=2, max_items=3, skip_prob=0.0, n_train=10, n_val=5)
+    for row in small.rows("val"):
+        assert "####" in small.demonstration(row) and small.demonstration(row).count(";") in (2, 3)
+    for kwargs, name in (
+        ({"max_items": 27}, "max_items"),
+        ({"min_items": 0}, "min_items"),
+        ({"min_items": 9, "max_items": 8}, "min_items"),
+        ({"skip_prob": 1.5}, "skip_prob"),
+        ({"n_train": 0}, "n_train"),
+    ):
+        with pytest.raises(ValueError, match=name):
+            ChainSumTask(**kwargs)
+
+
+def test_chain_sum_parquet_export_reads_back(tmp_path):
+    """The verl-style export (examples/make_parquet.py) reads back through otbrl's own loader,
+    with the demonstrations a framework's SFT would take and the data source it scores by."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from otbrl.data import read_parquet_rows
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "make_parquet.py"
+    out = tmp_path / "chain"
+    subprocess.run(
+        [
+            sys.executable,
+            script,
+            "--out",
+            out,
+            "--task",
+            "chain_sum",
+            "--n-train",
+            "20",
+            "--n-val",
+            "8",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    task = get_task("chain_sum")
+    for split, n in (("train", 20), ("val", 8)):
+        rows = read_parquet_rows(out / f"{split}.parquet")
+        assert len(rows) == n
+        for row in rows:
+            assert row["extra_info"]["split"] == split
+            truth = row["reward_model"]["ground_truth"]
+            assert _check_chain(row["extra_info"]["items"], row["extra_info"]["answer"]) == int(
+                truth
+            )
+        expected = task.rows(split, n, seed=0)
+        assert [r["prompt"] for r in rows] == [r["prompt"] for r in expected]

@@ -233,6 +233,55 @@ def test_executor_turns_every_failure_into_a_counted_observation(user_file):
         ToolExecutor(tools, timeout_s=0)
 
 
+def test_hung_tool_threads_are_bounded(caplog):
+    """A tool that never returns leaves at most ``max_hung`` threads alive: its later calls are
+    answered with an error without a thread (once the hung ones end, it runs again), the other
+    tools run as before, and the run is told once."""
+    import threading
+
+    from otbrl.tools import make_tool
+
+    release = threading.Event()
+
+    def hang(x: str) -> str:
+        """Never answers in time.
+
+        Args:
+            x: ignored.
+        """
+        release.wait()
+        return "late"
+
+    def echo(x: str) -> str:
+        """Answers at once.
+
+        Args:
+            x: what to answer.
+        """
+        return x
+
+    tools = {"hang": make_tool(hang), "echo": make_tool(echo)}
+    executor = ToolExecutor(tools, timeout_s=0.05, max_hung=3)
+    before = threading.active_count()
+    try:
+        first = executor.run([ToolCall("hang", "a")] * 5)  # 5 at once: all start, all time out
+        assert all(r.error and "timed out" in r.text for r in first)
+        for _ in range(3):
+            later = executor.run([ToolCall("hang", "b"), ToolCall("echo", "hi")])
+            assert later[0].error and "5 earlier calls of it are still running" in later[0].text
+            assert later[1].text == "hi" and not later[1].error
+        assert threading.active_count() - before == 5  # no new hung thread
+        assert sum("past their timeout" in r.message for r in caplog.records) == 1
+    finally:
+        release.set()
+    deadline = time.monotonic() + 5
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert executor.run([ToolCall("hang", "c")])[0].text == "late"
+    with pytest.raises(ValueError, match="max_hung"):
+        ToolExecutor(tools, max_hung=0)
+
+
 def test_hermes_parse():
     fmt = HermesFormat(resolve_tools(["calculator"]))
     text = fmt.call_text("calculator", {"expression": "2+2"})

@@ -18,9 +18,11 @@ __getattr__, __dir__, __all__ = lazy_exports(
         ),
         "tasks": (
             "ARITHMETIC_SOURCE",
+            "CHAIN_SUM_SOURCE",
             "DIGIT_SUM_SOURCE",
             "TASKS",
             "ArithmeticTask",
+            "ChainSumTask",
             "DigitSumTask",
             "Task",
             "get_task",

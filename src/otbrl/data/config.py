@@ -16,9 +16,10 @@ class DataConfig:
     train_files: list[str] = field(default_factory=list)  # parquet (verl's row schema)
     # parquet validation rows (same schema); empty: none, or the task's
     val_files: list[str] = field(default_factory=list)
-    # a built-in task ("arithmetic" | "digit_sum" | "tool_arithmetic") as the data when no
-    # files are given (it brings its preset, otbrl.config.presets); None: the built-in model's
-    # "arithmetic", and for a user's model no fallback (data.train_files is required)
+    # a built-in task ("arithmetic" | "digit_sum" | "tool_arithmetic" | "chain_sum") as the
+    # data when no files are given (it brings its preset, otbrl.config.presets); None: the
+    # built-in model's "arithmetic", and for a user's model no fallback (data.train_files is
+    # required)
     task: str | None = None
     train_batch_size: int = setting(32, gt=0)  # prompts per RL step
     # validation prompts: a seeded sample of this many rows of data.val_files; None: all of

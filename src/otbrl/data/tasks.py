@@ -15,6 +15,7 @@ from otbrl.tools.calculator import calculator
 ARITHMETIC_SOURCE = "otbrl/arithmetic"
 DIGIT_SUM_SOURCE = "otbrl/digit_sum"
 TOOL_ARITHMETIC_SOURCE = "otbrl/tool_arithmetic"
+CHAIN_SUM_SOURCE = "otbrl/chain_sum"
 SPLITS = ("train", "val")
 
 
@@ -30,6 +31,8 @@ class Task:
             tokenizer, before EOS; observation tokens included for a tool task).
         tools: built-in tools the task's demonstrations call (its tokenizer then has the
             tool-call tokens); empty for single-turn tasks.
+        model_size: the built-in model's sizes this task needs beyond ``DEFAULT_SIZE``
+            (``otbrl.models.hf``), e.g. more positions for long responses.
     """
 
     name: str
@@ -37,6 +40,7 @@ class Task:
     alphabet: str
     max_response_chars: int
     tools: tuple[str, ...] = ()
+    model_size: dict = {}  # noqa: RUF012 (read only)
     _pools: dict[str, np.ndarray]  # per split, one item per row; ``_row`` turns it into a row
 
     def split_size(self, split: str) -> int:
@@ -260,10 +264,102 @@ class ToolArithmeticTask(Task):
         }
 
 
+class ChainSumTask(Task):
+    """A long-response task: the sum modulo 100 of 10-26 labelled digits, step by step.
+
+    The prompt lists the items, ``a3b7c5d2e8=``; the response walks through them, writing the
+    running total (two digits, modulo 100) after each item or, at times, after two
+    (``a3=03;b7c5=15;d2=17;e8=25;``), and ends with the answer, ``####25`` (GSM8K's answer
+    marker: the ``gsm8k`` reward scores it, so the parquet export runs in any framework that
+    knows that reward). Only the answer is scored, but the tiny model cannot add 26 digits at
+    once: it has to write the steps, and one slip in any of them changes the answer — the
+    long-response credit-assignment problem OTB's per-token baseline is about. Responses run
+    to 46-162 tokens; their length varies with the number of items (per prompt) and, within a
+    group, with how many totals a sample skips. The labels make each step's lookup of its digit
+    in the prompt a match on content; the fixed-width totals make each step's arithmetic a
+    two-digit addition with one carry, next to the digits it needs.
+
+    Demonstrations skip a total with probability ``skip_prob`` (never twice in a row, never
+    after the last item), drawn per row and fixed. Items are uniform digits 0-9; the number of
+    items is uniform in ``[min_items, max_items]``; ``n_train``/``n_val`` rows are drawn once
+    from ``split_seed`` (train and val from separate streams: a shared prompt is unlikely at
+    these lengths, and the tests check there is none).
+    """
+
+    name = "chain_sum"
+    data_source = CHAIN_SUM_SOURCE
+    labels = "abcdefghijklmnopqrstuvwxyz"
+    alphabet = labels + "0123456789=;#"
+    # prompt (at most 26 pairs + "=" + 3 template tokens) + the longest response + EOS = 218
+    model_size = {"max_position_embeddings": 256}  # noqa: RUF012 (read only)
+
+    def __init__(
+        self,
+        min_items: int = 10,
+        max_items: int = 26,
+        skip_prob: float = 0.3,
+        n_train: int = 50000,
+        n_val: int = 1000,
+        split_seed: int = 1234,
+    ):
+        if not isinstance(max_items, int) or not 2 <= max_items <= len(self.labels):
+            raise ValueError(
+                f"max_items: expected an int in [2, {len(self.labels)}], got {max_items!r}"
+            )
+        if not isinstance(min_items, int) or not 1 <= min_items <= max_items:
+            raise ValueError(
+                f"min_items: expected an int in [1, max_items={max_items}], got {min_items!r}"
+            )
+        if not 0.0 <= skip_prob <= 1.0:
+            raise ValueError(f"skip_prob: expected a number in [0, 1], got {skip_prob!r}")
+        for name, value in (("n_train", n_train), ("n_val", n_val)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        self.min_items, self.max_items = min_items, max_items
+        self.skip_prob, self.split_seed = skip_prob, split_seed
+        # every item written with its total ("c5=15;"), then "####" and the answer
+        self.max_response_chars = 6 * max_items + 6
+        self._pools = {}
+        for split_id, (split, size) in enumerate((("train", n_train), ("val", n_val))):
+            rng = np.random.default_rng([split_seed, split_id])
+            counts = rng.integers(min_items, max_items + 1, size=size)
+            digits = rng.integers(0, 10, size=(size, max_items))
+            digits[np.arange(max_items) >= counts[:, None]] = -1  # -1: no item
+            self._pools[split] = digits
+
+    def demonstration(self, row: dict) -> str:
+        digits = [int(d) for d in row["extra_info"]["items"][1::2]]
+        split_id = SPLITS.index(row["extra_info"]["split"])
+        rng = np.random.default_rng([self.split_seed, 11, split_id, row["extra_info"]["index"]])
+        skips = rng.random(len(digits)) < self.skip_prob
+        out, total, skipped = [], 0, False
+        for i, digit in enumerate(digits):
+            total = (total + digit) % 100
+            out.append(f"{self.labels[i]}{digit}")
+            if skips[i] and not skipped and i < len(digits) - 1:
+                skipped = True
+            else:
+                out.append(f"={total:02d};")
+                skipped = False
+        return "".join(out) + f"####{total:02d}"
+
+    def _row(self, split: str, index: int, digits: np.ndarray) -> dict:
+        digits = [int(d) for d in digits if d >= 0]
+        items = "".join(f"{self.labels[i]}{d}" for i, d in enumerate(digits))
+        return {
+            "prompt": [{"role": "user", "content": f"{items}="}],
+            "data_source": self.data_source,
+            "ability": "arithmetic",
+            "reward_model": {"style": "rule", "ground_truth": f"{sum(digits) % 100:02d}"},
+            "extra_info": {"split": split, "index": index, "items": items},
+        }
+
+
 TASKS: dict[str, type[Task]] = {
     "arithmetic": ArithmeticTask,
     "digit_sum": DigitSumTask,
     "tool_arithmetic": ToolArithmeticTask,
+    "chain_sum": ChainSumTask,
 }
 
 

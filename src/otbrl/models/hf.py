@@ -71,7 +71,8 @@ def build_tiny_model(
         task: built-in task whose alphabet sizes the vocabulary (see ``otbrl.data.get_task``).
         arch: ``"llama"`` or ``"qwen2"``.
         seed: seeds the weight initialisation (the global RNG state is left untouched).
-        **size: overrides of ``DEFAULT_SIZE`` keys (``hidden_size``, ``num_hidden_layers``, ...).
+        **size: overrides of ``DEFAULT_SIZE`` keys (``hidden_size``, ``num_hidden_layers``, ...),
+            laid over the task's own ``model_size`` (e.g. a long-response task's positions).
 
     Returns:
         ``Path(out_dir)``, holding ``config.json``, ``model.safetensors``, the tokenizer files
@@ -92,7 +93,7 @@ def build_tiny_model(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        **{**DEFAULT_SIZE, **size},
+        **{**DEFAULT_SIZE, **task_obj.model_size, **size},
     )
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id

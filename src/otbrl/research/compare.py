@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -20,7 +21,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from otbrl.research.compare_report import markdown_table, plot_compare, run_curves, summarize
+from otbrl.children import die_with_parent
+from otbrl.research.compare_report import (
+    markdown_table,
+    plot_compare,
+    run_curves,
+    summarize,
+    tokens_ratio,
+)
 
 ARMS = "optimal_token_baseline:4,grpo:4,grpo:16,optimal_token_baseline:16"
 # the default preset (docs/when-does-otb-help.md): 800 steps at n = 4, 200 at n = 16
@@ -152,7 +160,14 @@ def _train_subprocess(cfg, run_dir: Path, threads: int) -> str | None:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     command = [sys.executable, "-m", "otbrl", "train", "--config", str(planned)]
     with open(run_dir / "train.log", "w") as log:
-        code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+        # SIGTERM when compare dies: the run stops cleanly and resumes on the next compare
+        code = subprocess.run(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=die_with_parent(signal.SIGTERM),
+        ).returncode
     if code == 0 and (run_dir / "summary.json").is_file():
         return None
     return f"exit code {code}; see {run_dir / 'train.log'}"
@@ -170,11 +185,14 @@ def run_compare(
     target: float = TARGET,
     out_dir: str = "runs/compare",
     jobs: int = 1,
+    base: str | None = None,
     echo=print,
 ) -> dict:
     """Train every arm × seed, then write ``summary.json``, ``compare.md`` and ``compare.png``
     into ``out_dir``; returns the summary.
 
+    ``base`` (an arm, ``"grpo:32"``) adds each arm's tokens to target relative to that arm's,
+    with a bootstrap interval over seeds (``tokens_ratio``).
     Every run takes ``prompts`` prompts per step and ``updates_per_step`` optimizer steps per
     RL step. Finished runs (``summary.json`` exists, ``config.yaml`` equal to the planned
     config) are reused rather than retrained; a finished run with other settings is a
@@ -193,6 +211,7 @@ def run_compare(
 
     arm_list = parse_arms(arms)
     check_settings(seeds, budget_responses, prompts, updates_per_step, jobs)
+    base_label = check_base(base, arm_list)
     out = Path(out_dir)
     base_cfg = load_config(config_file, overrides)  # with the built-in model's and task's presets
     plan_run(base_cfg)
@@ -257,7 +276,8 @@ def run_compare(
     for run in plan:
         curves.setdefault(run.label, []).append(run_curves(run.run_dir, run.responses_per_step))
     summary = summarize(curves, target)
-    table = markdown_table(summary, target)
+    ratios = tokens_ratio(curves, base_label, target) if base_label else None
+    table = markdown_table(summary, target, ratios, base_label)
     seconds = time.perf_counter() - start
     result = {
         "arms": arms,
@@ -271,6 +291,8 @@ def run_compare(
         "jobs": jobs,
         "seconds": seconds,
         "summary": summary,
+        "base": base_label,
+        "tokens_ratio": ratios,
         "curves": curves,
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -300,6 +322,21 @@ def check_settings(seeds, budget_responses, prompts, updates_per_step, jobs) -> 
             f"--prompts {prompts} must be divisible by --updates-per-step {updates_per_step} "
             "(each optimizer step takes an equal share of the step's prompts)"
         )
+
+
+def check_base(base: str | None, arm_list: list[tuple[str, int]]) -> str | None:
+    """The label of the ``--base`` arm (``"grpo:32"`` -> ``"GRPO N=32"``), None without one;
+    ``ValueError`` when it is not one of the arms."""
+    if base is None:
+        return None
+    try:
+        arms = parse_arms(base)
+    except ValueError:
+        arms = []
+    if len(arms) != 1 or arms[0] not in arm_list:
+        known = ",".join(f"{name}:{n}" for name, n in arm_list)
+        raise ValueError(f"--base: expected one of the arms ({known}), got {base!r}")
+    return arm_label(*arms[0])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -342,6 +379,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--jobs", type=int, default=1, help="runs trained at once, each its own process (default 1)"
     )
+    parser.add_argument(
+        "--base",
+        default=None,
+        metavar="ESTIMATOR:N",
+        help="an arm to divide every arm's tokens to target by (a bootstrap 95%% interval "
+        "over seeds), e.g. grpo:32",
+    )
     parser.add_argument("--out-dir", default="runs/compare")
     return parser
 
@@ -352,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parse_arms(args.arms)
         check_settings(args.seeds, args.budget, args.prompts, args.updates_per_step, args.jobs)
+        check_base(args.base, parse_arms(args.arms))
     except ValueError as err:  # one line, before any model loads
         print(f"otbrl compare: {err}", file=sys.stderr)
         return 2
@@ -367,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             target=args.target,
             out_dir=args.out_dir,
             jobs=args.jobs,
+            base=args.base,
         )
     except ValueError as err:  # a config error or a finished run with other settings
         print(f"otbrl compare: {err}", file=sys.stderr)

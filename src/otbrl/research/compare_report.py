@@ -86,21 +86,79 @@ def summarize(curves: dict[str, list[dict]], target: float) -> dict[str, dict]:
     return out
 
 
-def markdown_table(summary: dict[str, dict], target: float) -> str:
-    """The comparison as a markdown table."""
+def tokens_ratio(
+    curves: dict[str, list[dict]],
+    base: str,
+    target: float,
+    *,
+    resamples: int = 10_000,
+    seed: int = 0,
+) -> dict[str, dict]:
+    """Per arm: mean tokens to ``target`` over its seeds divided by the ``base`` arm's, with a
+    95 % percentile bootstrap interval (each arm's seeds resampled on their own: runs of
+    different arms share nothing but the warm start, so there is no pairing to keep).
+
+    A seed that never reached the target counts with all the tokens it generated: a lower
+    bound on what it would have needed, so the ratio is then a bound too (``censored`` counts
+    such seeds over both arms). Returns ``{label: {"value", "ci95": [lo, hi], "censored"}}``;
+    ``ValueError`` when ``base`` is not an arm.
+    """
+    import numpy as np
+
+    if base not in curves:
+        raise ValueError(f"base: expected one of the arms {sorted(curves)}, got {base!r}")
+
+    def spent(curve: dict) -> tuple[float, bool]:
+        reached = tokens_to_target(curve, target)
+        if math.isfinite(reached):
+            return reached, False
+        return (curve["tokens"][-1] if curve["tokens"] else math.nan), True
+
+    rng = np.random.default_rng(seed)
+    per_arm = {label: [spent(c) for c in runs] for label, runs in curves.items()}
+    base_tokens = np.array([t for t, _ in per_arm[base]])
+    base_draws = rng.choice(base_tokens, size=(resamples, len(base_tokens))).mean(axis=1)
+    out = {}
+    for label, spends in per_arm.items():
+        tokens = np.array([t for t, _ in spends])
+        draws = rng.choice(tokens, size=(resamples, len(tokens))).mean(axis=1) / base_draws
+        lo, hi = np.percentile(draws, [2.5, 97.5])
+        out[label] = {
+            "value": float(tokens.mean() / base_tokens.mean()),
+            "ci95": [float(lo), float(hi)],
+            "censored": sum(c for _, c in spends) + sum(c for _, c in per_arm[base]),
+        }
+    return out
+
+
+def markdown_table(
+    summary: dict[str, dict], target: float, ratios: dict[str, dict] | None = None, base=None
+) -> str:
+    """The comparison as a markdown table; with ``ratios`` (``tokens_ratio``) a column of each
+    arm's tokens to target relative to the ``base`` arm, with its 95 % interval."""
+    ratio_head = f" tokens ÷ {base}'s [95 % CI] |" if ratios else ""
     lines = [
-        f"| arm | tokens to acc ≥ {target:g} (mean ± std, reached) | final acc (mean ± std) "
-        "| acc over the last 25 % (mean ± std) | max grad norm | median grad norm |",
-        "|---|---|---|---|---|---|",
+        f"| arm | tokens to acc ≥ {target:g} (mean ± std, reached) |{ratio_head} final acc "
+        "(mean ± std) | acc over the last 25 % (mean ± std) | max grad norm | median grad norm |",
+        "|---|---|" + ("---|" if ratios else "") + "---|---|---|---|",
     ]
     for label, s in summary.items():
         if s["reached_target"]:
             reach = f"{s['tokens_to_target_mean']:,.0f} ± {s['tokens_to_target_std']:,.0f}"
         else:
             reach = "not reached"
+        ratio = ""
+        if ratios:
+            r = ratios[label]
+            bound = (
+                f" ({r['censored']} unreached seeds counted at their budget)"
+                if r["censored"]
+                else ""
+            )
+            ratio = f" {r['value']:.2f} [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]{bound} |"
         lines.append(
-            f"| {label} | {reach} ({s['reached_target']}/{s['seeds']}) "
-            f"| {s['final_accuracy_mean']:.3f} ± {s['final_accuracy_std']:.3f} "
+            f"| {label} | {reach} ({s['reached_target']}/{s['seeds']}) |{ratio}"
+            f" {s['final_accuracy_mean']:.3f} ± {s['final_accuracy_std']:.3f} "
             f"| {s['late_accuracy_mean']:.3f} ± {s['late_accuracy_std']:.3f} "
             f"| {s['grad_norm_max']:.3g} | {s['grad_norm_median']:.3g} |"
         )

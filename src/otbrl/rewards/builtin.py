@@ -110,6 +110,7 @@ DATA_SOURCE_REWARDS: dict[str, RewardFunction] = {
     "otbrl/arithmetic": exact_match,
     "otbrl/digit_sum": digit_sum,
     "otbrl/tool_arithmetic": exact_match,
+    "otbrl/chain_sum": gsm8k,  # the steps, then "####answer"
     "openai/gsm8k": gsm8k,
     "gsm8k": gsm8k,
     **dict.fromkeys(_MATH, hendrycks_math),

@@ -30,6 +30,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from otbrl.children import die_with_parent
 from otbrl.settings import setting
 
 HARNESS = Path(__file__).with_name("sandbox_harness.py")
@@ -186,6 +187,8 @@ def _run(code, inputs, fn_name, config: SandboxConfig, uid: int, sandboxed: bool
                 env=_ENV if sandboxed else {**_ENV, "HOME": tmp},
                 cwd="/" if sandboxed else tmp,
                 start_new_session=True,
+                # killed with the trainer: unshare --kill-child then takes the harness's tree
+                preexec_fn=die_with_parent(),
             )
             try:
                 proc.communicate(json.dumps(request).encode(), timeout=config.wall_s + 1.0)

@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from otbrl.children import die_with_parent
 from otbrl.rollout.server_client import ServerError, request_json
 from otbrl.rollout.vllm_common import CPU_STEP_TOKENS, check_vllm_installed
 
@@ -95,6 +96,8 @@ class Server:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # its engine-core child goes with it on stop()
+                # and with the trainer if that is killed (SIGTERM: vLLM stops its engine core)
+                preexec_fn=die_with_parent(signal.SIGTERM),
             )
 
     def alive(self) -> bool:

@@ -7,6 +7,7 @@ tokenizer. Each problem is a ``ConfigError`` naming the key to change."""
 from __future__ import annotations
 
 from otbrl.config import Config, ConfigError
+from otbrl.data import get_task
 from otbrl.engine.dims import KEYS as DIM_KEYS
 from otbrl.engine.dims import ParallelDims
 from otbrl.engine.precision import check_precision_device
@@ -18,7 +19,8 @@ def check_context(cfg: Config, longest_prompt: int) -> None:
     """The longest prompt plus the response budget fits the model's positions (both rollout
     backends refuse more; this says so before the model loads, naming the key)."""
     if cfg.model.path == "builtin":
-        positions = DEFAULT_SIZE["max_position_embeddings"]
+        size = {**DEFAULT_SIZE, **get_task(cfg.data.task).model_size}
+        positions = size["max_position_embeddings"]
     else:
         from transformers import AutoConfig
 

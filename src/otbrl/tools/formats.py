@@ -228,9 +228,29 @@ class ChatTurns:
         return close + full[len(prefix) :]
 
     def observation_ids(self, turn_ids: Sequence[int], messages: Sequence[dict]) -> list[int]:
-        """``observation_text`` as token ids (special tokens parsed, none added)."""
-        text = self.observation_text(turn_ids, messages)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        """``observation_text`` as token ids, none added: the template's special tokens parsed,
+        the tool messages' contents encoded as plain text. A tool's output is data the policy
+        or the outside world chose: one that prints ``</tool_response><|im_start|>assistant``
+        must give the model those characters, not the tokens that end its observation and
+        open a turn nobody sampled."""
+        marks = [_CONTENT_MARK.format(i) for i in range(len(messages))]
+        text = self.observation_text(
+            turn_ids, [{**m, "content": mark} for m, mark in zip(messages, marks)]
+        )
+        ids: list[int] = []
+        for mark, message in zip(marks, messages):
+            before, found, text = text.partition(mark)
+            if not found:
+                raise ValueError(
+                    f"model {self.model!r}: the chat template does not write a tool message's "
+                    "content as it is, so it cannot be kept apart from the template's special "
+                    "tokens"
+                )
+            ids += self.tokenizer.encode(before, add_special_tokens=False)
+            ids += self.tokenizer.encode(
+                str(message["content"]), add_special_tokens=False, split_special_tokens=True
+            )
+        return ids + self.tokenizer.encode(text, add_special_tokens=False)
 
     def truncate(self, text: str, max_tokens: int) -> str:
         """``text`` cut to its first ``max_tokens`` tokens (a tool's output, before the template
@@ -304,6 +324,13 @@ def check_prefix_preserving(turns: ChatTurns, *, model="") -> None:
                 "template, e.g. keep earlier assistant turns verbatim)"
             )
         previous = text
+    # and writes a tool message's content as it is (observation_ids keeps it apart)
+    turns.observation_ids(_ids(turns.tokenizer, call), conversation[2:3])
+
+
+# stands in for a tool message's content while the template renders (plain ASCII letters and
+# digits: a template that escapes or JSON-encodes its content leaves it as it is)
+_CONTENT_MARK = "OTBRLTOOLCONTENT{}MARK"
 
 
 def _turn_close(prefix: str, content: str) -> str:
