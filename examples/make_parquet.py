@@ -9,8 +9,11 @@ data.val_files=data/arith/val.parquet``.
 Each row: ``prompt`` (chat messages), ``data_source`` (selects the reward: ``otbrl/arithmetic``
 → exact match, ``openai/gsm8k`` → ``#### answer`` extraction), ``reward_model.ground_truth``.
 A built-in task's rows also carry its demonstration as ``extra_info.answer`` (where verl's SFT
-datasets look for the response), so another framework can warm-start on them; ``chain_sum``'s
-answers end in ``####N``, so verl's GSM8K scorer grades them under ``--data-source openai/gsm8k``.
+datasets look for the response), so another framework can warm-start on them. ``chain_sum``'s
+reward is ``otbrl.rewards.builtin.chain_sum`` (verl's ``compute_score`` signature: point verl's
+``custom_reward_function`` at it); its answers end in ``####N``, so verl's GSM8K scorer
+(``--data-source openai/gsm8k``) grades them too, on the answer alone — a weaker reward that
+pays for chains whose slips cancel.
 """
 
 from __future__ import annotations

@@ -105,5 +105,11 @@ def vllm_server(tmp_path_factory):
         seed=0,
         log_dir=logs,
     )
+    # the tests' trainers use it as a user's server (rollout.server.urls): they read its
+    # secret from the environment, as a user's trainer would
+    from otbrl.rollout.server_auth import TOKEN_ENV
+
+    os.environ[TOKEN_ENV] = backend.servers[0].token
     yield model_dir, backend
+    os.environ.pop(TOKEN_ENV, None)
     backend.close()

@@ -9,6 +9,7 @@ from otbrl.research.compare import (
     arm_estimator_overrides,
     arm_label,
     arm_steps,
+    check_base,
     check_settings,
     parse_arms,
     run_compare,
@@ -18,6 +19,7 @@ from otbrl.research.compare_report import (
     markdown_table,
     run_curves,
     summarize,
+    tokens_ratio,
     tokens_to_target,
 )
 
@@ -101,6 +103,49 @@ def test_summary_matches_hand_computation():
     assert "| X | 150 ± 71 (2/2)" in table and "not reached (0/1)" in table
 
 
+def test_tokens_ratio_against_the_bootstrap_worked_by_hand():
+    def curve(reach_at):  # validations every 100 tokens; accuracy 0.6 from reach_at on
+        tokens = [0, 100, 200, 300]
+        return {"tokens": tokens, "accuracy": [0.6 if t >= reach_at else 0.1 for t in tokens]}
+
+    curves = {
+        "X": [curve(100), curve(200)],
+        "B": [curve(300)] * 3,
+        "Y": [curve(100), curve(1000)],  # the second seed never reaches 0.5
+    }
+    out = tokens_ratio(curves, "B", 0.5, resamples=4000)
+    assert out["B"] == {"value": 1.0, "ci95": [1.0, 1.0], "censored": 0}
+    # X's resampled means are 100, 150 or 200 (1/4, 1/2, 1/4), B's always 300
+    assert out["X"]["value"] == pytest.approx(0.5)
+    assert out["X"]["ci95"] == pytest.approx([1 / 3, 2 / 3]) and out["X"]["censored"] == 0
+    # the unreached seed counts with all its tokens (300): a bound, and said so
+    assert out["Y"]["value"] == pytest.approx(200 / 300) and out["Y"]["censored"] == 1
+    table = markdown_table(summarize(_with_norms(curves), 0.5), 0.5, out, "B")
+    assert "tokens ÷ B's [95 % CI]" in table and "| 0.50 [0.33, 0.67] |" in table
+    assert "1 unreached seeds counted at their budget" in table
+    with pytest.raises(ValueError, match="base: expected one of the arms"):
+        tokens_ratio(curves, "Z", 0.5)
+
+
+def _with_norms(curves):
+    return {
+        label: [{**c, "grad_norm": [1.0], "final_accuracy": c["accuracy"][-1]} for c in runs]
+        for label, runs in curves.items()
+    }
+
+
+def test_base_arm_must_be_one_of_the_arms(capsys):
+    from otbrl.research.compare import main
+
+    arms = parse_arms("grpo:4,grpo:32")
+    assert check_base("grpo:32", arms) == "GRPO N=32" and check_base(None, arms) is None
+    for bad in ("grpo:16", "grpo", "grpo:4,grpo:32"):
+        with pytest.raises(ValueError, match=r"--base: expected one of the arms \(grpo:4,grpo:32"):
+            check_base(bad, arms)
+    assert main(["--arms", "grpo:4,grpo:32", "--base", "otb:4"]) == 2
+    assert "--base" in capsys.readouterr().err
+
+
 def _tiny_setup(tmp_path, reward_body="return float(len(text))"):
     from otbrl.models import build_tiny_model
     from tiny_models import TWO_LAYERS
@@ -133,9 +178,10 @@ def _tiny_kwargs(tmp_path, **extra):
 
 
 def test_tiny_comparison_run(tmp_path):
-    overrides, kwargs = _tiny_setup(tmp_path), _tiny_kwargs(tmp_path)
+    overrides, kwargs = _tiny_setup(tmp_path), _tiny_kwargs(tmp_path, base="grpo:2")
     out = run_compare(None, overrides, **kwargs)
     assert set(out["summary"]) == {"GRPO N=2", "OTB N=2"}
+    assert out["base"] == "GRPO N=2" and set(out["tokens_ratio"]) == set(out["summary"])
     for curves in out["curves"].values():
         assert len(curves) == 1 and len(curves[0]["grad_norm"]) == 2  # 8 / (2 × 2) steps
     assert (tmp_path / "cmp" / "compare.png").stat().st_size > 0

@@ -22,7 +22,9 @@ from otbrl import cli
 from otbrl.engine.layout import Layout, forward_outputs
 from otbrl.models import build_tiny_model, load_model_and_tokenizer
 from otbrl.rollout import SamplingParams, completions_to_batch, left_pad
-from otbrl.rollout.server import free_port
+from otbrl.rollout.config import ServerConfig
+from otbrl.rollout.server import ServerRollout, free_port
+from otbrl.rollout.server_client import ServerError
 
 TOL = 1e-5
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
@@ -122,6 +124,62 @@ def test_urls_that_do_not_answer_or_serve_another_model(vllm_server, tmp_path, c
     assert "rollout.server.urls[0]" in err[0] and "'other'" in err[0] and url in err[0]
 
 
+def test_every_route_asks_for_the_run_secret(vllm_server, monkeypatch, capsys):
+    """The dev routes too: without the secret, or with another, 401 — nothing paused, loaded
+    or read; the identity challenge tells the server from a process squatting on a port; a
+    user's server without OTBRL_SERVER_TOKEN in the trainer's environment is refused (and the
+    trainer says why it matters)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from otbrl.rollout.server_auth import TOKEN_ENV
+    from otbrl.rollout.server_client import check_identity, check_server_url, request_json
+
+    model_dir, backend = vllm_server
+    server = backend.servers[0]
+    routes = [
+        ("/health", None),
+        ("/v1/models", None),
+        ("/pause?mode=wait", {}),
+        ("/collective_rpc", {"method": "otbrl_progress"}),
+        ("/otbrl/identity?nonce=1", None),
+        ("/v1/completions", {"model": "policy", "prompt": [1, 2], "max_tokens": 1}),
+    ]
+    for path, body in routes:
+        for token in (None, "not-the-secret"):
+            with pytest.raises(ServerError, match="HTTP 401"):
+                request_json(f"{server.url}{path}", body, timeout=30, token=token)
+    assert request_json(f"{server.url}/v1/models", timeout=30, token=server.token)["data"]
+    check_identity(server.url, server.token, timeout_s=30)
+    with pytest.raises(ServerError, match="does not prove it holds"):
+        check_identity(server.url, "not-the-secret", timeout_s=30)
+
+    class Squatter(BaseHTTPRequestHandler):  # answers everything, knows no secret
+        def do_GET(self):
+            body = b'{"data": [{"id": "policy"}], "proof": "0"}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    squatter = ThreadingHTTPServer(("127.0.0.1", 0), Squatter)
+    threading.Thread(target=squatter.serve_forever, daemon=True).start()
+    try:
+        fake = f"http://127.0.0.1:{squatter.server_address[1]}"
+        with pytest.raises(ServerError, match=r"urls\[0\]'.*identity challenge wrongly"):
+            check_server_url(fake, "policy", key="rollout.server.urls[0]", timeout_s=10,
+                             token=server.token)  # fmt: skip
+    finally:
+        squatter.shutdown()
+    monkeypatch.delenv(TOKEN_ENV)
+    with pytest.raises(ServerError, match=r"urls\[0\]'.*HTTP 401"):
+        ServerRollout(model_dir, ServerConfig(urls=[server.url]), max_model_len=64, seed=0)
+    assert f"{TOKEN_ENV} is not set" in capsys.readouterr().err
+
+
 def test_head_dim_16_is_one_line_before_any_model_loads(tmp_path, capsys, monkeypatch):
     path = build_tiny_model(tmp_path / "m16", hidden_size=64, num_attention_heads=4,
                             num_key_value_heads=4, num_hidden_layers=1)  # fmt: skip
@@ -143,11 +201,10 @@ def _all_generating(backend, count, thread) -> bool:
     """Waits until the server holds ``count`` requests of ours, each with a token generated
     (True), or the generating ``thread`` has finished first (False)."""
     from otbrl.rollout.partial import INTERNAL_ID
-    from otbrl.rollout.server_client import request_json
 
-    url = backend.servers[0].url
+    server = backend.servers[0]
     while thread.is_alive():
-        answer = request_json(f"{url}/collective_rpc", {"method": "otbrl_progress"}, timeout=30)
+        answer = server.call("/collective_rpc", {"method": "otbrl_progress"}, timeout=30)
         ours = [n for rid, n in answer["results"][0].items() if INTERNAL_ID.fullmatch(rid)]
         if len(ours) == count and min(ours) >= 1:
             return True
@@ -227,6 +284,7 @@ def test_weights_over_http_with_no_shared_directory(vllm_server, model, monkeypa
     ``ServerError`` naming the server, after one retry — and the next good update heals it; the
     trainer serves buckets alone, and only with the run's token."""
     import otbrl.rollout.server as server_mod
+    import otbrl.rollout.server_process as process_mod
     from otbrl.rollout.config import ServerConfig
     from otbrl.rollout.server import ServerError, ServerRollout
 
@@ -236,14 +294,14 @@ def test_weights_over_http_with_no_shared_directory(vllm_server, model, monkeypa
     try:
         assert backend.weight_transport == "http"
         sent = []
-        real = server_mod.request_json
+        real = process_mod.request_json
 
         def spy(address, body=None, **kwargs):
             if address.endswith("/collective_rpc") and body["method"] == "otbrl_load_weights":
                 sent.append(body["kwargs"])
             return real(address, body, **kwargs)
 
-        monkeypatch.setattr(server_mod, "request_json", spy)
+        monkeypatch.setattr(process_mod, "request_json", spy)
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.05)

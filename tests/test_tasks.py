@@ -154,7 +154,7 @@ def test_tool_arithmetic_demonstrations_mix_calls_and_direct_answers():
 
 def _check_chain(items: str, text: str) -> int:
     """An independent reading of a chain_sum response: every item in order, each written total
-    the running sum so far (two digits, modulo 100), at most one item between totals, then
+    the running sum so far (modulo 10), at most one item between totals, then
     ``####`` and the sum."""
     steps, _, answer = text.partition("####")
     labels, digits = items[0::2], [int(d) for d in items[1::2]]
@@ -166,9 +166,9 @@ def _check_chain(items: str, text: str) -> int:
             assert pairs[k] == labels[i] and int(pairs[k + 1]) == digits[i], (step, i)
             total += digits[i]
             i += 1
-        assert written == f"{total % 100:02d}", step
-    assert steps.endswith(";") and i == len(digits) and answer == f"{total % 100:02d}"
-    return total % 100
+        assert written == str(total % 10), step
+    assert steps.endswith(";") and i == len(digits) and answer == str(total % 10)
+    return total % 10
 
 
 def test_chain_sum_demonstrations_walk_every_item_and_vary_in_length():
@@ -189,19 +189,18 @@ def test_chain_sum_demonstrations_walk_every_item_and_vary_in_length():
         assert _check_chain(items, demo) == int(row["reward_model"]["ground_truth"])
         assert set(demo) <= set(task.alphabet) and len(demo) <= task.max_response_chars
         reward = DATA_SOURCE_REWARDS[CHAIN_SUM_SOURCE]
-        assert reward(CHAIN_SUM_SOURCE, demo, row["reward_model"]["ground_truth"], {}) == 1.0
-        wrong = demo.rsplit("####", 1)[0] + f"####{int(row['reward_model']['ground_truth']) + 1}"
-        assert reward(CHAIN_SUM_SOURCE, wrong, row["reward_model"]["ground_truth"], {}) == 0.0
+        truth, extra = row["reward_model"]["ground_truth"], row["extra_info"]
+        assert reward(CHAIN_SUM_SOURCE, demo, truth, extra) == 1.0
+        wrong = demo.rsplit("####", 1)[0] + f"####{(int(truth) + 1) % 10}"
+        assert reward(CHAIN_SUM_SOURCE, wrong, truth, extra) == 0.0
         lengths_by_items.setdefault(len(items) // 2, set()).add(len(demo))
     lengths = [n for seen in lengths_by_items.values() for n in seen]
-    assert min(lengths) < 60 and max(lengths) > 140  # the 48-256-token regime
+    assert min(lengths) < 60 and max(lengths) > 115  # the 48-256-token regime
     # the same number of items is written at several lengths (skipped totals): a group's
     # samples can differ in length for one prompt
     assert all(len(seen) >= 3 for n, seen in lengths_by_items.items() if n >= 14)
     # the longest possible answer (every total written, the largest sum) fits the budget
-    longest = (
-        "".join(f"{c}9={9 * (i + 1) % 100:02d};" for i, c in enumerate(task.labels)) + "####34"
-    )
+    longest = "".join(f"{c}9={9 * (i + 1) % 10};" for i, c in enumerate(task.labels)) + "####4"
     assert len(longest) == task.max_response_chars
 
 
@@ -266,3 +265,28 @@ def test_chain_sum_parquet_export_reads_back(tmp_path):
             )
         expected = task.rows(split, n, seed=0)
         assert [r["prompt"] for r in rows] == [r["prompt"] for r in expected]
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("a3=3;b4=7;c5=2;####2", 1.0),
+        ("a3b4=7;c5=2;####2", 1.0),  # two items in one step
+        (" a3=3;b4c5=2;####2\n", 1.0),
+        ("a3=4;b4=7;c5=2;####2", 0.0),  # a slip that the next step cancels
+        ("a3=3;b4=7;c5=2;####3", 0.0),  # the answer is not the last total
+        ("a3b4c5=2;####2", 0.0),  # three items in one step
+        ("b4=4;a3=7;c5=2;####2", 0.0),  # out of order
+        ("a3=3;c5=8;####8", 0.0),  # an item left out
+        ("a3=3;b4=7;c5=2;x####2", 0.0),  # text around the steps
+        ("a3=3;b4=7;c5=2;", 0.0),  # no answer
+        ("####2", 0.0),
+    ],
+)
+def test_chain_sum_reward_checks_every_step(text, expected):
+    from otbrl.rewards import BUILTIN_REWARDS
+
+    reward = BUILTIN_REWARDS["chain_sum"]
+    assert reward("otbrl/chain_sum", text, "2", {"items": "a3b4c5"}) == expected
+    # a row without its items (from another dataset): the answer alone, as gsm8k scores it
+    assert reward("otbrl/chain_sum", text, "2", {}) == float(text.strip().endswith("####2"))

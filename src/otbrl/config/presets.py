@@ -62,11 +62,11 @@ TASK_PRESETS: dict[str, list[str]] = {
         # the gain comes within ~50 steps (0.35 -> 0.80 measured): 300 steps leave a margin
         "trainer.total_steps=300",
     ],
-    # long responses (46-162 tokens of steps + answer): the response budget holds the longest
+    # long responses (46-135 tokens of steps + answer): the response budget holds the longest
     # answer the task can have (26 items, every total written)
     "chain_sum": [
         *_TASK_BASE,
-        "data.max_response_length=163",
+        "data.max_response_length=136",
     ],
 }
 

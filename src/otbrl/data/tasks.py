@@ -265,19 +265,20 @@ class ToolArithmeticTask(Task):
 
 
 class ChainSumTask(Task):
-    """A long-response task: the sum modulo 100 of 10-26 labelled digits, step by step.
+    """A long-response task: the sum modulo 10 of 10-26 labelled digits, step by step.
 
     The prompt lists the items, ``a3b7c5d2e8=``; the response walks through them, writing the
-    running total (two digits, modulo 100) after each item or, at times, after two
-    (``a3=03;b7c5=15;d2=17;e8=25;``), and ends with the answer, ``####25`` (GSM8K's answer
-    marker: the ``gsm8k`` reward scores it, so the parquet export runs in any framework that
-    knows that reward). Only the answer is scored, but the tiny model cannot add 26 digits at
-    once: it has to write the steps, and one slip in any of them changes the answer — the
-    long-response credit-assignment problem OTB's per-token baseline is about. Responses run
-    to 46-162 tokens; their length varies with the number of items (per prompt) and, within a
-    group, with how many totals a sample skips. The labels make each step's lookup of its digit
-    in the prompt a match on content; the fixed-width totals make each step's arithmetic a
-    two-digit addition with one carry, next to the digits it needs.
+    running total (modulo 10) after each item or, at times, after two
+    (``a3=3;b7c5=5;d2=7;e8=5;``), and ends with the answer after GSM8K's marker, ``####5``.
+    The reward (``otbrl.rewards.builtin.chain_sum``) checks every step — each item in order,
+    each total right — and the answer: one slip anywhere and the sample scores 0, the
+    long-response credit-assignment problem OTB's per-token baseline is about. (A reward on
+    the answer alone would pay for chains whose slips cancel, and RL then learns slips: tried
+    on a two-digit variant, it did.) Responses run to 46-135 tokens; their length varies with
+    the number of items (per prompt) and, within a group, with how many totals a sample skips.
+    The labels make each step's lookup of its digit in the prompt a match on content, and each
+    step's arithmetic is a one-digit addition modulo 10 next to the digits it needs: the tiny
+    model learns a step well, and a chain of them only as well as every step.
 
     Demonstrations skip a total with probability ``skip_prob`` (never twice in a row, never
     after the last item), drawn per row and fixed. Items are uniform digits 0-9; the number of
@@ -290,7 +291,7 @@ class ChainSumTask(Task):
     data_source = CHAIN_SUM_SOURCE
     labels = "abcdefghijklmnopqrstuvwxyz"
     alphabet = labels + "0123456789=;#"
-    # prompt (at most 26 pairs + "=" + 3 template tokens) + the longest response + EOS = 218
+    # prompt (at most 26 pairs + "=" + 3 template tokens) + the longest response + EOS = 192
     model_size = {"max_position_embeddings": 256}  # noqa: RUF012 (read only)
 
     def __init__(
@@ -317,8 +318,8 @@ class ChainSumTask(Task):
                 raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
         self.min_items, self.max_items = min_items, max_items
         self.skip_prob, self.split_seed = skip_prob, split_seed
-        # every item written with its total ("c5=15;"), then "####" and the answer
-        self.max_response_chars = 6 * max_items + 6
+        # every item written with its total ("c5=5;"), then "####" and the answer
+        self.max_response_chars = 5 * max_items + 5
         self._pools = {}
         for split_id, (split, size) in enumerate((("train", n_train), ("val", n_val))):
             rng = np.random.default_rng([split_seed, split_id])
@@ -334,14 +335,14 @@ class ChainSumTask(Task):
         skips = rng.random(len(digits)) < self.skip_prob
         out, total, skipped = [], 0, False
         for i, digit in enumerate(digits):
-            total = (total + digit) % 100
+            total = (total + digit) % 10
             out.append(f"{self.labels[i]}{digit}")
             if skips[i] and not skipped and i < len(digits) - 1:
                 skipped = True
             else:
-                out.append(f"={total:02d};")
+                out.append(f"={total};")
                 skipped = False
-        return "".join(out) + f"####{total:02d}"
+        return "".join(out) + f"####{total}"
 
     def _row(self, split: str, index: int, digits: np.ndarray) -> dict:
         digits = [int(d) for d in digits if d >= 0]
@@ -350,7 +351,7 @@ class ChainSumTask(Task):
             "prompt": [{"role": "user", "content": f"{items}="}],
             "data_source": self.data_source,
             "ability": "arithmetic",
-            "reward_model": {"style": "rule", "ground_truth": f"{sum(digits) % 100:02d}"},
+            "reward_model": {"style": "rule", "ground_truth": str(sum(digits) % 10)},
             "extra_info": {"split": split, "index": index, "items": items},
         }
 

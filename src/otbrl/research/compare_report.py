@@ -121,10 +121,11 @@ def tokens_ratio(
     out = {}
     for label, spends in per_arm.items():
         tokens = np.array([t for t, _ in spends])
-        draws = rng.choice(tokens, size=(resamples, len(tokens))).mean(axis=1) / base_draws
+        with np.errstate(divide="ignore", invalid="ignore"):  # a base at 0 tokens: nan
+            draws = rng.choice(tokens, size=(resamples, len(tokens))).mean(axis=1) / base_draws
         lo, hi = np.percentile(draws, [2.5, 97.5])
         out[label] = {
-            "value": float(tokens.mean() / base_tokens.mean()),
+            "value": float(tokens.mean() / base_tokens.mean()) if base_tokens.mean() else math.nan,
             "ci95": [float(lo), float(hi)],
             "censored": sum(c for _, c in spends) + sum(c for _, c in per_arm[base]),
         }

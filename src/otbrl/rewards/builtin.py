@@ -71,9 +71,41 @@ def digit_sum(data_source: str, solution_str: str, ground_truth: str, extra_info
     )
 
 
+_CHAIN_STEP = re.compile(r"((?:[a-z][0-9]){1,2})=([0-9]);")
+
+
+def chain_sum(data_source: str, solution_str: str, ground_truth: str, extra_info: dict) -> float:
+    """The ``chain_sum`` task's reward: 1.0 when the response walks every item of the prompt
+    (``extra_info["items"]``, ``"a3b7c5"``) in order, one or two items per step, each written
+    total the running sum modulo 10, and ends with ``####`` and the ground truth.
+
+    Every step is checked, not only the answer: a reward on the answer alone pays for chains
+    whose slips cancel (``+1`` at one step, ``-1`` at another), and RL then learns slips. Without
+    ``items`` (a row from elsewhere) only the answer is checked, as ``gsm8k`` would."""
+    text = solution_str.strip()
+    steps, marker, answer = text.rpartition("####")
+    if not marker or answer != str(ground_truth).strip():
+        return 0.0
+    items = (extra_info or {}).get("items")
+    if not isinstance(items, str):
+        return 1.0
+    written = "".join(m.group(0) for m in _CHAIN_STEP.finditer(steps))
+    if written != steps:  # anything between or around the steps
+        return 0.0
+    total, walked = 0, ""
+    for match in _CHAIN_STEP.finditer(steps):
+        pairs = match.group(1)
+        walked += pairs
+        total = (total + sum(int(d) for d in pairs[1::2])) % 10
+        if match.group(2) != str(total):
+            return 0.0
+    return float(walked == items and answer == str(total))
+
+
 BUILTIN_REWARDS: dict[str, RewardFunction] = {
     "exact_match": exact_match,
     "digit_sum": digit_sum,
+    "chain_sum": chain_sum,
     "gsm8k": gsm8k,
     "gsm8k_flexible": gsm8k_flexible,
     "hendrycks_math": hendrycks_math,
@@ -110,7 +142,7 @@ DATA_SOURCE_REWARDS: dict[str, RewardFunction] = {
     "otbrl/arithmetic": exact_match,
     "otbrl/digit_sum": digit_sum,
     "otbrl/tool_arithmetic": exact_match,
-    "otbrl/chain_sum": gsm8k,  # the steps, then "####answer"
+    "otbrl/chain_sum": chain_sum,
     "openai/gsm8k": gsm8k,
     "gsm8k": gsm8k,
     **dict.fromkeys(_MATH, hendrycks_math),

@@ -49,7 +49,8 @@ from torch import Tensor
 from otbrl.rollout.config import ServerConfig, VLLMConfig
 from otbrl.rollout.partial import InFlight, InFlightRequests, new_request_id
 from otbrl.rollout.protocol import Completion, SamplingParams, check_generate_args, make_completion
-from otbrl.rollout.server_client import ServerError, check_server_url, request_json
+from otbrl.rollout.server_auth import TOKEN_ENV
+from otbrl.rollout.server_client import ServerError, check_server_url
 from otbrl.rollout.server_process import WORKER_EXTENSION, Server, free_port, start_servers
 from otbrl.rollout.vllm_common import (
     check_cpu_head_dim,
@@ -72,9 +73,30 @@ __all__ = [
     "check_cpu_head_dim",
     "check_server_url",
     "free_port",
+    "user_server_token",
 ]
 
 SERVED_NAME = ServerConfig().served_model_name
+
+
+def user_server_token() -> str | None:
+    """The secret a user's servers (``rollout.server.urls``) were started with: from the
+    environment (``OTBRL_SERVER_TOKEN``), never the config, which the run directory keeps."""
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def warn_open_servers(urls: Sequence[str]) -> None:
+    """Say that user-started servers without a secret take commands from anyone: their dev
+    routes load weights and write files for whoever reaches the port."""
+    print(
+        f"otbrl: warning: rollout.server.urls {list(urls)} are used without a secret "
+        f"({TOKEN_ENV} is not set): anyone who reaches them can load other weights into the "
+        "policy's server or pause it. Start each with --middleware "
+        f"otbrl.rollout.server_auth.require_token and {TOKEN_ENV}=<secret> in its environment "
+        "and the trainer's (README: Launch recipes).",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def weight_transport(settings: ServerConfig) -> str:
@@ -158,10 +180,15 @@ class ServerRollout:
         self.servers: list[Server] = []
         try:
             if s.urls:
-                self.servers = [Server(u, None, None, None) for u in s.urls]
+                token = user_server_token()
+                if token is None:
+                    warn_open_servers(s.urls)
+                self.servers = [Server(u, None, None, None, token) for u in s.urls]
                 for i, server in enumerate(self.servers):
                     key = f"rollout.server.urls[{i}]"
-                    check_server_url(server.url, served_model_name, key=key, timeout_s=10.0)
+                    check_server_url(
+                        server.url, served_model_name, key=key, timeout_s=10.0, token=token
+                    )
             else:
                 self.servers = start_servers(
                     model_dir, s.num_servers, seed=seed, startup_timeout_s=s.startup_timeout_s,
@@ -254,8 +281,8 @@ class ServerRollout:
             before = server.restarts
             with self._requests.track(rid, server, version) as request:
                 try:
-                    out = request_json(
-                        f"{server.url}/v1/completions",
+                    out = server.call(
+                        "/v1/completions",
                         body,
                         timeout=self.request_timeout_s,
                         headers={"X-Request-Id": rid},
@@ -313,22 +340,22 @@ class ServerRollout:
             try:
                 keep = pause and self.partial_rollout
                 if keep:  # the kept requests' KV cache is reset below, once the weights are in
-                    request_json(f"{server.url}/pause?mode=keep&clear_cache=false", {}, timeout=t)
+                    server.call("/pause?mode=keep&clear_cache=false", {}, timeout=t)
                 elif pause:
-                    request_json(f"{server.url}/pause?mode=wait", {}, timeout=t)
+                    server.call("/pause?mode=wait", {}, timeout=t)
                 if keep:
                     self._mark_update(server)
                 self._load_weights(server)
                 # kept requests are preempted: their KV cache is recomputed by the new weights
                 query = "?reset_running_requests=true" if keep else ""
-                reset = request_json(f"{server.url}/reset_prefix_cache{query}", {}, timeout=t)
+                reset = server.call(f"/reset_prefix_cache{query}", {}, timeout=t)
                 if isinstance(reset, dict) and reset.get("success") is False:
                     raise ServerError(
                         f"vLLM server {server.url}: the prefix cache could not be reset after a "
                         "weight update (blocks still held)"
                     )
                 if pause:
-                    request_json(f"{server.url}/resume", {}, timeout=t)
+                    server.call("/resume", {}, timeout=t)
                 return
             except OSError as err:
                 attempts += 1
@@ -354,9 +381,7 @@ class ServerRollout:
         rpc = {"method": "otbrl_load_weights", "kwargs": kwargs}
         for attempt in (1, 2):
             try:
-                answer = request_json(
-                    f"{server.url}/collective_rpc", rpc, timeout=self.request_timeout_s
-                )
+                answer = server.call("/collective_rpc", rpc, timeout=self.request_timeout_s)
                 break
             except ServerError as err:
                 if attempt == 2:
@@ -375,8 +400,8 @@ class ServerRollout:
     def _mark_update(self, server: Server) -> None:
         """Partial rollouts, ``server`` paused: record where the next version starts in every
         request of ours it holds (``otbrl.rollout.partial``)."""
-        answer = request_json(
-            f"{server.url}/collective_rpc",
+        answer = server.call(
+            "/collective_rpc",
             {"method": "otbrl_progress"},
             timeout=self.request_timeout_s,
         )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -24,7 +25,8 @@ import time
 from pathlib import Path
 
 from otbrl.children import die_with_parent
-from otbrl.rollout.server_client import ServerError, request_json
+from otbrl.rollout.server_auth import TOKEN_ENV
+from otbrl.rollout.server_client import ServerError, check_identity, request_json
 from otbrl.rollout.vllm_common import CPU_STEP_TOKENS, check_vllm_installed
 
 WORKER_EXTENSION = "otbrl.rollout.server_worker.WeightLoader"
@@ -46,8 +48,10 @@ def server_command(
     kv_cache_gib: float,
     seed: int,
     max_model_len: int | None,
+    token: str,
 ) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment of one server on ``127.0.0.1:port``."""
+    """The command line and environment of one server on ``127.0.0.1:port`` whose every route
+    asks for ``token`` (``otbrl.rollout.server_auth``)."""
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--served-model-name", served_model_name,
@@ -55,11 +59,13 @@ def server_command(
         "--seed", str(seed), "--generation-config", "vllm",
         "--logprobs-mode", "processed_logprobs", "--skip-tokenizer-init",
         "--worker-extension-cls", WORKER_EXTENSION,
+        "--middleware", "otbrl.rollout.server_auth.require_token",
     ]  # fmt: skip
     if max_model_len:
         command += ["--max-model-len", str(max_model_len)]
     env = dict(os.environ)
-    env["VLLM_SERVER_DEV_MODE"] = "1"
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # the dev routes: behind the middleware's secret
+    env[TOKEN_ENV] = token
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # the worker extension must import otbrl from this very checkout
     src = str(Path(__file__).resolve().parents[2])
@@ -76,12 +82,27 @@ def server_command(
 
 
 class Server:
-    """One server: its url, and the process when otbrl started it (``command`` not None)."""
+    """One server: its url, the secret its every route asks for (``token``; None for a user's
+    server started without one), and the process when otbrl started it (``command``)."""
 
-    def __init__(self, url: str, command: list[str] | None, env: dict | None, log: Path | None):
+    def __init__(
+        self,
+        url: str,
+        command: list[str] | None,
+        env: dict | None,
+        log: Path | None,
+        token: str | None = None,
+    ):
         self.url, self.command, self.env, self.log = url.rstrip("/"), command, env, log
+        self.token = token
         self.process: subprocess.Popen | None = None
         self.restarts = 0
+
+    def call(self, path: str, body: dict | None = None, *, timeout: float, headers=None):
+        """``request_json`` on ``url + path`` with this server's secret."""
+        return request_json(
+            f"{self.url}{path}", body, timeout=timeout, headers=headers, token=self.token
+        )
 
     @property
     def owned(self) -> bool:
@@ -135,10 +156,18 @@ class Server:
                     f"vLLM server {self.url} (model {model_dir}) exited during start-up: "
                     f"{self.log_tail() or 'no output'} (log: {self.log})"
                 )
-            with contextlib.suppress(OSError, ServerError, ValueError):
-                request_json(f"{self.url}/health", timeout=5)
-                return
-            time.sleep(0.5)
+            try:
+                self.call("/health", timeout=5)
+            except (OSError, ServerError, ValueError):
+                time.sleep(0.5)
+                continue
+            if self.token:  # the server that answers is ours, not a squatter on its port
+                try:
+                    check_identity(self.url, self.token, timeout_s=10)
+                except ServerError:
+                    self.stop()
+                    raise
+            return
         self.stop()
         raise ServerError(
             f"vLLM server {self.url} (model {model_dir}) did not answer within "
@@ -166,9 +195,12 @@ def start_servers(
     try:
         for i in range(count):
             port = free_port()
-            command, env = server_command(model_dir, port=port, seed=seed + i, **settings)
+            token = secrets.token_urlsafe(32)  # one per server: a log that leaks one opens one
+            command, env = server_command(
+                model_dir, port=port, seed=seed + i, token=token, **settings
+            )
             url = f"http://127.0.0.1:{port}"
-            servers.append(Server(url, command, env, logs / f"server-{i}.log"))
+            servers.append(Server(url, command, env, logs / f"server-{i}.log", token))
         for server in servers:
             server.start()
         for server in servers:

@@ -38,7 +38,12 @@ from otbrl.rewards import (
 )
 from otbrl.rewards.reward_model import check_reward_model_dir
 from otbrl.rollout import check_vllm_installed, make_agent
-from otbrl.rollout.server import ServerError, check_cpu_head_dim, check_server_url
+from otbrl.rollout.server import (
+    ServerError,
+    check_cpu_head_dim,
+    check_server_url,
+    user_server_token,
+)
 from otbrl.run.model_checks import (
     check_context,
     check_model_settings,
@@ -365,7 +370,13 @@ def _check_vllm_serves(cfg: Config) -> None:
         for i, url in enumerate(server.urls):
             key = f"rollout.server.urls[{i}]"
             try:
-                check_server_url(url, server.served_model_name, key=key, timeout_s=10.0)
+                check_server_url(
+                    url,
+                    server.served_model_name,
+                    key=key,
+                    timeout_s=10.0,
+                    token=user_server_token(),
+                )
             except ServerError as err:
                 raise ConfigError(str(err), "rollout.server.urls") from None
 
