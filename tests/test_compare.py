@@ -230,3 +230,17 @@ def test_cli_rejects_bad_settings_before_loading_a_model(capsys):
 
     assert main(["--prompts", "5", "--updates-per-step", "2"]) == 2
     assert "--updates-per-step" in capsys.readouterr().err
+
+
+def test_overrides_may_sit_between_the_options(capsys):
+    """``otbrl compare data.task=X --seeds 3 actor.lr=Y``: argparse alone takes one run of
+    positionals; the command reads them all (the check after parsing answers)."""
+    from otbrl.research.compare import build_parser, main
+
+    args = build_parser().parse_intermixed_args(
+        ["data.task=chain_sum", "--seeds", "2", "actor.lr=1e-4", "--jobs", "2", "x.y=1"]
+    )
+    assert args.overrides == ["data.task=chain_sum", "actor.lr=1e-4", "x.y=1"]
+    assert args.seeds == 2 and args.jobs == 2
+    assert main(["data.task=arithmetic", "--seeds", "0", "actor.lr=1e-3"]) == 2
+    assert "--seeds: expected an integer >= 1" in capsys.readouterr().err

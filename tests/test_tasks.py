@@ -290,3 +290,26 @@ def test_chain_sum_reward_checks_every_step(text, expected):
     assert reward("otbrl/chain_sum", text, "2", {"items": "a3b4c5"}) == expected
     # a row without its items (from another dataset): the answer alone, as gsm8k scores it
     assert reward("otbrl/chain_sum", text, "2", {}) == float(text.strip().endswith("####2"))
+
+
+def test_chain_sum_preset_and_model_fit_its_longest_answer(tmp_path):
+    """The preset's response budget holds the longest answer, the built-in model built for the
+    task has the positions prompt + budget need, and a budget past them (or below the longest
+    answer) is refused before any model loads, naming the key."""
+    import json
+
+    from otbrl.config import ConfigError, load_config
+    from otbrl.models import build_tiny_model
+    from otbrl.run.plan import plan_run
+
+    task = get_task("chain_sum")
+    cfg = load_config(None, ["data.task=chain_sum"])
+    assert cfg.data.max_response_length == task.max_response_chars + 1
+    plan_run(cfg)
+    path = build_tiny_model(tmp_path / "m", task="chain_sum", num_hidden_layers=1)
+    positions = json.loads((path / "config.json").read_text())["max_position_embeddings"]
+    assert positions == task.model_size["max_position_embeddings"] >= 56 + 136
+    with pytest.raises(ConfigError, match=r"max_response_length.*more than the model's 256"):
+        plan_run(load_config(None, ["data.task=chain_sum", "data.max_response_length=250"]))
+    with pytest.raises(ConfigError, match=r"set data.max_response_length=136"):
+        plan_run(load_config(None, ["data.task=chain_sum", "data.max_response_length=100"]))

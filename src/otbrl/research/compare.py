@@ -392,7 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m otbrl.research.compare [--config F] [key=value ...] [--arms ...] ...``"""
-    args = build_parser().parse_args(argv)
+    # overrides may sit before, between and after the options (argparse alone takes one run)
+    args = build_parser().parse_intermixed_args(argv)
     try:
         parse_arms(args.arms)
         check_settings(args.seeds, args.budget, args.prompts, args.updates_per_step, args.jobs)
