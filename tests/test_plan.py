@@ -258,3 +258,26 @@ def test_runs_sharing_a_weights_dir_get_their_own_buckets(tmp_path):
     assert a != b and a.parent.parent == b.parent.parent == Path("/shared/w")
     assert subdir(tmp_path / "a", 1) == a.parent / "rank-1"
     assert subdir(tmp_path / "x" / ".." / "a", 0) == a  # the same run, however it is written
+
+
+def test_weight_buckets_without_room_say_so_before_writing(tmp_path, monkeypatch):
+    """A weights dir without room for a bucket (a container's small /dev/shm) is one error
+    naming the directory, the sizes and what to change, raised before a byte is written; the
+    server backend turns it into its one-line ServerError."""
+    import errno
+    import shutil
+    from collections import namedtuple
+
+    import torch
+
+    import otbrl.rollout.weight_buckets as buckets
+
+    weights = [("a.weight", torch.zeros(256, 256)), ("b.weight", torch.zeros(256))]
+    manifest = buckets.write_buckets(tmp_path, iter(weights), bucket_bytes=1 << 20)
+    assert [e["tensors"] for e in manifest] == [2]
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, 1 << 10))
+    with pytest.raises(OSError, match=r"has 0\.0 MiB free.*rollout\.server\.weights_dir") as err:
+        buckets.write_buckets(tmp_path, iter(weights), bucket_bytes=1 << 20)
+    assert err.value.errno == errno.ENOSPC
+    assert not list(tmp_path.iterdir())  # the old buckets went, no torn new one came

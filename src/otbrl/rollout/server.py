@@ -35,6 +35,7 @@ jobs beside the orchestration here live in their own modules:
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import sys
@@ -323,7 +324,14 @@ class ServerRollout:
                 self._gate.wait()
         try:
             with self._server_lock:
-                self._manifest = write_buckets(self.weights_dir, named_tensors, self.bucket_bytes)
+                try:
+                    self._manifest = write_buckets(
+                        self.weights_dir, named_tensors, self.bucket_bytes
+                    )
+                except OSError as err:  # no room for the buckets: one line, what to change
+                    if err.errno != errno.ENOSPC:
+                        raise
+                    raise ServerError(f"weight update not sent: {err.strerror}") from None
                 self._has_weights = True
                 for server in self.servers:
                     self._load(server, pause=True)

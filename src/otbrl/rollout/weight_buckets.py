@@ -9,9 +9,11 @@ manifest before a tensor of it loads. The bucket format and its checks live here
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import os
+import shutil
 import tempfile
 import threading
 import urllib.request
@@ -34,7 +36,9 @@ def write_buckets(directory: Path, named_tensors: Iterable, bucket_bytes: int) -
     """Replace the buckets of ``directory`` with ``named_tensors`` ((HF name, tensor) pairs),
     ~``bucket_bytes`` a bucket. One bucket is in memory at a time (never a second full copy
     of the model); each file appears whole (written, then renamed). Returns the manifest: per
-    bucket, in order, ``{"name", "bytes", "sha256", "tensors"}``."""
+    bucket, in order, ``{"name", "bytes", "sha256", "tensors"}``. A bucket the directory's
+    file system has no room for is an ``OSError`` (ENOSPC) that says how much was free and what
+    to change, raised before a byte of it is written (``/dev/shm`` is small in containers)."""
     from safetensors.torch import save
     from torch import Tensor
 
@@ -50,6 +54,15 @@ def write_buckets(directory: Path, named_tensors: Iterable, bucket_bytes: int) -
             path = directory / f"bucket-{index:05d}.safetensors"
             tmp = path.with_suffix(".tmp")
             data = save(bucket)
+            free = shutil.disk_usage(directory).free
+            if free < len(data):
+                raise OSError(
+                    errno.ENOSPC,
+                    f"weight buckets: {directory} has {free / 2**20:.1f} MiB free, the next "
+                    f"bucket needs {len(data) / 2**20:.1f} MiB (the policy needs at least "
+                    "its size in weights there): free space, enlarge it (a container's /dev/shm: "
+                    "--shm-size) or set rollout.server.weights_dir to a larger file system",
+                )
             tmp.write_bytes(data)
             tmp.rename(path)
             digest = hashlib.sha256(data).hexdigest()
