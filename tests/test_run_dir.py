@@ -256,3 +256,37 @@ def test_a_file_system_without_locks_is_named(setup, tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="does not support locks") as err:
         claim_run_dir(load_config(None, overrides(tmp_path / "run")))
     assert err.value.key == "trainer.output_dir"
+
+
+def test_run_json_keeps_the_hash_of_each_user_file_and_a_resume_says_when_it_changed(
+    setup, tmp_path, capsys
+):
+    """The config names a reward file by path; what ran is its content: each start records
+    the SHA-256 of every user code file (reward function, tool files), and a resume after an
+    edit says which file changed."""
+    import hashlib
+
+    overrides, _ = setup
+    reward = tmp_path / "reward.py"
+    reward.write_text("def score(s, text, truth, extra):\n    return 1.0\n")
+    tools = tmp_path / "tools.py"
+    tools.write_text("def echo(x: str) -> str:\n    return x\n")
+    args = overrides(
+        tmp_path / "run",
+        f"reward.function={reward}:score",
+        f"rollout.multi_turn.tools=[calculator,{tools}:echo]",
+    )
+    claim_run_dir(load_config(None, args)).release()
+    digest = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
+    (start,) = json.loads((tmp_path / "run" / "run.json").read_text())["starts"]
+    assert start["user_files"] == {str(reward): digest(reward), str(tools): digest(tools)}
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')  # a step was logged
+    capsys.readouterr()
+    reward.write_text("def score(s, text, truth, extra):\n    return 0.5\n")
+    claim_run_dir(load_config(None, [*args, "trainer.resume=auto"])).release()
+    err = capsys.readouterr().err
+    assert f"with {reward} edited since the last start" in err and str(tools) not in err
+    starts = json.loads((tmp_path / "run" / "run.json").read_text())["starts"]
+    assert (
+        starts[1]["user_files"][str(reward)] == digest(reward) != start["user_files"][str(reward)]
+    )

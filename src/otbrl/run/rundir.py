@@ -164,6 +164,7 @@ def claim_run_dir(cfg: Config, *, rank: int | None = None, stream: TextIO | None
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "otbrl_version": otbrl.__version__,
+            "user_files": user_file_hashes(cfg),
         }
         if cfg.trainer.resume == "never":
             if saved is not None:
@@ -185,6 +186,12 @@ def claim_run_dir(cfg: Config, *, rank: int | None = None, stream: TextIO | None
                 entry["changed"] = {k: list(v) for k, v in changed.items()}
                 text = ", ".join(f"{k} {x!r} -> {y!r}" for k, (x, y) in changed.items())
                 print(f"otbrl: resuming {path} with {text}", file=stream)
+            for file in _edited_user_files(path, entry["user_files"]):
+                print(
+                    f"otbrl: resuming {path} with {file} edited since the last start (its "
+                    "SHA-256 differs; run.json keeps both)",
+                    file=stream,
+                )
         run.resume_from = _resume_from(cfg, path, entry, stream)
         if run.resume_from is not None:
             entry["resumed_from"] = str(run.resume_from)
@@ -406,6 +413,30 @@ def _resume_from(cfg: Config, path: Path, entry: dict, stream: TextIO) -> Path |
         into = f"from {found}" if found else "from step 0 (no intact checkpoint left)"
         print(f"otbrl: warning: resuming {into}", file=stream)
     return found
+
+
+def user_file_hashes(cfg: Config) -> dict[str, str]:
+    """SHA-256 of each user code file the run executes (``reward.function`` and
+    ``rollout.multi_turn.tools`` given as ``file.py:fn``), by resolved path: what ran, kept
+    with the run (the config names a path, whose content may change between starts)."""
+    out = {}
+    for spec in [cfg.reward.function, *cfg.rollout.multi_turn.tools]:
+        if not isinstance(spec, str) or ".py" not in spec:
+            continue
+        file = Path(spec.rsplit(":", 1)[0] if ":" in spec else spec)
+        if file.suffix == ".py" and file.is_file():
+            out[str(file.resolve())] = hashlib.sha256(file.read_bytes()).hexdigest()
+    return out
+
+
+def _edited_user_files(path: Path, hashes: dict[str, str]) -> list[str]:
+    """The user code files whose hash differs from the run's last start (none without one)."""
+    try:
+        starts = json.loads((path / MANIFEST).read_text()).get("starts") or [{}]
+    except (OSError, ValueError):
+        return []
+    before = starts[-1].get("user_files") or {}
+    return [f for f, digest in hashes.items() if f in before and before[f] != digest]
 
 
 def _write_manifest(path: Path, config: dict, entry: dict, *, fresh: bool) -> dict:
