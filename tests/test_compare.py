@@ -244,3 +244,33 @@ def test_overrides_may_sit_between_the_options(capsys):
     assert args.seeds == 2 and args.jobs == 2
     assert main(["data.task=arithmetic", "--seeds", "0", "actor.lr=1e-3"]) == 2
     assert "--seeds: expected an integer >= 1" in capsys.readouterr().err
+
+
+def test_an_interrupted_comparison_stops_its_runs(tmp_path):
+    """SIGTERM (or Ctrl-C) to ``otbrl compare --jobs 2`` reaches its training runs: they stop
+    (at their newest checkpoint, to resume on the next compare) and compare exits, instead of
+    waiting for runs nobody will read."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    overrides = _tiny_setup(tmp_path)
+    out = tmp_path / "cmp"
+    command = [
+        sys.executable, "-m", "otbrl", "compare", *overrides, "--arms", "grpo:2,rloo:2",
+        "--seeds", "1", "--budget", "400000", "--prompts", "2", "--updates-per-step", "1",
+        "--jobs", "2", "--out-dir", str(out),
+    ]  # fmt: skip
+    compare = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    logs = [out / arm / "seed0" / "metrics.jsonl" for arm in ("grpo-n2", "rloo-n2")]
+    deadline = time.monotonic() + 120
+    while not all(p.is_file() and p.stat().st_size for p in logs):
+        assert compare.poll() is None and time.monotonic() < deadline, compare.stderr.read()
+        time.sleep(0.2)
+    compare.send_signal(signal.SIGTERM)
+    assert compare.wait(timeout=60) == 128 + signal.SIGTERM
+    left = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout
+    assert left == ""  # no training run outlives the comparison
+    for arm in ("grpo-n2", "rloo-n2"):
+        assert "otbrl: interrupted at step" in (out / arm / "seed0" / "train.log").read_text()

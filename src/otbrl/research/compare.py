@@ -11,6 +11,7 @@ consumed until the validation accuracy first reaches the target, final validatio
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -146,10 +147,11 @@ def _finished(run: _Run) -> bool:
     return True
 
 
-def _train_subprocess(cfg, run_dir: Path, threads: int) -> str | None:
+def _train_subprocess(cfg, run_dir: Path, threads: int, children: set) -> str | None:
     """``otbrl train`` of the resolved ``cfg`` (every key in a YAML file beside the run) in a
-    child process with ``threads`` torch threads; output to ``run_dir/train.log``. Returns None
-    on success, else a one-line reason."""
+    child process with ``threads`` torch threads; output to ``run_dir/train.log``; the child's
+    ``Popen`` is in ``children`` while it runs (an interrupted comparison stops them). Returns
+    None on success, else a one-line reason."""
     import yaml
 
     from otbrl.config import to_dict
@@ -161,13 +163,18 @@ def _train_subprocess(cfg, run_dir: Path, threads: int) -> str | None:
     command = [sys.executable, "-m", "otbrl", "train", "--config", str(planned)]
     with open(run_dir / "train.log", "w") as log:
         # SIGTERM when compare dies: the run stops cleanly and resumes on the next compare
-        code = subprocess.run(
+        child = subprocess.Popen(
             command,
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
             preexec_fn=die_with_parent(signal.SIGTERM),
-        ).returncode
+        )
+        children.add(child)
+        try:
+            code = child.wait()
+        finally:
+            children.discard(child)
     if code == 0 and (run_dir / "summary.json").is_file():
         return None
     return f"exit code {code}; see {run_dir / 'train.log'}"
@@ -259,17 +266,30 @@ def run_compare(
             report(item, time.perf_counter() - t0)
     else:
         threads = max(1, (os.cpu_count() or 1) // jobs)
+        children: set = set()
+        stopping = False
 
         def train(item):
+            if stopping:  # interrupted: the runs not started stay unstarted
+                return item, "not started", 0.0
             t0 = time.perf_counter()
-            error = _train_subprocess(item.cfg, item.run_dir, threads)
+            error = _train_subprocess(item.cfg, item.run_dir, threads, children)
             return item, error, time.perf_counter() - t0
 
         with ThreadPoolExecutor(jobs) as pool:
-            for item, error, seconds in pool.map(train, todo):
-                if error:
-                    failures.append(f"{item.label} seed {item.seed}: {error}")
-                report(item, seconds)
+            try:
+                for item, error, seconds in pool.map(train, todo):
+                    if error:
+                        failures.append(f"{item.label} seed {item.seed}: {error}")
+                    report(item, seconds)
+            except BaseException:
+                # Ctrl-C / SIGTERM reach this (main) thread: pass them on to the runs, which
+                # stop at their newest checkpoint, and wait for them before leaving
+                stopping = True
+                for child in list(children):
+                    with contextlib.suppress(ProcessLookupError):
+                        child.send_signal(signal.SIGTERM)
+                raise
     if failures:
         raise RuntimeError("otbrl compare: runs failed:\n" + "\n".join(failures))
     curves: dict[str, list[dict]] = {}
