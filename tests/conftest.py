@@ -1,6 +1,12 @@
 import os
+import secrets
 
 import pytest
+
+# The servers the tests start (otbrl's own, and those they use as a user's) all take the
+# session's secret, and every trainer reads it from here, as a user's would: one per session,
+# so that two fixtures' servers never ask for different ones.
+os.environ.setdefault("OTBRL_SERVER_TOKEN", secrets.token_urlsafe(16))
 import torch
 
 # Triton picks interpreted or compiled when its @triton.jit functions decorate — its own
@@ -105,11 +111,5 @@ def vllm_server(tmp_path_factory):
         seed=0,
         log_dir=logs,
     )
-    # the tests' trainers use it as a user's server (rollout.server.urls): they read its
-    # secret from the environment, as a user's trainer would
-    from otbrl.rollout.server_auth import TOKEN_ENV
-
-    os.environ[TOKEN_ENV] = backend.servers[0].token
     yield model_dir, backend
-    os.environ.pop(TOKEN_ENV, None)
     backend.close()

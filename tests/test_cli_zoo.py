@@ -325,12 +325,34 @@ for i, (argv, port) in enumerate(json.loads(sys.argv[1])):
 """
 
 
+def _port_outside_the_ephemeral_range() -> int:
+    """A free TCP port below the kernel's ephemeral range. The runs' rendezvous ports are picked
+    minutes before they are bound, and a port of that range can meanwhile become the local end
+    of some outgoing connection (the vLLM tests beside make thousands) and sit in TIME_WAIT:
+    torchrun's store then failed with EADDRINUSE (once, in a fresh clone)."""
+    import random
+    import socket
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10000, max(10001, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
+
+
 def _run_in_turn(argvs: list[list[str]], env: dict, timeout: float, torchrun: bool = False):
     """Run ``otbrl`` with each of ``argvs`` in turn in one child process (two ranks under
     ``torchrun``); the child stops at the first failure, which the assertion names."""
-    from otbrl.engine.world import free_port
-
-    runs = [(argv, free_port() if torchrun else 0) for argv in argvs]
+    runs = [(argv, _port_outside_the_ephemeral_range() if torchrun else 0) for argv in argvs]
     command = [sys.executable, "-c", IN_TURN, json.dumps(runs)]
     if torchrun:
         command[:0] = [sys.executable, "-m", "torch.distributed.run", "--standalone"]

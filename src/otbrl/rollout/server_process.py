@@ -195,7 +195,9 @@ def start_servers(
     try:
         for i in range(count):
             port = free_port()
-            token = secrets.token_urlsafe(32)  # one per server: a log that leaks one opens one
+            # the run's secret when the user set one (their trainers and tools share it), else
+            # a fresh one per server: a log that leaks one opens one server only
+            token = os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32)
             command, env = server_command(
                 model_dir, port=port, seed=seed + i, token=token, **settings
             )
