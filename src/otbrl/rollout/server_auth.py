@@ -35,9 +35,11 @@ def proof(token: str, nonce: str) -> str:
 
 
 def authorized(header: str | None, token: str) -> bool:
-    """Whether an ``Authorization`` header value carries ``token`` (constant-time)."""
-    given = (header or "").removeprefix("Bearer ").strip()
-    return bool(token) and hmac.compare_digest(given.encode(), token.encode())
+    """Whether an ``Authorization`` header value is exactly ``Bearer <token>`` (constant-time;
+    never with an empty ``token``). The servers' middleware and the trainer's weight server
+    both check with it."""
+    expected = bearer(token).get("Authorization", "")
+    return bool(token) and hmac.compare_digest((header or "").encode(), expected.encode())
 
 
 async def require_token(request, call_next):

@@ -21,6 +21,8 @@ from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from otbrl.rollout.server_auth import authorized, bearer
+
 BUCKET_GLOB = "bucket-*.safetensors"
 
 
@@ -121,8 +123,7 @@ def read_http(url: str, token: str, timeout: float = 300.0):
     """``checked_buckets``' reader of the buckets a ``WeightServer`` at ``url`` serves."""
 
     def read(entry: dict) -> bytes:
-        request = urllib.request.Request(f"{url}/{entry['name']}")
-        request.add_header("Authorization", f"Bearer {token}")
+        request = urllib.request.Request(f"{url}/{entry['name']}", headers=bearer(token))
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.read()
 
@@ -145,8 +146,7 @@ class WeightServer:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
-                given = self.headers.get("Authorization", "")
-                if not hmac.compare_digest(given, f"Bearer {server.token}"):
+                if not authorized(self.headers.get("Authorization"), server.token):
                     self.send_error(401, "a weight bucket needs the run's token")
                     return
                 name = self.path.lstrip("/")
