@@ -75,6 +75,13 @@ class Task:
         raise NotImplementedError
 
 
+def _check_split_sizes(**sizes) -> None:
+    """``ValueError`` naming the first of ``sizes`` (rows per split) that is not an int >= 1."""
+    for name, value in sizes.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+
+
 class ArithmeticTask(Task):
     """``a+b=`` with ``digits``-digit operands; the answer is the decimal sum.
 
@@ -147,9 +154,7 @@ class DigitSumTask(Task):
                 f"max_sum: expected an int in [1, 9 * max_digits = {9 * max_digits}], "
                 f"got {max_sum!r}"
             )
-        for name, value in (("n_train", n_train), ("n_val", n_val)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        _check_split_sizes(n_train=n_train, n_val=n_val)
         self.max_sum, self.max_digits, self.split_seed = max_sum, max_digits, split_seed
         self.max_response_chars = max_digits
         rng = np.random.default_rng(split_seed)
@@ -212,9 +217,7 @@ class ToolArithmeticTask(Task):
         tool_fraction: float = 0.2,
         split_seed: int = 1234,
     ):
-        for name, value in (("n_train", n_train), ("n_val", n_val)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        _check_split_sizes(n_train=n_train, n_val=n_val)
         if not isinstance(tool_leading_digits, str) or not set(tool_leading_digits) <= set(
             "123456789"
         ):
@@ -313,9 +316,7 @@ class ChainSumTask(Task):
             )
         if not 0.0 <= skip_prob <= 1.0:
             raise ValueError(f"skip_prob: expected a number in [0, 1], got {skip_prob!r}")
-        for name, value in (("n_train", n_train), ("n_val", n_val)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        _check_split_sizes(n_train=n_train, n_val=n_val)
         self.min_items, self.max_items = min_items, max_items
         self.skip_prob, self.split_seed = skip_prob, split_seed
         # every item written with its total ("c5=5;"), then "####" and the answer
