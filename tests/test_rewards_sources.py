@@ -74,7 +74,10 @@ def test_code_rows_without_a_sandbox_are_refused_before_loading(tiny_run, tmp_pa
     with pytest.raises(ConfigError, match=r"5 rows .* no namespaces on this OS") as err:
         plan_run(load_config(None, args))
     assert err.value.key == "reward.code.allow_unsandboxed"
-    plan_run(load_config(None, [*args, "reward.code.allow_unsandboxed=true"]))
+    plan = plan_run(load_config(None, [*args, "reward.code.allow_unsandboxed=true"]))
+    # allowed: said once, at the start of the run (the plan's notes)
+    warned = [n for n in plan.notes if "UNSANDBOXED" in n]
+    assert len(warned) == 1 and "5 rows" in warned[0] and "no namespaces on this OS" in warned[0]
 
 
 def test_math_verify_backend_needs_its_package(tiny_run, tmp_path, monkeypatch):

@@ -1,18 +1,25 @@
 """The code sandbox: hostile programs end as failed test cases, counted, the trainer unharmed.
 
-Small limits keep it quick: 1 s per test input, 1 CPU second, 256 MB.
+Small limits keep it quick: 1 s per test input, 1 CPU second, 256 MB. Run as root, the tests
+also run the sandbox's own tests as an unprivileged user (``test_as_an_unprivileged_user``):
+sandboxed both ways.
 """
 
 import ast
 import os
+import shutil
 import subprocess
+import sys
+import tempfile
 import threading
+from pathlib import Path
 
 import pytest
 
 from otbrl.rewards import SandboxConfig, SandboxUnavailable, score_responses
 from otbrl.rewards import sandbox as sandbox_mod
-from otbrl.rewards.sandbox import FIRST_UID, run_program, sandbox_problem
+from otbrl.rewards.cgroup import tree_caps
+from otbrl.rewards.sandbox import mode, run_program, sandbox_problem
 
 pytestmark = pytest.mark.skipif(
     sandbox_problem() is not None, reason=f"no sandbox here: {sandbox_problem()}"
@@ -39,9 +46,9 @@ def _code_row(cases=CASES):
 
 
 def _leftover_processes() -> list[str]:
-    """Processes still running as a sandbox uid."""
-    out = subprocess.run(["ps", "-eo", "uid=,pid=,comm="], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if int(line.split()[0]) >= FIRST_UID]
+    """Sandbox processes still running (a forked program keeps the harness's command line)."""
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "sandbox_harness" in line]
 
 
 def test_hostile_programs_fail_and_are_counted(tmp_path):
@@ -73,7 +80,9 @@ def test_the_operating_system_stops_what_the_audit_hook_does_not(tmp_path):
 import ctypes, os, socket
 libc = ctypes.CDLL(None)
 libc.system(b"rm -rf {target} 2>/dev/null; echo pwned > {target}/new 2>/dev/null")
-print(sorted(os.listdir('/root')), os.getuid() != 0, os.getcwd())
+status = dict(line.split(":\t", 1) for line in open('/proc/self/status').read().splitlines())
+caps = [int(status[k].strip(), 16) for k in ("CapEff", "CapPrm", "CapBnd", "CapAmb")]
+print(sorted(os.listdir('/root')), os.getuid() != 0 or not any(caps), os.getcwd())
 print(sorted(name for _, name in socket.if_nameindex()))
 open('/tmp/inside', 'w').write('tmpfs')
 print(sorted(k for k in os.environ))
@@ -125,12 +134,15 @@ def test_at_most_max_workers_runs_at_once(monkeypatch):
 
 
 def test_unsandboxed_runs_only_when_allowed(monkeypatch):
-    monkeypatch.setattr(sandbox_mod, "sandbox_problem", lambda: "no user namespaces here")
+    monkeypatch.setattr(sandbox_mod, "_probe", lambda: (None, "no user namespaces here"))
     with pytest.raises(SandboxUnavailable, match=r"no user namespaces.*allow_unsandboxed=true"):
         run_program("print(1)", [""], config=LIMITS)
-    allowed = SandboxConfig(wall_s=2, allow_unsandboxed=True)
+    allowed = SandboxConfig(wall_s=2, memory_mb=256, allow_unsandboxed=True)
     run = run_program("import os\nprint(os.environ['HOME'] != '/root')", [""], config=allowed)
     assert run.cases == [{"status": "ok", "output": "True\n"}]
+    # the resource limits still hold: 1 GB under memory_mb=256 is a MemoryError
+    run = run_program("x = bytearray(1 << 30)\nprint(2)", [""], config=allowed)
+    assert run.cases[0]["status"] == "error" and "memory" in run.violations, run
     # the audit hook still refuses to start processes
     run = run_program("import os\nos.system('true')", [""], config=allowed)
     assert run.cases[0]["status"] == "error" and "os.system" in run.violations
@@ -155,3 +167,133 @@ def test_a_forged_reply_is_the_samples_failure_never_the_runs(written, violation
     row = _code_row()
     scores, _ = score_responses([f"```python\n{program}```"], [row], on_error="raise")
     assert scores == [0.0]
+
+
+def test_limits_hold_over_the_whole_run(tmp_path):
+    """Finding 4: System V shared memory dies with the run (an IPC namespace), ``/dev`` holds
+    only harmless devices, and the host name is the sandbox's own."""
+    program = """
+import ctypes, os, socket
+libc = ctypes.CDLL(None)
+ids = [libc.shmget(0x07B0 + i, 32 << 20, 0o1600) for i in range(3)]  # IPC_CREAT | 0600
+print(all(i >= 0 for i in ids), sorted(os.listdir('/dev')))
+print(os.uname().nodename == socket.gethostname(), open('/dev/null', 'w').write('x'))
+"""
+    before = Path("/proc/sysvipc/shm").read_text().splitlines()[1:]
+    run = run_program(program, [""], config=LIMITS)
+    assert run.cases[0]["status"] == "ok", run
+    made, dev = run.cases[0]["output"].splitlines()[0].split(" ", 1)
+    assert made == "True"  # the segments were made, then went with the namespace
+    assert Path("/proc/sysvipc/shm").read_text().splitlines()[1:] == before
+    assert set(ast.literal_eval(dev)) == {
+        "fd", "full", "null", "random", "shm", "stderr", "stdin", "stdout", "urandom", "zero"
+    }
+
+
+@pytest.mark.skipif(not isinstance(tree_caps(), tuple), reason=f"{tree_caps()}")
+def test_memory_is_capped_over_the_process_tree():
+    """Finding 4: three processes holding 200 MB each under ``memory_mb=256`` — each within its
+    own address-space limit — are stopped together by the run's cgroup."""
+    config = SandboxConfig(cpu_s=5, wall_s=5, memory_mb=256, max_workers=1)
+    program = """
+import ctypes, time
+libc = ctypes.CDLL(None)
+for _ in range(2):
+    if libc.fork() == 0:
+        break
+block = bytearray(200 << 20)
+block[::4096] = b"x" * len(block[::4096])
+time.sleep(1)
+print("held")
+"""
+    run = run_program(program, [""], config=config)
+    assert "memory" in run.violations, run  # the kernel killed one of them (the cgroup's OOM)
+    # one process of the same size is within the cap
+    run = run_program(program.replace("range(2)", "range(0)"), [""], config=config)
+    assert run.cases == [{"status": "ok", "output": "held\n"}], run
+    assert not _leftover_processes()
+
+
+def test_uid_blocks_are_claimed_never_shared(tmp_path):
+    """Finding 4: two live processes whose pids agree modulo the block count get different
+    uid blocks (the lock of the first is held until it ends)."""
+    if mode() != "root":
+        pytest.skip("uid blocks are for root mode; a user namespace needs none")
+    claim = (
+        "import sys, time; from otbrl.rewards import sandbox as s; "
+        "print(s._claim_uid_block(7), flush=True); time.sleep(30)"
+    )
+    first = subprocess.Popen([sys.executable, "-c", claim], stdout=subprocess.PIPE, text=True)
+    try:
+        held = int(first.stdout.readline())
+        second = subprocess.run(
+            [sys.executable, "-c", claim.replace("time.sleep(30)", "pass")],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert held != int(second.stdout) and held == sandbox_mod.FIRST_UID + 7 * 64
+    finally:
+        first.kill()
+        first.wait()
+    again = subprocess.run(
+        [sys.executable, "-c", claim.replace("time.sleep(30)", "pass")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert int(again.stdout) == held  # released with the process that held it
+
+
+UNPRIVILEGED = 65534
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs as an unprivileged user: needs root to switch")
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs util-linux's setpriv")
+def test_as_an_unprivileged_user():
+    """The sandbox's tests again, as uid 65534: the sandbox is made in a user namespace and
+    holds the same. An interpreter under a home directory others cannot enter (pyenv in
+    ``/root``) is made reachable in a private mount namespace of the test's own."""
+    tmp_path = Path(tempfile.mkdtemp(prefix="otbrl-unprivileged-"))  # pytest's is root-only
+    try:
+        os.chmod(tmp_path, 0o777)
+        _run_as_unprivileged(tmp_path)
+    finally:
+        shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _run_as_unprivileged(tmp_path: Path) -> None:
+    tests = [
+        "test_hostile_programs_fail_and_are_counted",
+        "test_the_operating_system_stops_what_the_audit_hook_does_not",
+        "test_limits_hold_over_the_whole_run",
+        "test_a_forged_reply_is_the_samples_failure_never_the_runs",
+        "test_a_user_namespace_is_what_a_normal_user_gets",
+    ]
+    pytest_args = [
+        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+        f"--basetemp={tmp_path / 'base'}", __file__, "-k", " or ".join(tests),
+    ]
+    drop = [
+        "setpriv", f"--reuid={UNPRIVILEGED}", f"--regid={UNPRIVILEGED}", "--clear-groups",
+        "env", f"HOME={tmp_path}", "PYTHONDONTWRITEBYTECODE=1", "OTBRL_EXPECT_SANDBOX=userns",
+    ]
+    home = os.path.expanduser("~")
+    if os.path.realpath(sys.base_prefix).startswith(home + "/"):
+        inner = os.path.relpath(os.path.realpath(sys.base_prefix), home).split("/")[0]
+        mounts = (
+            f"mount --bind {home} {tmp_path}/home && mount -t tmpfs -o mode=755 tmpfs {home} && "
+            f"mkdir {home}/{inner} && mount --bind {tmp_path}/home/{inner} {home}/{inner} && "
+        )
+        (tmp_path / "home").mkdir()
+        command = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                   mounts + 'exec "$@"', "sh", *drop, *pytest_args]
+    else:
+        command = [*drop, *pytest_args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr
+    assert "skipped" not in done.stdout.splitlines()[-1], done.stdout[-3000:]
+
+
+def test_a_user_namespace_is_what_a_normal_user_gets():
+    """Run by ``test_as_an_unprivileged_user``: there the sandbox must be the user-namespace
+    one (not the unsandboxed fallback); as root here, the root one."""
+    expected = os.environ.get("OTBRL_EXPECT_SANDBOX", "root" if os.geteuid() == 0 else "userns")
+    assert mode() == expected and sandbox_problem() is None

@@ -1,16 +1,24 @@
 """Runs inside the code sandbox (``otbrl.rewards.sandbox``); standard library only.
 
-Started as root inside fresh network, mount and PID namespaces (``unshare``), it reads one
-request from stdin, builds the cage, drops root, and only then runs the model's program:
+Started inside fresh network, mount, PID, IPC and UTS namespaces (``unshare``) — as root, or
+as a normal user inside a user namespace of its own where it is root only over that namespace
+— it reads one request from stdin, builds the cage, gives up every privilege, and only then
+runs the model's program:
 
-1. a new root: a tmpfs holding, read-only, only ``/usr``, ``/etc``, the interpreter's
-   directories and ``/dev``, plus a fresh ``/proc`` and a writable ``/tmp`` tmpfs (the host's
+1. a new root: a read-only tmpfs holding, read-only, only ``/usr``, ``/etc``, the
+   interpreter's directories, a ``/dev`` of five devices (``null``, ``zero``, ``full``,
+   ``random``, ``urandom``) and a fresh ``/proc``; a writable ``/tmp`` tmpfs (the host's
    world-writable places get fresh tmpfs mounts too); the working directory is ``/tmp/work``;
 2. resource limits: address space, CPU seconds, processes, file size, open files, no core;
-3. ``no_new_privs``, then ``setgroups([])`` / ``setgid`` / ``setuid`` to an unprivileged uid
-   that owns nothing but the working directory;
+3. ``no_new_privs``, then, as root, ``setgroups([])`` / ``setgid`` / ``setuid`` to an
+   unprivileged uid that owns nothing but the working directory; in a user namespace (where
+   no other uid exists) every capability dropped, bounding and ambient sets included, with
+   the secure bits that keep them dropped across ``exec``;
 4. an audit hook refuses process creation, signals to others, sockets and file deletion
    (a ``PermissionError`` in the program, reported as a violation).
+
+Unsandboxed (``reward.code.allow_unsandboxed`` where no namespace can be made) only steps 2
+(without the process limit, which would count every process of this user) and 4 apply.
 
 The program then runs in this very process (as verl's harness runs it: one module, called per
 input). The reply (one JSON object, on a copy of the original stdout) holds, per test input,
@@ -104,7 +112,26 @@ def _mount_tmpfs(target: str, size_mb: int, mode: str = "1777") -> None:
 def _bind_readonly(source: str, target: str) -> None:
     os.makedirs(target, mode=0o755, exist_ok=True)
     _mount(source, target, None, _MS_BIND | _MS_REC)
-    _mount(None, target, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_REC)
+    # in a user namespace the source's nosuid/nodev/noexec/atime flags are locked: a remount
+    # that leaves one out is refused, so it keeps them (statvfs and mount share these bits)
+    kept = os.statvfs(target).f_flag & _MS_KEPT
+    _mount(None, target, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_REC | kept)
+
+
+def _minimal_dev(dev: str, tmpfs_mb: int) -> None:
+    """A ``/dev`` of a few harmless devices (bound from the host's: a user namespace may not
+    make device nodes), the usual links and a ``shm`` tmpfs — no GPUs, disks or terminals."""
+    os.makedirs(dev)
+    _mount_tmpfs(dev, 1, "755")
+    for name in ("null", "zero", "full", "random", "urandom"):
+        open(f"{dev}/{name}", "w").close()
+        _mount(f"/dev/{name}", f"{dev}/{name}", None, _MS_BIND)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"{dev}/{name}")
+    os.mkdir(f"{dev}/shm")
+    _mount_tmpfs(f"{dev}/shm", tmpfs_mb)
+    _mount(None, dev, None, _MS_REMOUNT | _MS_RDONLY, "size=1m,mode=755")
 
 
 def _enter_new_root(tmpfs_mb: int) -> None:
@@ -127,16 +154,17 @@ def _enter_new_root(tmpfs_mb: int) -> None:
     for path in needed:
         if not path.startswith(("/usr/", "/etc/")):
             _bind_readonly(path, new + path)
-    os.makedirs(new + "/dev", exist_ok=True)
-    _mount("/dev", new + "/dev", None, _MS_BIND | _MS_REC)
+    _minimal_dev(new + "/dev", tmpfs_mb)
     os.makedirs(new + "/proc")
     _mount("proc", new + "/proc", "proc", 0, None)  # this PID namespace's processes only
     os.makedirs(new + "/tmp")
     _mount_tmpfs(new + "/tmp", tmpfs_mb)
     os.chroot(new)
+    os.chdir("/")
 
 
-_MS_RDONLY, _MS_REMOUNT, _MS_BIND, _MS_MOVE, _MS_REC = 1, 32, 4096, 8192, 16384
+_MS_RDONLY, _MS_REMOUNT, _MS_BIND, _MS_REC = 1, 32, 4096, 16384
+_MS_KEPT = 2 | 4 | 8 | 1024 | 2048  # nosuid, nodev, noexec, noatime, nodiratime
 
 
 def _cage(limits: dict) -> None:
@@ -144,29 +172,62 @@ def _cage(limits: dict) -> None:
         if os.path.isdir(target):
             _mount_tmpfs(target, limits["tmpfs_mb"])
     _enter_new_root(limits["tmpfs_mb"])
+    own_uid = limits["drop"] == "uid"
     os.mkdir("/tmp/work", 0o700)
-    os.chown("/tmp/work", limits["uid"], limits["uid"])
+    if own_uid:
+        os.chown("/tmp/work", limits["uid"], limits["uid"])
+    _mount(None, "/", None, _MS_REMOUNT | _MS_RDONLY, "mode=755")  # the new root itself
     os.chdir("/tmp/work")
+    _set_limits(limits, processes=True)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+    if own_uid:
+        os.setgroups([])
+        os.setgid(limits["uid"])
+        os.setuid(limits["uid"])
+        if os.getuid() == 0 or os.geteuid() == 0:
+            raise OSError("could not drop root")
+    else:
+        _drop_capabilities(libc)
+    os.environ["HOME"] = "/tmp/work"
+
+
+def _set_limits(limits: dict, processes: bool) -> None:
     mb = 1024 * 1024
     for which, value in (
         (resource.RLIMIT_AS, limits["memory_mb"] * mb),
         (resource.RLIMIT_FSIZE, limits["file_mb"] * mb),
-        (resource.RLIMIT_NPROC, limits["processes"]),
         (resource.RLIMIT_NOFILE, 64),
         (resource.RLIMIT_CORE, 0),
+        *([(resource.RLIMIT_NPROC, limits["processes"])] if processes else []),
     ):
         resource.setrlimit(which, (value, value))
     cpu = max(1, int(limits["cpu_s"] + 0.999))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU, then SIGKILL
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
-    os.setgroups([])
-    os.setgid(limits["uid"])
-    os.setuid(limits["uid"])
-    if os.getuid() == 0 or os.geteuid() == 0:
-        raise OSError("could not drop root")
-    os.environ["HOME"] = "/tmp/work"
+
+
+def _drop_capabilities(libc) -> None:
+    """Root of a user namespace gives up every capability for good: the bounding and ambient
+    sets emptied, the secure bits that stop uid 0 from regaining them at ``exec`` set and
+    locked, then the effective, permitted and inheritable sets cleared."""
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        last = int(f.read())
+    for cap in range(last + 1):
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), f"prctl(PR_CAPBSET_DROP, {cap})")
+    if libc.prctl(47, 4, 0, 0, 0) != 0:  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
+        raise OSError(ctypes.get_errno(), "prctl(PR_CAP_AMBIENT_CLEAR_ALL)")
+    # NOROOT, NO_SETUID_FIXUP, KEEP_CAPS (off), NO_CAP_AMBIENT_RAISE: each set and locked
+    if libc.prctl(28, 0b11101111, 0, 0, 0) != 0:  # PR_SET_SECUREBITS
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECUREBITS)")
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
+    if libc.capset(header, (ctypes.c_uint32 * 6)()) != 0:
+        raise OSError(ctypes.get_errno(), "capset")
+    with open("/proc/self/status") as f:
+        held = [line for line in f if line.startswith(("CapEff", "CapPrm", "CapBnd"))]
+    if any(int(line.split()[1], 16) for line in held):
+        raise OSError(f"capabilities remain: {' '.join(held)}")
 
 
 def _audit(event: str, args) -> None:
@@ -270,6 +331,8 @@ def main() -> None:
     try:
         if request["sandboxed"]:
             _cage(request["limits"])
+        else:
+            _set_limits(request["limits"], processes=False)
     except OSError as e:
         reply.write(json.dumps({"setup_error": f"{type(e).__name__}: {e}"}))
         return

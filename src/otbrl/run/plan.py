@@ -37,6 +37,7 @@ from otbrl.rewards import (
     sandbox_problem,
 )
 from otbrl.rewards.reward_model import check_reward_model_dir
+from otbrl.rewards.sandbox import describe as sandbox_describe
 from otbrl.rollout import check_vllm_installed, make_agent
 from otbrl.rollout.server import (
     ServerError,
@@ -148,16 +149,17 @@ def preflight(cfg: Config, spec: RunSpec, *, train: bool = True) -> Plan:
             raise ConfigError(f"'rollout.name': {err}", "rollout.name") from None
         _check_vllm_serves(cfg)
     train_rows, val_rows = load_rows(cfg, train=train)
+    sandbox_notes: list[str] = []
     if reward_fn is None:
         _check_rewards_resolvable(train_rows + val_rows)
-        _check_reward_backends(cfg, train_rows + val_rows)
+        sandbox_notes = _check_reward_backends(cfg, train_rows + val_rows)
     if tools:
         check_row_tools(train_rows + val_rows, tools)
     train_rows, longest, notes = check_prompt_lengths(cfg, train_rows, tokenizer, tools, "train")
     val_rows, longest_val, val_notes = check_prompt_lengths(cfg, val_rows, tokenizer, tools, "val")
     check_context(cfg, max(longest, longest_val))
     check_token_budgets(cfg, max(longest, longest_val) + cfg.rollout.max_new_tokens)
-    notes = [*notes, *check_model_settings(cfg, spec.dims)]
+    notes = [*notes, *sandbox_notes, *check_model_settings(cfg, spec.dims)]
     if train and spec.use_teacher:  # otbrl eval of a distilled run needs no teacher
         context = max(longest, longest_val) + cfg.rollout.max_new_tokens
         notes += check_teacher(cfg, tokenizer, context, spec.dims)
@@ -201,19 +203,29 @@ def _check_rewards_resolvable(rows: list[dict]) -> None:
     )
 
 
-def _check_reward_backends(cfg: Config, rows: list[dict]) -> None:
+def _check_reward_backends(cfg: Config, rows: list[dict]) -> list[str]:
     """What the rows' built-in rewards need is there: the sandbox for code rows (or
-    ``reward.code.allow_unsandboxed``), ``math-verify`` for ``reward.math_backend``."""
+    ``reward.code.allow_unsandboxed``), ``math-verify`` for ``reward.math_backend``. Returns
+    the start-up note on how model-written code is isolated (a warning when it is not)."""
     code_rows = sum(row["data_source"] in CODE_SOURCES for row in rows)
-    if code_rows and not cfg.reward.code.allow_unsandboxed:
+    notes = []
+    if code_rows:
         problem = sandbox_problem()
-        if problem is not None:
+        if problem is not None and not cfg.reward.code.allow_unsandboxed:
             raise ConfigError(
                 f"'reward.code.allow_unsandboxed': {code_rows} rows are scored by running "
                 f"model-written code, and it cannot be sandboxed here: {problem}; set "
                 "reward.code.allow_unsandboxed=true to run it without the sandbox",
                 "reward.code.allow_unsandboxed",
             )
+        if problem is not None:
+            notes.append(
+                f"WARNING: model-written code of {code_rows} rows runs UNSANDBOXED "
+                "(reward.code.allow_unsandboxed=true) as this user, with the host's network "
+                f"and files; only time, memory, CPU and file-size limits apply ({problem})"
+            )
+        else:
+            notes.append(f"model-written code of {code_rows} rows: {sandbox_describe()}")
     if cfg.reward.math_backend == "math_verify":
         try:
             import math_verify  # noqa: F401
@@ -223,6 +235,7 @@ def _check_reward_backends(cfg: Config, rows: list[dict]) -> None:
                 "installed: pip install 'otbrl[rewards]'",
                 "reward.math_backend",
             ) from None
+    return notes
 
 
 def check_tools(cfg: Config, tokenizer):
