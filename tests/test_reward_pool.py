@@ -1,6 +1,7 @@
 """Scoring in worker processes equals scoring in the trainer's, and it overlaps with the
 caller's work; batched reward functions."""
 
+import os
 import time
 
 import pytest
@@ -153,3 +154,28 @@ def test_config_keys_are_checked():
     with pytest.raises(ConfigError, match=r"'reward\.workers' must be >= 0"):
         load_config(None, ["reward.workers=-1"])
     assert load_config(None, ["reward.workers=2"]).reward.workers == 2
+
+
+def test_an_edit_to_the_reward_file_mid_run_never_changes_the_reward(tmp_path):
+    """Finding 9: a worker keeps the reward file it loaded; a worker that loads it after an
+    edit fails with the file's name (it had re-imported the edited file on a new mtime)."""
+    path = tmp_path / "reward.py"
+    path.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                    "    return 1.0\n")
+    rows = [_row("mine", "x")] * 2
+    pool = RewardPool(RewardConfig(workers=1, function=f"{path}:score"))
+    try:
+        assert pool.submit(["a", "b"], rows).result()[0] == [1.0, 1.0]
+        path.write_text(path.read_text().replace("1.0", "0.0"))
+        os.utime(path, (time.time() + 5, time.time() + 5))  # a new mtime for sure
+        assert pool.submit(["a", "b"], rows).result()[0] == [1.0, 1.0]  # as it started
+    finally:
+        pool.close()
+    path.write_text(path.read_text().replace("0.0", "1.0"))
+    pool = RewardPool(RewardConfig(workers=1, function=f"{path}:score"))
+    try:
+        path.write_text(path.read_text().replace("1.0", "0.5"))  # before any worker loaded it
+        with pytest.raises(ValueError, match=r"reward\.function: .*reward\.py changed since"):
+            pool.submit(["a"], rows[:1]).result()
+    finally:
+        pool.close()

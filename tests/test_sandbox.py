@@ -265,6 +265,7 @@ def _run_as_unprivileged(tmp_path: Path) -> None:
         "test_limits_hold_over_the_whole_run",
         "test_a_forged_reply_is_the_samples_failure_never_the_runs",
         "test_a_user_namespace_is_what_a_normal_user_gets",
+        "test_a_child_that_leaves_the_session_still_ends_with_the_run",
     ]
     pytest_args = [
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
@@ -297,3 +298,36 @@ def test_a_user_namespace_is_what_a_normal_user_gets():
     one (not the unsandboxed fallback); as root here, the root one."""
     expected = os.environ.get("OTBRL_EXPECT_SANDBOX", "root" if os.geteuid() == 0 else "userns")
     assert mode() == expected and sandbox_problem() is None
+
+
+def test_a_child_that_leaves_the_session_still_ends_with_the_run():
+    """Finding 3: a child that calls ``setsid()`` escapes a process-group kill, not the PID
+    namespace: it is gone when the run returns."""
+    program = """
+import ctypes, time
+libc = ctypes.CDLL(None)
+if libc.fork() == 0:
+    libc.setsid()
+    time.sleep(120)
+print(3)
+"""
+    run = run_program(program, [""], config=LIMITS)
+    assert run.cases == [{"status": "ok", "output": "3\n"}], run
+    assert not _leftover_processes()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root")
+def test_root_without_cap_sys_admin_gets_the_user_namespace():
+    """Finding 3: root in a default container (no ``CAP_SYS_ADMIN``) cannot make the
+    namespaces itself; it gets the user-namespace sandbox, not a refusal."""
+    probe = (
+        "from otbrl.rewards import sandbox as s; from otbrl.rewards.sandbox import SandboxConfig;"
+        "r = s.run_program('print(7)', [''], config=SandboxConfig(wall_s=5)); "
+        "print(s.mode(), r.cases[0]['output'].strip())"
+    )
+    done = subprocess.run(
+        ["setpriv", "--bounding-set", "-sys_admin", "--inh-caps", "-sys_admin",
+         sys.executable, "-c", probe],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.stdout.split() == ["userns", "7"], done.stdout + done.stderr

@@ -6,20 +6,58 @@ chunk per worker and returns at once; ``Pending.result()`` waits and gives what
 ``score_responses`` would have given in this process. Workers are spawned (not forked: the
 trainer holds threads and, on a GPU, a CUDA context), start once per run and load a user's
 reward file once each; ``reward.function`` therefore travels as its spec
-(``path/file.py:fn``), not as a function object.
+(``path/file.py:fn``), not as a function object, with the file's SHA-256 taken when the pool
+starts: a worker loads the file only if it is still that file (an edit made mid-run is an
+error naming it, never a reward that silently changes) and keeps what it loaded for the rest of
+the run, as the trainer keeps the function it loaded at the start.
 """
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
+from pathlib import Path
 
 from otbrl.errors import ConfigError
 from otbrl.rewards.config import RewardConfig
-from otbrl.rewards.scoring import score_each, summarize
+from otbrl.rewards.scoring import BUILTIN_REWARDS, resolve_reward_function, score_each, summarize
 from otbrl.settings import check_settings
+
+
+def _user_file(spec) -> Path | None:
+    """The resolved file of a ``path/file.py:fn`` spec (None: a built-in or no function)."""
+    if not isinstance(spec, str) or spec in BUILTIN_REWARDS or ":" not in spec:
+        return None
+    return Path(spec.rpartition(":")[0]).expanduser().resolve()
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+_LOADED: dict[tuple[str, str], Callable] = {}  # in a worker: (spec, SHA-256) -> function
+
+
+def _score_chunk(responses, rows, *, offset: int, pins: dict[str, str], **options):
+    """``score_each`` in a worker, with a user's reward file loaded once and only as it was
+    when the pool started (``pins``: resolved path -> SHA-256)."""
+    spec, file = options["function"], _user_file(options["function"])
+    if file is not None and str(file) in pins:
+        key = (spec, pins[str(file)])
+        if key not in _LOADED:
+            now = _sha256(file)
+            if now != pins[str(file)]:
+                raise ValueError(
+                    f"reward.function: {file} changed since the run started (SHA-256 "
+                    f"{pins[str(file)][:12]}… then, {now[:12]}… now); the run scores with the "
+                    "file it started with: restore it, or stop and resume the run to use the edit"
+                )
+            _LOADED[key] = resolve_reward_function(spec)
+        options["function"] = _LOADED[key]
+    return score_each(responses, rows, offset=offset, **options)
 
 
 class Pending:
@@ -57,6 +95,8 @@ class RewardPool:
             )
         self.workers = settings.workers
         self.options = settings.scoring_options()
+        file = _user_file(self.options["function"])
+        self._pins = {str(file): _sha256(file)} if file is not None and file.is_file() else {}
         context = multiprocessing.get_context("spawn")
         self._executor = ProcessPoolExecutor(max_workers=self.workers, mp_context=context)
 
@@ -68,10 +108,11 @@ class RewardPool:
         size = max(1, -(-len(responses) // self.workers))  # ceil: at most one chunk per worker
         futures = [
             self._executor.submit(
-                score_each,
+                _score_chunk,
                 list(responses[i : i + size]),
                 list(rows[i : i + size]),
                 offset=i,
+                pins=self._pins,
                 **self.options,
             )
             for i in range(0, len(responses), size)
