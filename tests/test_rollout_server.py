@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import signal
 import threading
 import time
@@ -180,6 +181,27 @@ def test_every_route_asks_for_the_run_secret(vllm_server, monkeypatch, capsys):
     assert f"{TOKEN_ENV} is not set" in capsys.readouterr().err
 
 
+def test_a_started_server_has_no_port_to_take(vllm_server):
+    """Finding 1: a server otbrl starts listens on a Unix socket in a directory only this user
+    may enter (no TCP port is picked and then bound: no window for another process to take it);
+    another user cannot even connect."""
+    import shutil
+    import stat
+    import subprocess
+
+    _, backend = vllm_server
+    server = backend.servers[0]
+    assert server.url.startswith("http+unix://") and server.socket_path.is_socket()
+    folder = server.socket_path.parent.stat()
+    assert stat.S_IMODE(folder.st_mode) == 0o700 and folder.st_uid == os.geteuid()
+    if os.geteuid() == 0 and shutil.which("setpriv"):  # connecting needs to enter the folder
+        other = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "ls",
+             str(server.socket_path)], capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert other.returncode != 0 and "Permission denied" in other.stderr, other
+
+
 def test_head_dim_16_is_one_line_before_any_model_loads(tmp_path, capsys, monkeypatch):
     path = build_tiny_model(tmp_path / "m16", hidden_size=64, num_attention_heads=4,
                             num_key_value_heads=4, num_hidden_layers=1)  # fmt: skip
@@ -313,7 +335,7 @@ def test_weights_over_http_with_no_shared_directory(vllm_server, model, monkeypa
         good = backend._manifest
         bad = [{**good[0], "sha256": "0" * 64}, *good[1:]]
         monkeypatch.setattr(server_mod, "write_buckets", lambda *a, **k: bad)
-        with pytest.raises(ServerError, match=rf"{url}.*failed twice.*not the one the trainer"):
+        with pytest.raises(ServerError, match=rf"{re.escape(url)}.*failed twice.*not the one the trainer"):
             backend.sync_weights(model.named_parameters())
         monkeypatch.undo()
         # the trainer's WeightServer: a bucket for the run's token only, nothing but buckets
@@ -334,7 +356,7 @@ def test_weights_over_http_with_no_shared_directory(vllm_server, model, monkeypa
         backend.sync_weights(model.named_parameters())
         assert _mismatch(backend, model, _params(4))[0] <= TOL
         ws.close()  # the connection to the trainer drops: an error naming the server
-        with pytest.raises(ServerError, match=rf"{url}.*failed twice.*(refused|URLError)"):
+        with pytest.raises(ServerError, match=rf"{re.escape(url)}.*failed twice.*(refused|URLError)"):
             backend.sync_weights(model.named_parameters())
     finally:
         backend.close()

@@ -83,11 +83,15 @@ class ServerConfig:
     bucket_mb: float = setting(64.0, gt=0)
 
     def check(self, at: str) -> None:
-        """Each url an http(s) url."""
+        """Each url an http(s) url, or ``http+unix://`` and a percent-encoded socket path."""
         for i, url in enumerate(self.urls):
-            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            if not isinstance(url, str) or not url.startswith(
+                ("http://", "https://", "http+unix://")
+            ):
                 raise ConfigError(
-                    f"'{at}urls[{i}]' must be an http:// url, got {url!r}", f"{at}urls"
+                    f"'{at}urls[{i}]' must be an http:// url (or http+unix://%2Fpath%2Fto.sock "
+                    f"for a server's Unix socket), got {url!r}",
+                    f"{at}urls",
                 )
 
 

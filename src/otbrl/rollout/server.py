@@ -426,7 +426,7 @@ class ServerRollout:
         """Stop the servers otbrl started and remove its weight buckets (idempotent)."""
         for server in self.servers:
             if server.owned:
-                server.stop()
+                server.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._weight_server is not None:
             self._weight_server.close()

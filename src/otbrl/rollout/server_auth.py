@@ -6,8 +6,9 @@ port load other weights, write files as the server's user or stop the policy. So
 runs with ``--middleware otbrl.rollout.server_auth.require_token`` and the run's secret in
 ``OTBRL_SERVER_TOKEN``: a request without ``Authorization: Bearer <secret>`` gets 401, whatever
 its route. ``GET /otbrl/identity?nonce=N`` answers HMAC-SHA256(secret, N): the trainer checks
-it before it trusts a server, so a process that took the port first (between ``free_port``
-and the server's bind) is found out instead of served the run's weights and prompts.
+it before it trusts a server, so a process that took a user's server's port first, or a server
+of another run, is found out instead of served the run's weights and prompts (the servers otbrl
+starts listen on Unix sockets in a private directory: nobody can take their place).
 
 This module is imported inside the vLLM server process: only the standard library at import
 time (``fastapi``'s response class is vLLM's own dependency, imported on the first request).

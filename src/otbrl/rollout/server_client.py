@@ -1,17 +1,26 @@
 """HTTP to a vLLM OpenAI server: JSON in and out with a timeout on every call, the one-line
 ``ServerError``, and the check that a user's url answers and serves the policy.
 
+A url is ``http(s)://host:port`` or ``http+unix://<socket path, percent-encoded>`` (a server
+listening on a Unix socket, vLLM's ``--uds``: what otbrl starts on one host — no port to race
+for, and only users who may enter the socket's directory can connect); ``unix_url(path)``
+makes one.
+
 Retries are the caller's (``ServerRollout``): whether a failed call is retried depends on
 whether the server can be restarted.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import secrets
+import socket
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Mapping
+from pathlib import Path
 
 from otbrl.rollout.server_auth import IDENTITY_PATH, bearer, proof
 
@@ -19,6 +28,48 @@ from otbrl.rollout.server_auth import IDENTITY_PATH, bearer, proof
 class ServerError(RuntimeError):
     """A vLLM server failed (did not start, died past its restarts, or answered wrongly); the
     message is one line naming the server."""
+
+
+UNIX_SCHEME = "http+unix://"
+
+
+def unix_url(path: str | Path) -> str:
+    """The url of a server listening on the Unix socket ``path``."""
+    return UNIX_SCHEME + urllib.parse.quote(str(path), safe="")
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, socket_path: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = socket_path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.timeout)
+            sock.connect(self.socket_path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def _unix_request(url: str, data, method: str, headers: dict, timeout: float) -> bytes:
+    """One request to a ``http+unix://`` url: the body, or ``ServerError`` on an error status
+    (as ``urllib`` would raise ``HTTPError``)."""
+    rest = url[len(UNIX_SCHEME):]
+    quoted, slash, path = rest.partition("/")
+    connection = _UnixConnection(urllib.parse.unquote(quoted), timeout)
+    try:
+        connection.request(method, slash + path, body=data, headers=headers)
+        response = connection.getresponse()
+        raw = response.read()
+    finally:
+        connection.close()
+    if response.status >= 400:
+        detail = raw.decode(errors="replace")[:300].replace("\n", " ")
+        raise ServerError(f"{url}: HTTP {response.status}: {detail}")
+    return raw
 
 
 def request_json(
@@ -34,11 +85,13 @@ def request_json(
     the server's secret, sent as a bearer token. Raises ``urllib.error.URLError`` /
     ``OSError`` / ``TimeoutError`` on failure, ``ServerError`` on an HTTP error status."""
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(
-        url, data=data, method=method or ("GET" if body is None else "POST")
-    )
-    request.add_header("Content-Type", "application/json")
-    for key, value in {**(headers or {}), **bearer(token)}.items():
+    method = method or ("GET" if body is None else "POST")
+    all_headers = {"Content-Type": "application/json", **(headers or {}), **bearer(token)}
+    if url.startswith(UNIX_SCHEME):
+        raw = _unix_request(url, data, method, all_headers, timeout)
+        return json.loads(raw) if raw else None
+    request = urllib.request.Request(url, data=data, method=method)
+    for key, value in all_headers.items():
         request.add_header(key, value)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:

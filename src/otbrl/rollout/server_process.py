@@ -1,6 +1,11 @@
 """The vLLM servers otbrl starts itself (``rollout.mode=server`` without ``urls``): the command
-line, a free loopback port each, one process each (start, alive, stop, its log's last error),
-and the wait until it answers.
+line, a Unix socket each, one process each (start, alive, stop, its log's last error), and the
+wait until it answers.
+
+- Each listens on a Unix socket (vLLM's ``--uds``) in a directory only this user may enter
+  (``mkdtemp``: made atomically, mode 0700), not on a TCP port: there is no port to pick and
+  then bind, so no window in which another process can take it, and other users of the host
+  cannot connect at all (every route also asks for the secret: ``server_auth``).
 
 - Start-up: ``python -m vllm.entrypoints.openai.api_server`` (the CPU build's ``vllm`` console
   script fails on a package-name lookup) with ``VLLM_SERVER_DEV_MODE=1`` (the dev endpoints
@@ -26,7 +31,7 @@ from pathlib import Path
 
 from otbrl.children import die_with_parent
 from otbrl.rollout.server_auth import TOKEN_ENV
-from otbrl.rollout.server_client import ServerError, check_identity, request_json
+from otbrl.rollout.server_client import ServerError, check_identity, request_json, unix_url
 from otbrl.rollout.vllm_common import CPU_STEP_TOKENS, check_vllm_installed
 
 WORKER_EXTENSION = "otbrl.rollout.server_worker.WeightLoader"
@@ -42,7 +47,7 @@ def free_port() -> int:
 def server_command(
     model_dir: Path,
     *,
-    port: int,
+    socket_path: Path,
     served_model_name: str,
     dtype: str,
     kv_cache_gib: float,
@@ -50,12 +55,12 @@ def server_command(
     max_model_len: int | None,
     token: str,
 ) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment of one server on ``127.0.0.1:port`` whose every route
-    asks for ``token`` (``otbrl.rollout.server_auth``)."""
+    """The command line and environment of one server on the Unix socket ``socket_path`` whose
+    every route asks for ``token`` (``otbrl.rollout.server_auth``)."""
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--served-model-name", served_model_name,
-        "--dtype", dtype, "--enforce-eager", "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", dtype, "--enforce-eager", "--uds", str(socket_path),
         "--seed", str(seed), "--generation-config", "vllm",
         "--logprobs-mode", "processed_logprobs", "--skip-tokenizer-init",
         "--worker-extension-cls", WORKER_EXTENSION,
@@ -92,9 +97,11 @@ class Server:
         env: dict | None,
         log: Path | None,
         token: str | None = None,
+        socket_path: Path | None = None,
     ):
         self.url, self.command, self.env, self.log = url.rstrip("/"), command, env, log
         self.token = token
+        self.socket_path = socket_path  # a server otbrl started: where it listens
         self.process: subprocess.Popen | None = None
         self.restarts = 0
 
@@ -109,6 +116,9 @@ class Server:
         return self.command is not None
 
     def start(self) -> None:
+        if self.socket_path is not None:  # a restart: the dead server's socket is in the way
+            with contextlib.suppress(FileNotFoundError):
+                self.socket_path.unlink()
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
                 self.command,
@@ -137,6 +147,17 @@ class Server:
                     os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(timeout=15)
         self.process = None
+        if self.socket_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.socket_path.unlink()
+
+    def close(self) -> None:
+        """Stop it for good: its socket's directory goes too once its last server closed
+        (``stop`` keeps it for a restart: a directory made again could be someone else's)."""
+        self.stop()
+        if self.socket_path is not None:
+            with contextlib.suppress(OSError):
+                self.socket_path.parent.rmdir()
 
     def log_tail(self) -> str:
         """The server's last error line, for a one-line message."""
@@ -184,31 +205,35 @@ def start_servers(
     log_dir: str | os.PathLike | None,
     **settings,
 ) -> list[Server]:
-    """``count`` servers on free loopback ports (server i seeded ``seed + i``, its log
+    """``count`` servers on Unix sockets of a private directory (server i seeded ``seed + i``, its log
     ``<log_dir>/server-<i>.log``; None: a fresh temporary directory), started together, each
     answering; ``settings``: the rest of :func:`server_command`'s. On failure the ones started
     are stopped."""
     check_vllm_installed()
     logs = Path(log_dir or tempfile.mkdtemp(prefix="otbrl-servers-"))
     logs.mkdir(parents=True, exist_ok=True)  # a run's <output_dir>/servers is new
+    # short (a socket path has at most 107 bytes), private, made atomically
+    sockets = Path(tempfile.mkdtemp(prefix="otbrl-vllm-"))
     servers: list[Server] = []
     try:
         for i in range(count):
-            port = free_port()
+            socket_path = sockets / f"server-{i}.sock"
             # the run's secret when the user set one (their trainers and tools share it), else
             # a fresh one per server: a log that leaks one opens one server only
             token = os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32)
             command, env = server_command(
-                model_dir, port=port, seed=seed + i, token=token, **settings
+                model_dir, socket_path=socket_path, seed=seed + i, token=token, **settings
             )
-            url = f"http://127.0.0.1:{port}"
-            servers.append(Server(url, command, env, logs / f"server-{i}.log", token))
+            log = logs / f"server-{i}.log"
+            servers.append(Server(unix_url(socket_path), command, env, log, token, socket_path))
         for server in servers:
             server.start()
         for server in servers:
             server.wait_ready(startup_timeout_s, model_dir)
     except BaseException:
         for server in servers:
-            server.stop()
+            server.close()
+        with contextlib.suppress(OSError):
+            sockets.rmdir()
         raise
     return servers
