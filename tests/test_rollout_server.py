@@ -355,6 +355,16 @@ def test_weights_over_http_with_no_shared_directory(vllm_server, model, monkeypa
         assert hashlib.sha256(body).hexdigest() == good[0]["sha256"]
         backend.sync_weights(model.named_parameters())
         assert _mismatch(backend, model, _params(4))[0] <= TOL
+        # finding 1: another run loads its weights into the server between two updates — the
+        # next update says so, naming the server, instead of going on as if it held ours
+        other = {"manifest": backend._manifest, "url": ws.url, "token": ws.token,
+                 "loaded": "run someone-else version 7"}  # fmt: skip
+        rpc = {"method": "otbrl_load_weights", "kwargs": other}
+        started.servers[0].call("/collective_rpc", rpc, timeout=60)
+        with pytest.raises(ServerError, match=rf"{re.escape(url)} no longer holds this run's"):
+            backend.sync_weights(model.named_parameters())
+        backend._loaded.clear()  # (as after a resume: nothing expected) — it heals
+        backend.sync_weights(model.named_parameters())
         ws.close()  # the connection to the trainer drops: an error naming the server
         with pytest.raises(ServerError, match=rf"{re.escape(url)}.*failed twice.*(refused|URLError)"):
             backend.sync_weights(model.named_parameters())

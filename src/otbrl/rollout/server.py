@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import secrets
 import shutil
 import sys
 import threading
@@ -178,6 +179,9 @@ class ServerRollout:
         self._server_lock = threading.RLock()
         self.partial_rollout = partial_rollout
         self._requests = InFlightRequests()  # by X-Request-Id (partial rollouts' versions)
+        # what each server holds of this run ("run <id> version <v>"): checked before updates
+        self._run_id = secrets.token_hex(6)
+        self._loaded: dict[str, str] = {}
         self.servers: list[Server] = []
         try:
             if s.urls:
@@ -346,6 +350,8 @@ class ServerRollout:
         attempts = 0
         while True:
             try:
+                if pause:  # an update, not a restart's reload
+                    self._check_still_loaded(server)
                 keep = pause and self.partial_rollout
                 if keep:  # the kept requests' KV cache is reset below, once the weights are in
                     server.call("/pause?mode=keep&clear_cache=false", {}, timeout=t)
@@ -379,14 +385,19 @@ class ServerRollout:
         worker must report the manifest's tensor count, else a ``ServerError`` naming the
         server (a server that loaded nothing, or other weights, keeps sampling otherwise).
         A failed load is tried once more (it reloads every bucket: safe to repeat)."""
-        expected = sum(entry["tensors"] for entry in self._manifest)
+        # during an update the buckets are the next version; a restart between updates
+        # re-sends the current one
+        version = self.weight_version + (1 if self._updating else 0)
+        loaded = f"run {self._run_id} version {version}"
+        expected = f"{sum(entry['tensors'] for entry in self._manifest)} {loaded}"
         if self._weight_server is None:
             source = {"directory": str(self.weights_dir)}
         else:
             ws = self._weight_server
             source = {"url": ws.url, "token": ws.token, "timeout": self.request_timeout_s}
-        kwargs = {"manifest": self._manifest, **source}
+        kwargs = {"manifest": self._manifest, "loaded": loaded, **source}
         rpc = {"method": "otbrl_load_weights", "kwargs": kwargs}
+        self._loaded.pop(server.url, None)  # a failed load leaves nothing to expect of it
         for attempt in (1, 2):
             try:
                 answer = server.call("/collective_rpc", rpc, timeout=self.request_timeout_s)
@@ -398,11 +409,32 @@ class ServerRollout:
                         f"({self.weight_transport} transport): {err}"
                     ) from None
         counts = (answer or {}).get("results")  # one per worker, as text
-        if not counts or any(str(c) != str(expected) for c in counts):
+        if not counts or any(str(c) != expected for c in counts):
             raise ServerError(
-                f"vLLM server {server.url}: its workers loaded {counts} tensors of the "
-                f"{expected} the trainer sent ({self.weight_transport} transport); its weights "
-                "are not the policy's"
+                f"vLLM server {server.url}: its workers answered {counts} for the update the "
+                f"trainer sent ({expected!r}: tensor count, run, version; "
+                f"{self.weight_transport} transport); its weights are not the policy's"
+            )
+        self._loaded[server.url] = loaded
+
+    def _check_still_loaded(self, server: Server) -> None:
+        """Before an update: the server still holds what this run last loaded into it, else
+        a ``ServerError`` naming it — restarted behind the trainer's back (it samples with the
+        weights it started with) or loaded by another run since; the samples drawn from it
+        since the last update were not this policy's."""
+        before = self._loaded.get(server.url)
+        if before is None:  # nothing of this run's loaded there yet
+            return
+        answer = server.call(
+            "/collective_rpc", {"method": "otbrl_loaded"}, timeout=self.request_timeout_s
+        )
+        held = (answer or {}).get("results") or ["?"]
+        if any(str(h) != before for h in held):
+            raise ServerError(
+                f"vLLM server {server.url} no longer holds this run's weights ({before}; it "
+                f"reports {held}): it was restarted or another run loaded it since the last "
+                "update, so its samples since then were not this policy's — give each run its "
+                "own servers, and resume this one from its last checkpoint"
             )
 
     def _mark_update(self, server: Server) -> None:
