@@ -80,6 +80,12 @@ def test_run_curves_counts_generated_tokens(tmp_path):
     assert tokens_to_target(curve, 0.5) == 120.0
     assert tokens_to_target(curve, 0.4) == 70.0
     assert tokens_to_target(curve, 0.9) == math.inf
+    # for good: a run that touches the target and falls back has not stayed there yet
+    bumpy = {"tokens": [0, 10, 20, 30, 40], "accuracy": [0.1, 0.9, 0.7, 0.9, 0.95]}
+    assert tokens_to_target(bumpy, 0.85) == 10 and tokens_to_target(bumpy, 0.85, stay=True) == 30
+    fell = {"tokens": [0, 10, 20], "accuracy": [0.1, 0.9, 0.7]}
+    assert tokens_to_target(fell, 0.85, stay=True) == math.inf
+    assert tokens_to_target(curve, 0.5, stay=True) == 120.0
 
 
 def test_summary_matches_hand_computation():
@@ -99,8 +105,10 @@ def test_summary_matches_hand_computation():
     assert x["grad_norm_max"] == pytest.approx((3.0 + 6.0) / 2)
     assert x["grad_norm_median"] == pytest.approx((2.0 + 4.0) / 2)
     assert out["Y"]["reached_target"] == 0 and out["Y"]["tokens_to_target_mean"] == math.inf
+    # a stays at 0.6, 0.7 from 100 tokens on; b only reaches 0.5 at its last validation
+    assert x["stayed_at_target"] == 2 and x["tokens_to_stay_mean"] == pytest.approx(150.0)
     table = markdown_table(out, 0.5)
-    assert "| X | 150 ± 71 (2/2)" in table and "not reached (0/1)" in table
+    assert "| X | 150 ± 71 (2/2) | 150 ± 71 (2/2) |" in table and "| Y | never (0/1) |" in table
 
 
 def test_tokens_ratio_against_the_bootstrap_worked_by_hand():
@@ -120,8 +128,10 @@ def test_tokens_ratio_against_the_bootstrap_worked_by_hand():
     assert out["X"]["ci95"] == pytest.approx([1 / 3, 2 / 3]) and out["X"]["censored"] == 0
     # the unreached seed counts with all its tokens (300): a bound, and said so
     assert out["Y"]["value"] == pytest.approx(200 / 300) and out["Y"]["censored"] == 1
-    table = markdown_table(summarize(_with_norms(curves), 0.5), 0.5, out, "B")
-    assert "tokens ÷ B's [95 % CI]" in table and "| 0.50 [0.33, 0.67] |" in table
+    stay = tokens_ratio(curves, "B", 0.5, resamples=4000, stay=True)
+    assert stay["X"]["value"] == pytest.approx(0.5)  # these curves never fall back
+    table = markdown_table(summarize(_with_norms(curves), 0.5), 0.5, out, "B", stay)
+    assert table.count("÷ B's [95 % CI]") == 2 and "| 0.50 [0.33, 0.67] |" in table
     assert "1 unreached seeds counted at their budget" in table
     with pytest.raises(ValueError, match="base: expected one of the arms"):
         tokens_ratio(curves, "Z", 0.5)

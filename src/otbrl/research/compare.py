@@ -297,7 +297,8 @@ def run_compare(
         curves.setdefault(run.label, []).append(run_curves(run.run_dir, run.responses_per_step))
     summary = summarize(curves, target)
     ratios = tokens_ratio(curves, base_label, target) if base_label else None
-    table = markdown_table(summary, target, ratios, base_label)
+    stay_ratios = tokens_ratio(curves, base_label, target, stay=True) if base_label else None
+    table = markdown_table(summary, target, ratios, base_label, stay_ratios)
     seconds = time.perf_counter() - start
     result = {
         "arms": arms,
@@ -313,6 +314,7 @@ def run_compare(
         "summary": summary,
         "base": base_label,
         "tokens_ratio": ratios,
+        "tokens_ratio_stay": stay_ratios,
         "curves": curves,
     }
     out.mkdir(parents=True, exist_ok=True)

@@ -47,11 +47,19 @@ def late_mean(tokens: list[float], accuracy: list[float], fraction: float = 0.25
     return statistics.fmean(late)
 
 
-def tokens_to_target(curve: dict, target: float) -> float:
-    """Generated tokens at the first validation with accuracy ≥ target (inf if never)."""
-    for tokens, acc in zip(curve["tokens"], curve["accuracy"]):
+def tokens_to_target(curve: dict, target: float, *, stay: bool = False) -> float:
+    """Generated tokens at the first validation with accuracy ≥ target (inf if never);
+    ``stay``: at the first validation from which every later one is ≥ target too (a run that
+    touches the target and falls back has not reached it yet)."""
+    tokens, accuracy = curve["tokens"], curve["accuracy"]
+    if stay:
+        start = len(accuracy)
+        while start > 0 and accuracy[start - 1] >= target:
+            start -= 1
+        return tokens[start] if start < len(accuracy) else math.inf
+    for spent, acc in zip(tokens, accuracy):
         if acc >= target:
-            return tokens
+            return spent
     return math.inf
 
 
@@ -63,12 +71,15 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def summarize(curves: dict[str, list[dict]], target: float) -> dict[str, dict]:
-    """Per arm over its seeds: tokens to target (mean ± std over the seeds that reached it, and
-    how many did), final accuracy mean ± std, mean over seeds of the max and median grad norm."""
+    """Per arm over its seeds: tokens to target, first reached and for good (``stay``; mean ±
+    std over the seeds that got there, and how many did), final accuracy mean ± std, mean over
+    seeds of the max and median grad norm."""
     out = {}
     for label, runs in curves.items():
         reach = [tokens_to_target(c, target) for c in runs]
         t_mean, t_std = _mean_std(reach)
+        stays = [tokens_to_target(c, target, stay=True) for c in runs]
+        s_mean, s_std = _mean_std(stays)
         finals = [c["final_accuracy"] for c in runs]
         lates = [c.get("late_accuracy", c["final_accuracy"]) for c in runs]
         out[label] = {
@@ -76,6 +87,9 @@ def summarize(curves: dict[str, list[dict]], target: float) -> dict[str, dict]:
             "reached_target": sum(math.isfinite(t) for t in reach),
             "tokens_to_target_mean": t_mean,
             "tokens_to_target_std": t_std,
+            "stayed_at_target": sum(math.isfinite(t) for t in stays),
+            "tokens_to_stay_mean": s_mean,
+            "tokens_to_stay_std": s_std,
             "final_accuracy_mean": statistics.fmean(finals),
             "final_accuracy_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
             "late_accuracy_mean": statistics.fmean(lates),
@@ -93,8 +107,10 @@ def tokens_ratio(
     *,
     resamples: int = 10_000,
     seed: int = 0,
+    stay: bool = False,
 ) -> dict[str, dict]:
-    """Per arm: mean tokens to ``target`` over its seeds divided by the ``base`` arm's, with a
+    """Per arm: mean tokens to ``target`` (``stay``: to stay at it, ``tokens_to_target``) over
+    its seeds divided by the ``base`` arm's, with a
     95 % percentile bootstrap interval (each arm's seeds resampled on their own: runs of
     different arms share nothing but the warm start, so there is no pairing to keep).
 
@@ -109,7 +125,7 @@ def tokens_ratio(
         raise ValueError(f"base: expected one of the arms {sorted(curves)}, got {base!r}")
 
     def spent(curve: dict) -> tuple[float, bool]:
-        reached = tokens_to_target(curve, target)
+        reached = tokens_to_target(curve, target, stay=stay)
         if math.isfinite(reached):
             return reached, False
         return (curve["tokens"][-1] if curve["tokens"] else math.nan), True
@@ -133,32 +149,41 @@ def tokens_ratio(
 
 
 def markdown_table(
-    summary: dict[str, dict], target: float, ratios: dict[str, dict] | None = None, base=None
+    summary: dict[str, dict],
+    target: float,
+    ratios: dict[str, dict] | None = None,
+    base=None,
+    stay_ratios: dict[str, dict] | None = None,
 ) -> str:
-    """The comparison as a markdown table; with ``ratios`` (``tokens_ratio``) a column of each
-    arm's tokens to target relative to the ``base`` arm, with its 95 % interval."""
-    ratio_head = f" tokens ÷ {base}'s [95 % CI] |" if ratios else ""
+    """The comparison as a markdown table: tokens to ``target`` first reached and for good
+    (every later validation ≥ target); with ``ratios`` / ``stay_ratios`` (``tokens_ratio``)
+    each relative to the ``base`` arm, with its 95 % interval."""
+
+    def tokens(mean, std, count, seeds):
+        shown = f"{mean:,.0f} ± {std:,.0f}" if count else "never"
+        return f"{shown} ({count}/{seeds})"
+
+    def ratio(r):
+        bound = f" ({r['censored']} unreached seeds counted at their budget)" if r["censored"] else ""
+        return f" {r['value']:.2f} [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]{bound} |"
+
+    first_head = f" ÷ {base}'s [95 % CI] |" if ratios else ""
+    stay_head = f" ÷ {base}'s [95 % CI] |" if stay_ratios else ""
     lines = [
-        f"| arm | tokens to acc ≥ {target:g} (mean ± std, reached) |{ratio_head} final acc "
-        "(mean ± std) | acc over the last 25 % (mean ± std) | max grad norm | median grad norm |",
-        "|---|---|" + ("---|" if ratios else "") + "---|---|---|---|",
+        f"| arm | tokens to acc ≥ {target:g} (mean ± std, reached) |{first_head} tokens to "
+        f"stay ≥ {target:g} |{stay_head} final acc (mean ± std) | acc over the last 25 % "
+        "(mean ± std) | max grad norm | median grad norm |",
+        "|---|---|" + ("---|" if ratios else "") + "---|" + ("---|" if stay_ratios else "")
+        + "---|---|---|---|",
     ]
     for label, s in summary.items():
-        if s["reached_target"]:
-            reach = f"{s['tokens_to_target_mean']:,.0f} ± {s['tokens_to_target_std']:,.0f}"
-        else:
-            reach = "not reached"
-        ratio = ""
-        if ratios:
-            r = ratios[label]
-            bound = (
-                f" ({r['censored']} unreached seeds counted at their budget)"
-                if r["censored"]
-                else ""
-            )
-            ratio = f" {r['value']:.2f} [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]{bound} |"
+        first = tokens(s["tokens_to_target_mean"], s["tokens_to_target_std"],
+                       s["reached_target"], s["seeds"])  # fmt: skip
+        stay = tokens(s["tokens_to_stay_mean"], s["tokens_to_stay_std"],
+                      s["stayed_at_target"], s["seeds"])  # fmt: skip
         lines.append(
-            f"| {label} | {reach} ({s['reached_target']}/{s['seeds']}) |{ratio}"
+            f"| {label} | {first} |{ratio(ratios[label]) if ratios else ''} {stay} |"
+            f"{ratio(stay_ratios[label]) if stay_ratios else ''}"
             f" {s['final_accuracy_mean']:.3f} ± {s['final_accuracy_std']:.3f} "
             f"| {s['late_accuracy_mean']:.3f} ± {s['late_accuracy_std']:.3f} "
             f"| {s['grad_norm_max']:.3g} | {s['grad_norm_median']:.3g} |"
