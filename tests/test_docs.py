@@ -131,7 +131,7 @@ def _check(command: str, rest: list[str], world_size: int = 1) -> None:
     if command == "compare":
         from otbrl.research.compare import build_parser
 
-        ns = build_parser().parse_args(rest)
+        ns = build_parser().parse_intermixed_args(rest)  # as compare.main parses
     else:
         ns = cli._build_parser().parse_args([command, *rest])
     plan_run(load_config(ns.config, ns.overrides), world_size=world_size)

@@ -160,8 +160,9 @@ def test_an_edit_to_the_reward_file_mid_run_never_changes_the_reward(tmp_path):
     """Finding 9: a worker keeps the reward file it loaded; a worker that loads it after an
     edit fails with the file's name (it had re-imported the edited file on a new mtime)."""
     path = tmp_path / "reward.py"
-    path.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                    "    return 1.0\n")
+    path.write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
+    )
     rows = [_row("mine", "x")] * 2
     pool = RewardPool(RewardConfig(workers=1, function=f"{path}:score"))
     try:

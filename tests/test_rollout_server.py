@@ -335,7 +335,9 @@ def test_weights_over_http_with_no_shared_directory(vllm_server, model, monkeypa
         good = backend._manifest
         bad = [{**good[0], "sha256": "0" * 64}, *good[1:]]
         monkeypatch.setattr(server_mod, "write_buckets", lambda *a, **k: bad)
-        with pytest.raises(ServerError, match=rf"{re.escape(url)}.*failed twice.*not the one the trainer"):
+        with pytest.raises(
+            ServerError, match=rf"{re.escape(url)}.*failed twice.*not the one the trainer"
+        ):
             backend.sync_weights(model.named_parameters())
         monkeypatch.undo()
         # the trainer's WeightServer: a bucket for the run's token only, nothing but buckets
@@ -366,7 +368,9 @@ def test_weights_over_http_with_no_shared_directory(vllm_server, model, monkeypa
         backend._loaded.clear()  # (as after a resume: nothing expected) — it heals
         backend.sync_weights(model.named_parameters())
         ws.close()  # the connection to the trainer drops: an error naming the server
-        with pytest.raises(ServerError, match=rf"{re.escape(url)}.*failed twice.*(refused|URLError)"):
+        with pytest.raises(
+            ServerError, match=rf"{re.escape(url)}.*failed twice.*(refused|URLError)"
+        ):
             backend.sync_weights(model.named_parameters())
     finally:
         backend.close()

@@ -186,7 +186,16 @@ print(os.uname().nodename == socket.gethostname(), open('/dev/null', 'w').write(
     assert made == "True"  # the segments were made, then went with the namespace
     assert Path("/proc/sysvipc/shm").read_text().splitlines()[1:] == before
     assert set(ast.literal_eval(dev)) == {
-        "fd", "full", "null", "random", "shm", "stderr", "stdin", "stdout", "urandom", "zero"
+        "fd",
+        "full",
+        "null",
+        "random",
+        "shm",
+        "stderr",
+        "stdin",
+        "stdout",
+        "urandom",
+        "zero",
     }
 
 
@@ -228,7 +237,9 @@ def test_uid_blocks_are_claimed_never_shared(tmp_path):
         held = int(first.stdout.readline())
         second = subprocess.run(
             [sys.executable, "-c", claim.replace("time.sleep(30)", "pass")],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert held != int(second.stdout) and held == sandbox_mod.FIRST_UID + 7 * 64
     finally:
@@ -236,7 +247,9 @@ def test_uid_blocks_are_claimed_never_shared(tmp_path):
         first.wait()
     again = subprocess.run(
         [sys.executable, "-c", claim.replace("time.sleep(30)", "pass")],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert int(again.stdout) == held  # released with the process that held it
 
@@ -268,12 +281,28 @@ def _run_as_unprivileged(tmp_path: Path) -> None:
         "test_a_child_that_leaves_the_session_still_ends_with_the_run",
     ]
     pytest_args = [
-        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-        f"--basetemp={tmp_path / 'base'}", __file__, "-k", " or ".join(tests),
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:randomly",
+        f"--basetemp={tmp_path / 'base'}",
+        __file__,
+        "-k",
+        " or ".join(tests),
     ]
     drop = [
-        "setpriv", f"--reuid={UNPRIVILEGED}", f"--regid={UNPRIVILEGED}", "--clear-groups",
-        "env", f"HOME={tmp_path}", "PYTHONDONTWRITEBYTECODE=1", "OTBRL_EXPECT_SANDBOX=userns",
+        "setpriv",
+        f"--reuid={UNPRIVILEGED}",
+        f"--regid={UNPRIVILEGED}",
+        "--clear-groups",
+        "env",
+        f"HOME={tmp_path}",
+        "PYTHONDONTWRITEBYTECODE=1",
+        "OTBRL_EXPECT_SANDBOX=userns",
     ]
     home = os.path.expanduser("~")
     if os.path.realpath(sys.base_prefix).startswith(home + "/"):
@@ -283,12 +312,23 @@ def _run_as_unprivileged(tmp_path: Path) -> None:
             f"mkdir {home}/{inner} && mount --bind {tmp_path}/home/{inner} {home}/{inner} && "
         )
         (tmp_path / "home").mkdir()
-        command = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                   mounts + 'exec "$@"', "sh", *drop, *pytest_args]
+        command = [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            mounts + 'exec "$@"',
+            "sh",
+            *drop,
+            *pytest_args,
+        ]
     else:
         command = [*drop, *pytest_args]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).parent.parent)
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent
+    )
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr
     assert "skipped" not in done.stdout.splitlines()[-1], done.stdout[-3000:]
 
@@ -326,8 +366,18 @@ def test_root_without_cap_sys_admin_gets_the_user_namespace():
         "print(s.mode(), r.cases[0]['output'].strip())"
     )
     done = subprocess.run(
-        ["setpriv", "--bounding-set", "-sys_admin", "--inh-caps", "-sys_admin",
-         sys.executable, "-c", probe],
-        capture_output=True, text=True, timeout=60,
+        [
+            "setpriv",
+            "--bounding-set",
+            "-sys_admin",
+            "--inh-caps",
+            "-sys_admin",
+            sys.executable,
+            "-c",
+            probe,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.stdout.split() == ["userns", "7"], done.stdout + done.stderr

@@ -164,7 +164,9 @@ def markdown_table(
         return f"{shown} ({count}/{seeds})"
 
     def ratio(r):
-        bound = f" ({r['censored']} unreached seeds counted at their budget)" if r["censored"] else ""
+        bound = (
+            f" ({r['censored']} unreached seeds counted at their budget)" if r["censored"] else ""
+        )
         return f" {r['value']:.2f} [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]{bound} |"
 
     first_head = f" ÷ {base}'s [95 % CI] |" if ratios else ""
@@ -173,7 +175,10 @@ def markdown_table(
         f"| arm | tokens to acc ≥ {target:g} (mean ± std, reached) |{first_head} tokens to "
         f"stay ≥ {target:g} |{stay_head} final acc (mean ± std) | acc over the last 25 % "
         "(mean ± std) | max grad norm | median grad norm |",
-        "|---|---|" + ("---|" if ratios else "") + "---|" + ("---|" if stay_ratios else "")
+        "|---|---|"
+        + ("---|" if ratios else "")
+        + "---|"
+        + ("---|" if stay_ratios else "")
         + "---|---|---|---|",
     ]
     for label, s in summary.items():

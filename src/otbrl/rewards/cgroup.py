@@ -140,7 +140,7 @@ class RunCgroup:
         hit = []
         memory, pids = self.dirs["memory"], self.dirs["pids"]
         with contextlib.suppress(OSError):
-            events = (memory / ("memory.events" if self.kind == "v2" else "memory.oom_control"))
+            events = memory / ("memory.events" if self.kind == "v2" else "memory.oom_control")
             counts = dict(line.split() for line in events.read_text().splitlines())
             if int(counts.get("oom_kill", 0)) or int(counts.get("oom", 0)):
                 hit.append("memory")

@@ -122,14 +122,24 @@ def _probe() -> tuple[str | None, str | None]:
     tried = []
     for mode in ("root", "userns") if os.geteuid() == 0 else ("userns",):
         config = SandboxConfig(cpu_s=5, wall_s=15, memory_mb=512, max_workers=1)
-        run = _run("print(6 * 7)", [""], None, config, FIRST_UID + BLOCKS * UIDS_PER_PROCESS,
-                   mode, cgroup=False)
+        run = _run(
+            "print(6 * 7)",
+            [""],
+            None,
+            config,
+            FIRST_UID + BLOCKS * UIDS_PER_PROCESS,
+            mode,
+            cgroup=False,
+        )
         if run.cases == [{"status": "ok", "output": "42\n"}]:
             return mode, None
-        tried.append(f"{UNSHARE[mode][1] if mode == 'userns' else 'as root'}: "
-                     f"{run.error or run.cases}"[:240])
+        tried.append(
+            f"{UNSHARE[mode][1] if mode == 'userns' else 'as root'}: {run.error or run.cases}"[:240]
+        )
     hint = (
-        "" if os.geteuid() == 0 else " (unprivileged user namespaces may be disabled: "
+        ""
+        if os.geteuid() == 0
+        else " (unprivileged user namespaces may be disabled: "
         "sysctl user.max_user_namespaces, kernel.apparmor_restrict_unprivileged_userns)"
     )
     return None, f"no namespace could be made ({'; '.join(tried)}){hint}"
@@ -150,13 +160,18 @@ def sandbox_problem() -> str | None:
 
 def describe() -> str:
     """One line: how model code is isolated on this machine (for logs and warnings)."""
-    how = {"root": "namespaces made as root, a uid of its own",
-           "userns": "an unprivileged user namespace, no capabilities"}.get(mode() or "")
+    how = {
+        "root": "namespaces made as root, a uid of its own",
+        "userns": "an unprivileged user namespace, no capabilities",
+    }.get(mode() or "")
     if how is None:
         return f"no sandbox: {sandbox_problem()}"
     caps = tree_caps()
-    tree = (f"memory and processes capped over the tree (cgroup {caps[0]})"
-            if isinstance(caps, tuple) else "memory and processes capped per process")
+    tree = (
+        f"memory and processes capped over the tree (cgroup {caps[0]})"
+        if isinstance(caps, tuple)
+        else "memory and processes capped per process"
+    )
     return f"sandboxed ({how}; {tree})"
 
 
@@ -179,8 +194,12 @@ def _claim_uid_block(start: int) -> int:
     with contextlib.suppress(FileExistsError):
         folder.mkdir(mode=0o700)
     info = os.lstat(folder)
-    if not os.path.isdir(folder) or os.path.islink(folder) or info.st_uid != os.geteuid() \
-            or info.st_mode & 0o077:
+    if (
+        not os.path.isdir(folder)
+        or os.path.islink(folder)
+        or info.st_uid != os.geteuid()
+        or info.st_mode & 0o077
+    ):
         raise SandboxUnavailable(f"{folder} is not a private directory of this user: remove it")
     for i in range(BLOCKS):
         block = (start + i) % BLOCKS
@@ -258,8 +277,11 @@ def _run(
         "limits": limits,
     }
     command = [sys.executable, "-I", str(HARNESS)]
-    tree = RunCgroup(config.memory_mb, config.processes) if (
-        cgroup and how is not None and isinstance(tree_caps(), tuple)) else None
+    tree = (
+        RunCgroup(config.memory_mb, config.processes)
+        if (cgroup and how is not None and isinstance(tree_caps(), tuple))
+        else None
+    )
     parent_death = die_with_parent()
 
     def before_exec():  # in the child: into the run's cgroup, dies with the trainer
@@ -289,9 +311,7 @@ def _run(
                     proc.communicate(json.dumps(request).encode(), timeout=config.wall_s + 1.0)
                 except subprocess.TimeoutExpired:
                     _kill(proc)
-                    return RunResult(
-                        violations=["wall_time"], error="ran past its wall-time limit"
-                    )
+                    return RunResult(violations=["wall_time"], error="ran past its wall-time limit")
             text = reply_path.read_bytes()[: (config.file_mb + 1) * 2**20]
     finally:
         if tree is not None:

@@ -126,8 +126,12 @@ def _minimal_dev(dev: str, tmpfs_mb: int) -> None:
     for name in ("null", "zero", "full", "random", "urandom"):
         open(f"{dev}/{name}", "w").close()
         _mount(f"/dev/{name}", f"{dev}/{name}", None, _MS_BIND)
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
-                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+    for name, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
         os.symlink(target, f"{dev}/{name}")
     os.mkdir(f"{dev}/shm")
     _mount_tmpfs(f"{dev}/shm", tmpfs_mb)

@@ -57,7 +57,7 @@ class _UnixConnection(http.client.HTTPConnection):
 def _unix_request(url: str, data, method: str, headers: dict, timeout: float) -> bytes:
     """One request to a ``http+unix://`` url: the body, or ``ServerError`` on an error status
     (as ``urllib`` would raise ``HTTPError``)."""
-    rest = url[len(UNIX_SCHEME):]
+    rest = url[len(UNIX_SCHEME) :]
     quoted, slash, path = rest.partition("/")
     connection = _UnixConnection(urllib.parse.unquote(quoted), timeout)
     try:

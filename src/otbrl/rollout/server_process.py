@@ -205,9 +205,9 @@ def start_servers(
     log_dir: str | os.PathLike | None,
     **settings,
 ) -> list[Server]:
-    """``count`` servers on Unix sockets of a private directory (server i seeded ``seed + i``, its log
-    ``<log_dir>/server-<i>.log``; None: a fresh temporary directory), started together, each
-    answering; ``settings``: the rest of :func:`server_command`'s. On failure the ones started
+    """``count`` servers on Unix sockets of a private directory (server i seeded ``seed + i``,
+    its log ``<log_dir>/server-<i>.log``; None: a fresh temporary directory), started together,
+    each answering; ``settings``: the rest of :func:`server_command`'s. On failure the ones started
     are stopped."""
     check_vllm_installed()
     logs = Path(log_dir or tempfile.mkdtemp(prefix="otbrl-servers-"))
