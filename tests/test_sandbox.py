@@ -271,6 +271,29 @@ def test_as_an_unprivileged_user():
         shutil.rmtree(tmp_path, ignore_errors=True)
 
 
+def _reveal(paths: list[Path], stash: Path) -> str:
+    """Shell commands that, run as root in a private mount namespace, let other users reach
+    ``paths`` (an interpreter in ``/root/.pyenv``, a clone in a ``mkdtemp`` folder): each
+    ancestor others may not enter is covered by a 0755 tmpfs that holds only the entries on
+    the way, bound from the original. Nothing outside that namespace changes."""
+    ways: dict[Path, set[str]] = {}
+    for path in paths:
+        for parent, child in zip(path.parents, [path, *path.parents]):
+            if not os.stat(parent).st_mode & 0o001:
+                ways.setdefault(parent, set()).add(child.name)
+    lines = []
+    for i, parent in enumerate(sorted(ways, key=lambda p: len(p.parts))):
+        keep = stash / str(i)
+        keep.mkdir(parents=True)
+        lines.append(f"mount --bind '{parent}' '{keep}' && "
+                     f"mount -t tmpfs -o mode=755 tmpfs '{parent}' && ")  # fmt: skip
+        for name in sorted(ways[parent]):
+            lines.append(
+                f"mkdir '{parent}/{name}' && mount --bind '{keep}/{name}' '{parent}/{name}' && "
+            )
+    return "".join(lines)
+
+
 def _run_as_unprivileged(tmp_path: Path) -> None:
     tests = [
         "test_hostile_programs_fail_and_are_counted",
@@ -304,31 +327,12 @@ def _run_as_unprivileged(tmp_path: Path) -> None:
         "PYTHONDONTWRITEBYTECODE=1",
         "OTBRL_EXPECT_SANDBOX=userns",
     ]
-    home = os.path.expanduser("~")
-    if os.path.realpath(sys.base_prefix).startswith(home + "/"):
-        inner = os.path.relpath(os.path.realpath(sys.base_prefix), home).split("/")[0]
-        mounts = (
-            f"mount --bind {home} {tmp_path}/home && mount -t tmpfs -o mode=755 tmpfs {home} && "
-            f"mkdir {home}/{inner} && mount --bind {tmp_path}/home/{inner} {home}/{inner} && "
-        )
-        (tmp_path / "home").mkdir()
-        command = [
-            "unshare",
-            "--mount",
-            "--propagation",
-            "private",
-            "sh",
-            "-c",
-            mounts + 'exec "$@"',
-            "sh",
-            *drop,
-            *pytest_args,
-        ]
-    else:
-        command = [*drop, *pytest_args]
-    done = subprocess.run(
-        command, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent
-    )
+    repo = Path(__file__).resolve().parent.parent
+    needed = [Path(os.path.realpath(sys.base_prefix)), Path(sys.prefix).resolve(), repo]
+    mounts = _reveal(needed, tmp_path / "stash")
+    command = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+               mounts + 'exec "$@"', "sh", *drop, *pytest_args]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=repo)
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr
     assert "skipped" not in done.stdout.splitlines()[-1], done.stdout[-3000:]
 
