@@ -52,7 +52,9 @@ def _mount_points() -> dict[str, str]:
     return out
 
 
-def _can_make_child(base: Path, needs: tuple[str, ...] = ()) -> bool:
+def _can_make_child(base: Path, limits: tuple[str, ...], needs: tuple[str, ...] = ()) -> bool:
+    """A child cgroup can be made under ``base`` with the ``needs`` controllers and its
+    ``limits`` files written (what ``RunCgroup`` does per run), then removed."""
     probe = base / f"otbrl-probe-{os.getpid()}-{next(_COUNTER)}"
     try:
         probe.mkdir()
@@ -61,8 +63,11 @@ def _can_make_child(base: Path, needs: tuple[str, ...] = ()) -> bool:
     try:
         if needs:
             have = (probe / "cgroup.controllers").read_text().split()
-            return all(n in have for n in needs)
-        return all((probe / f).exists() for f in ("cgroup.procs",))
+            if not all(n in have for n in needs):
+                return False
+        for name in limits:
+            (probe / name).write_text("max" if name.endswith(".max") else str(2**40))
+        return True
     except OSError:
         return False
     finally:
@@ -77,11 +82,12 @@ def tree_caps() -> tuple[str, dict[str, Path]] | str:
     own, mounts = _own_cgroups(), _mount_points()
     if "cgroup2" in mounts and "" in own:
         base = Path(mounts["cgroup2"] + own[""])
-        if _can_make_child(base, ("memory", "pids")):
+        if _can_make_child(base, ("memory.max", "pids.max"), ("memory", "pids")):
             return "v2", {"memory": base, "pids": base}
     if "memory" in mounts and "pids" in mounts and "memory" in own and "pids" in own:
         bases = {n: Path(mounts[n] + own[n]) for n in ("memory", "pids")}
-        if all(_can_make_child(b) for b in bases.values()):
+        limits = {"memory": ("memory.limit_in_bytes",), "pids": ("pids.max",)}
+        if all(_can_make_child(b, limits[n]) for n, b in bases.items()):
             return "v1", bases
     return (
         "no cgroup can be made here (cgroup v2 without delegated memory and pids controllers, "
@@ -125,14 +131,16 @@ class RunCgroup:
         self._procs = [str(d / "cgroup.procs") for d in dict.fromkeys(self.dirs.values())]
 
     def enter(self) -> None:
-        """Move the calling process into the cgroup (its children follow it)."""
+        """Move the calling process into the cgroup (its children follow it). Runs between
+        fork and exec: a failure leaves the run with its per-process limits, never fails it."""
         pid = str(os.getpid()).encode()
         for path in self._procs:
-            fd = os.open(path, os.O_WRONLY)
-            try:
-                os.write(fd, pid)
-            finally:
-                os.close(fd)
+            with contextlib.suppress(OSError):
+                fd = os.open(path, os.O_WRONLY)
+                try:
+                    os.write(fd, pid)
+                finally:
+                    os.close(fd)
 
     def close(self) -> list[str]:
         """The caps the run hit, then the cgroup removed (waiting up to 2 s for the killed

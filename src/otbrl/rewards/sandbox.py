@@ -277,11 +277,11 @@ def _run(
         "limits": limits,
     }
     command = [sys.executable, "-I", str(HARNESS)]
-    tree = (
-        RunCgroup(config.memory_mb, config.processes)
-        if (cgroup and how is not None and isinstance(tree_caps(), tuple))
-        else None
-    )
+    tree = None
+    if cgroup and how is not None and isinstance(tree_caps(), tuple):
+        # probed once; a cgroup that cannot be made now leaves the per-process bound
+        with contextlib.suppress(OSError):
+            tree = RunCgroup(config.memory_mb, config.processes)
     parent_death = die_with_parent()
 
     def before_exec():  # in the child: into the run's cgroup, dies with the trainer
