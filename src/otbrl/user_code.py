@@ -17,6 +17,20 @@ from pathlib import Path
 from types import ModuleType
 
 
+def spec_file(spec) -> Path | None:
+    """The resolved ``.py`` file a ``path/to/file.py[:function]`` spec names; None for
+    anything else (a built-in name, no spec). The file need not exist."""
+    if not isinstance(spec, str) or ".py" not in spec:
+        return None
+    file = Path(spec.rsplit(":", 1)[0] if ":" in spec else spec).expanduser()
+    return file.resolve() if file.suffix == ".py" else None
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of the file's bytes, hex: what a run records of a user file it executes."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
 def load_user_function(spec: str, what: str) -> Callable:
     """The callable ``function`` of ``spec = "path/to/file.py:function"``.
 

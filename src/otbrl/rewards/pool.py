@@ -14,29 +14,16 @@ the run, as the trainer keeps the function it loaded at the start.
 
 from __future__ import annotations
 
-import hashlib
 import multiprocessing
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
-from pathlib import Path
 
 from otbrl.errors import ConfigError
 from otbrl.rewards.config import RewardConfig
-from otbrl.rewards.scoring import BUILTIN_REWARDS, resolve_reward_function, score_each, summarize
+from otbrl.rewards.scoring import resolve_reward_function, score_each, summarize
 from otbrl.settings import check_settings
-
-
-def _user_file(spec) -> Path | None:
-    """The resolved file of a ``path/file.py:fn`` spec (None: a built-in or no function)."""
-    if not isinstance(spec, str) or spec in BUILTIN_REWARDS or ":" not in spec:
-        return None
-    return Path(spec.rpartition(":")[0]).expanduser().resolve()
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
+from otbrl.user_code import file_sha256, spec_file
 
 _LOADED: dict[tuple[str, str], Callable] = {}  # in a worker: (spec, SHA-256) -> function
 
@@ -44,11 +31,11 @@ _LOADED: dict[tuple[str, str], Callable] = {}  # in a worker: (spec, SHA-256) ->
 def _score_chunk(responses, rows, *, offset: int, pins: dict[str, str], **options):
     """``score_each`` in a worker, with a user's reward file loaded once and only as it was
     when the pool started (``pins``: resolved path -> SHA-256)."""
-    spec, file = options["function"], _user_file(options["function"])
+    spec, file = options["function"], spec_file(options["function"])
     if file is not None and str(file) in pins:
         key = (spec, pins[str(file)])
         if key not in _LOADED:
-            now = _sha256(file)
+            now = file_sha256(file)
             if now != pins[str(file)]:
                 raise ValueError(
                     f"reward.function: {file} changed since the run started (SHA-256 "
@@ -95,8 +82,8 @@ class RewardPool:
             )
         self.workers = settings.workers
         self.options = settings.scoring_options()
-        file = _user_file(self.options["function"])
-        self._pins = {str(file): _sha256(file)} if file is not None and file.is_file() else {}
+        file = spec_file(self.options["function"])
+        self._pins = {str(file): file_sha256(file)} if file is not None and file.is_file() else {}
         context = multiprocessing.get_context("spawn")
         self._executor = ProcessPoolExecutor(max_workers=self.workers, mp_context=context)
 

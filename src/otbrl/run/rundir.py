@@ -48,6 +48,7 @@ from otbrl.store.files import (
     atomic_write_text,
     lock_file,
 )
+from otbrl.user_code import file_sha256, spec_file
 
 MANIFEST = "run.json"
 LOCK = "run.lock"
@@ -419,14 +420,8 @@ def user_file_hashes(cfg: Config) -> dict[str, str]:
     """SHA-256 of each user code file the run executes (``reward.function`` and
     ``rollout.multi_turn.tools`` given as ``file.py:fn``), by resolved path: what ran, kept
     with the run (the config names a path, whose content may change between starts)."""
-    out = {}
-    for spec in [cfg.reward.function, *cfg.rollout.multi_turn.tools]:
-        if not isinstance(spec, str) or ".py" not in spec:
-            continue
-        file = Path(spec.rsplit(":", 1)[0] if ":" in spec else spec)
-        if file.suffix == ".py" and file.is_file():
-            out[str(file.resolve())] = hashlib.sha256(file.read_bytes()).hexdigest()
-    return out
+    files = (spec_file(spec) for spec in [cfg.reward.function, *cfg.rollout.multi_turn.tools])
+    return {str(file): file_sha256(file) for file in files if file is not None and file.is_file()}
 
 
 def _edited_user_files(path: Path, hashes: dict[str, str]) -> list[str]:
