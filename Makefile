@@ -13,7 +13,7 @@ VERL_VENV ?= .venv-verl
 VERL_PY := $(VERL_VENV)/bin/python
 VERL_STAMP := $(VERL_VENV)/.otbrl-installed
 
-.PHONY: setup setup-verl demo test test-numerics test-verl lint bench clean
+.PHONY: setup setup-verl browser demo test test-numerics test-verl lint bench clean docs docs-serve
 
 setup: $(STAMP)
 
@@ -26,9 +26,9 @@ $(STAMP): pyproject.toml
 	@# a venv whose torch is a CPU build (a GPU machine installs the CUDA vllm itself); then drop
 	@# the CUDA vision/audio wheels it drags in.
 	@if $(PY) -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then \
-		$(PY) -m pip install -q -e ".[dev,trl,vllm]" && \
+		$(PY) -m pip install -q -e ".[dev,docs,trl,vllm]" && \
 		$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec; \
-	else $(PY) -m pip install -q -e ".[dev,trl]"; fi
+	else $(PY) -m pip install -q -e ".[dev,docs,trl]"; fi
 	@touch $@
 
 $(VERL_STAMP): pyproject.toml
@@ -36,6 +36,23 @@ $(VERL_STAMP): pyproject.toml
 	@$(VERL_PY) -c "import torch" 2>/dev/null || $(VERL_PY) -m pip install -q "$(TORCH_CPU)"
 	@$(VERL_PY) -m pip install -q -e ".[dev,verl]"
 	@touch $@
+
+# The browser the docs site test opens the built site in (tests/test_docs_site.py): Debian's
+# chromium where none is installed, when this is root with apt (CI, the dev machines);
+# elsewhere that test skips with the command to run.
+browser:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
+			>/dev/null 2>&1 || echo "browser: apt-get install chromium failed"; \
+	else echo "browser: no chromium (apt-get install chromium): the site's browser test skips"; fi
+
+# The documentation site, as tests/test_docs_site.py builds it: every warning an error.
+docs: $(STAMP)
+	$(PY) -m sphinx -E -W --keep-going -q -b html docs site
+
+docs-serve: docs
+	$(PY) -m http.server --bind 127.0.0.1 --directory site 8000
 
 demo: $(STAMP)
 	$(PY) -m otbrl demo
@@ -51,7 +68,7 @@ TEST_WORKERS ?= 2
 PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile
 
 test:
-	@$(MAKE) --no-print-directory -j2 setup setup-verl
+	@$(MAKE) --no-print-directory -j3 setup setup-verl browser
 	$(PY) -m ruff check .
 	@status=0; \
 	$(PY) -m pytest -q $(PYTEST_PARALLEL) --durations=10 || status=$$?; \

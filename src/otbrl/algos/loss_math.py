@@ -80,6 +80,7 @@ def agg_loss(
     - ``seq-mean-token-sum-norm``: Σ x·m / (horizon · num_seqs) (Dr. GRPO); ``horizon``
       defaults to L: pass the fixed one (the max response length) when micro-batches differ
       in padded length.
+
     ``num_tokens`` / ``num_seqs`` default to this batch's counts (:func:`loss_normalizers`);
     pass the mini-batch's to make micro-batch losses sum to the mini-batch loss.
     """
@@ -120,13 +121,15 @@ def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kind: str = "low_var_kl
     """Per-token KL(π‖π_ref) estimators from sampled-token log-probs, ``[B, L]`` -> ``[B, L]``.
 
     With log r = log_probs − ref_log_probs:
+
     - ``k1`` (alias ``kl``): log r. Unbiased, high variance, can be negative.
-    - ``abs``: |log r|.
+    - ``abs``: ``|log r|``.
     - ``k2`` (alias ``mse``): ½(log r)².
     - ``k3`` (alias ``low_var_kl``): exp(−log r) + log r − 1 ≥ 0, unbiased and low-variance;
       clamped to [−10, 10] (log r clamped to ±20 first) against outliers.
     - ``k1+``, ``kl+``, ``abs+``, ``k3+``, ``low_var_kl+`` (straight-through): the value of the
       estimator without "+", exactly, with the gradient of k2 (log r per unit of log r).
+
     Gradients flow through both inputs as written. Valid names: :data:`KL_KINDS`.
     """
     if kind not in KL_KINDS:
@@ -317,7 +320,7 @@ def entropy_bonus(
 
 def value_token_loss(values, old_values, returns, keep, clip_range) -> tuple[Tensor, Tensor]:
     """Per-token clipped value loss ``[B, L]`` and the tokens whose clipped error is the one
-    used (bool ``[B, L]``). V_clip is V itself wherever |V − V_old| ≤ c, so the clipped error
+    used (bool ``[B, L]``). V_clip is V itself wherever ``|V − V_old| ≤ c``, so the clipped error
     can only be the larger one where the value really was clipped."""
     v = torch.where(keep, values, 0.0)
     err = (v - torch.where(keep, returns, 0.0)).square()
@@ -343,7 +346,7 @@ def value_loss(
     **normalizers,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped critic loss ½·max((V − R)², (V_clip − R)²), V_clip = V_old + clip(V − V_old, ±c)
-    where |V − V_old| > c and V elsewhere.
+    where ``|V − V_old| > c`` and V elsewhere.
 
     Shapes: ``[B, L]`` -> ``(loss [], {"vf_clip_frac": []})``: the masked share of tokens whose
     value was clipped and whose clipped error is the larger; ``clip_range=None`` disables

@@ -307,6 +307,7 @@ def optimal_token_baseline(
     """OTB advantages: (G − B)·m with the per-position group baseline B (module docstring).
 
     Shapes: ``[B, L]`` tensors, ``index`` ``[B]`` -> ``(advantages, returns)`` ``[B, L]`` float32.
+
     - Every row is a group member (an empty response too); groups of n = 1 get B = 0.
     - ``handle_zero_tail``: if exactly one row has the strictly largest length ℓ_max, its
       baseline is 0 from absolute position ℓ_2 (second-largest length) on.

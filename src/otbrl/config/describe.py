@@ -115,3 +115,60 @@ def keys_help() -> str:
         f"  {key:<{width}} = {_scalar(value)}  {key_comments().get(key, '')}".rstrip()
         for key, value in defaults.items()
     )
+
+
+def reference_markdown() -> str:
+    """Every key of the schema as Markdown for the documentation site: one section per group
+    (``data``, ``rollout.vllm``, ...), one table row per key with its type, schema default,
+    allowed values and description — all read from the declarations, none written by hand."""
+    from otbrl.settings import range_text
+
+    comments = key_comments()
+    sections: list[str] = []
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    def walk(cls: type, prefix: str) -> None:
+        node = cls()
+        rows, nested = [], []
+        for f in fields(cls):
+            value = getattr(node, f.name)
+            if is_dataclass(value):
+                nested.append((type(value), f"{prefix}{f.name}."))
+                continue
+            key = f"{prefix}{f.name}"
+            allowed = []
+            if f.metadata.get("choices") is not None:
+                many = isinstance(value, list)
+                names = ", ".join(f"`{c}`" for c in f.metadata["choices"])
+                allowed.append(f"{'each of' if many else 'one of'} {names}")
+            if text := range_text(f.metadata):
+                allowed.append(text)
+            kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+            value_cell = f"`{cell(kind)}` = `{cell(_scalar(value))}`"
+            if allowed:
+                value_cell += "<br>" + cell("; ".join(allowed))
+            rows.append(f"| `{key}` | {value_cell} | {cell(comments.get(key, ''))} |")
+        if rows:
+            doc = inspect.getdoc(cls) or ""
+            # a dataclass without a docstring gets its signature as one: not a description
+            intro = "" if doc.startswith(f"{cls.__name__}(") else doc.split("\n\n")[0]
+            sections.append(
+                "\n".join(
+                    [
+                        f"## `{prefix.rstrip('.')}`",
+                        "",
+                        *([intro.replace("\n", " "), ""] if intro else []),
+                        "| key | type = default, allowed | description |",
+                        "|---|---|---|",
+                        *rows,
+                    ]
+                )
+            )
+        for sub_cls, sub_prefix in nested:
+            walk(sub_cls, sub_prefix)
+
+    for f in fields(Config):
+        walk(type(getattr(Config(), f.name)), f"{f.name}.")
+    return "\n\n".join(sections) + "\n"
