@@ -38,7 +38,8 @@ nitpicky = False
 
 html_theme = "furo"
 html_title = "otbrl"
-html_static_path = []
+html_static_path = ["_static"]
+html_css_files = ["otbrl.css"]
 html_math_renderer = "mathml"
 html_show_sourcelink = False
 html_copy_source = False

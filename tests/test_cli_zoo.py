@@ -16,7 +16,8 @@ output directory for 2 steps. What each run must show, on any machine:
   the check bites on the torchrun, vLLM and server cells.)
 
 A cell that cannot work is refused before any model loads with one line naming the key,
-tested as such. The README's server recipe runs for real here (``test_server_mode_...``).
+tested as such. The documented server recipe (docs/rollout.md) runs for real here
+(``test_server_mode_...``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from zoo import QWEN, ZOO_NAMES, build_reward_standin, build_standin
 
 ROOT = Path(__file__).resolve().parents[1]
 SYNC_TOL = 1e-3  # fp32 (module docstring)
-BF16_SYNC_TOL = 5e-2  # bf16 autocast on one side: ~1e-2 (README, precision)
+BF16_SYNC_TOL = 5e-2  # bf16 autocast on one side: ~1e-2 (docs/concepts-precision.md)
 
 
 @pytest.fixture(scope="module")
@@ -418,7 +419,7 @@ def _owned_servers(parent_pid: int) -> list[int]:
 
 @pytest.mark.slow
 def test_server_mode_from_a_fresh_dir_survives_a_killed_server(zoo, tmp_path):
-    """The README's recipe (``otbrl train rollout.name=vllm rollout.mode=server
+    """The documented recipe (``otbrl train rollout.name=vllm rollout.mode=server
     trainer.max_staleness=1 algorithm.off_policy=decoupled``) on the tied Qwen2.5 stand-in, in
     an output dir that does not exist: otbrl starts its server (its log dir made), streams the
     tied weights, reaches staleness 1; the server is SIGKILLed after step 1, restarted with the

@@ -28,7 +28,7 @@ def _batch(seed=0, b=8, length=6, stale=0.5):
 
 
 def _behaviour_weight(prox, behave, cap, mode):
-    """One token's weight, from the formulas in the README."""
+    """One token's weight, from the formulas in docs/rollout.md."""
     w = math.exp(prox - behave)
     if mode == "tis":
         return min(w, cap)

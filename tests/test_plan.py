@@ -244,7 +244,7 @@ def test_the_plan_loads_the_one_tokenizer_the_model_was_saved_with(tmp_path, tas
 
 
 def test_runs_sharing_a_weights_dir_get_their_own_buckets(tmp_path):
-    """A shared ``rollout.server.weights_dir`` (the README's multi-host recipe) holds one
+    """A shared ``rollout.server.weights_dir`` (the multi-host recipe of docs/rollout.md) holds one
     directory per run and rank: on main every run's rank r wrote (and deleted) ``rank-r``."""
     from types import SimpleNamespace
 

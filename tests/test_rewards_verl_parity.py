@@ -3,7 +3,7 @@
 ``tests/data/verl_reward_cases.json`` was written by ``tests/data/make_verl_reward_cases.py``
 in the verl environment (verl 0.9.1's functions, nothing from otbrl);
 ``test_integrations_verl_rewards.py`` re-runs verl on it there. A case where otbrl scores
-differently on purpose carries ``otbrl`` and ``why`` (README, "Rewards").
+differently on purpose carries ``otbrl`` and ``why`` (docs/rewards.md).
 """
 
 import json

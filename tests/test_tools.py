@@ -336,8 +336,8 @@ def test_compact_parse(user_file):
 
 
 def test_the_examples_tool_file():
-    """README's worked example: examples/my_tools.py resolves, its calculator replaces the
-    built-in, and its failure becomes an error observation."""
+    """The worked example of docs/tools.md: examples/my_tools.py resolves, its calculator
+    replaces the built-in, and its failure becomes an error observation."""
     root = Path(__file__).resolve().parents[1]
     spec = str(root / "examples" / "my_tools.py")
     tools = resolve_tools(["calculator", f"{spec}:unit_price", f"{spec}:calculator"])

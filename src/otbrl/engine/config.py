@@ -22,7 +22,7 @@ class ModelConfig:
     path: str = "builtin"
     # 32-true (fp32 weights, state and compute) | bf16-mixed (fp32 master weights and AdamW
     # state, bf16 forward/backward, fp32 gradient reduction) | bf16-true (bf16 weights and
-    # state); 32-true by default: measured faster on CPUs without bf16 instructions (README)
+    # state); 32-true by default: measured faster on CPUs without bf16 instructions (docs/memory.md)
     precision: str = setting("32-true", choices=PRECISIONS)
     # recompute each decoder block's activations in the backward instead of keeping them
     # (less memory, one more forward); off by default: it did not pay at the demo's size

@@ -137,7 +137,7 @@ _SEARCH = (
 )
 
 # The reward a row gets when no reward function is configured, keyed by its data_source:
-# otbrl's tasks, and every source verl 0.9.1's default_compute_score knows (README table).
+# otbrl's tasks, and every source verl 0.9.1's default_compute_score knows (docs/rewards.md).
 DATA_SOURCE_REWARDS: dict[str, RewardFunction] = {
     "otbrl/arithmetic": exact_match,
     "otbrl/digit_sum": digit_sum,
@@ -209,7 +209,7 @@ def compute_score(
     extra entries (``dapo_math``: ``acc``, ``pred``; code: ``sandbox_violations``).
 
     ``ground_truth`` as verl takes it: a str (code: the test cases' JSON; Search-R1:
-    ``{"target": [...]}``). Differences from verl, and why, are in the README's reward table.
+    ``{"target": [...]}``). Differences from verl, and why, are in docs/rewards.md's table.
     """
     fn = reward_for_data_source(data_source, math_backend=math_backend, sandbox=sandbox)
     return fn(data_source, solution_str, ground_truth, extra_info or {})

@@ -1,8 +1,9 @@
 """The one place completions become a batch, and a batch's responses become text.
 
 ``completions_to_batch`` turns ``Completion`` objects (``otbrl.rollout.protocol``) into the
-batch contract of DESIGN.md; ``decode_responses`` / ``decode_transcripts`` give a reward the
-final answer and the whole multi-turn stream of each row.
+batch contract (docs/architecture.md, "The batch"); ``decode_responses`` /
+``decode_transcripts`` give a reward the final answer and the whole multi-turn stream of each
+row.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def completions_to_batch(
     *,
     pad_id: int,
 ) -> dict[str, Tensor]:
-    """The batch of DESIGN.md's data contract from the completions of ``P`` prompts.
+    """The batch (docs/architecture.md, "The batch") from the completions of ``P`` prompts.
 
     Args:
         prompt_ids, prompt_mask: ``[P, Lp]`` left-padded, as given to the rollout (kept as is).

@@ -58,7 +58,7 @@ class MultiTurnConfig:
 class ServerConfig:
     """vLLM OpenAI servers (``rollout.mode=server``, ``otbrl.rollout.server``)."""
 
-    # servers the user started (e.g. on other hosts: see the README's launch recipes); empty:
+    # servers the user started (e.g. on other hosts: see docs/rollout.md's launch recipes); empty:
     # otbrl starts num_servers on 127.0.0.1 and stops them at the end
     urls: list[str] = field(default_factory=list)
     num_servers: int = setting(1, gt=0)  # servers otbrl starts when urls is empty

@@ -4,8 +4,9 @@ interface and the checks of a ``generate`` call.
 No model imports here: a backend (``HFRollout``, ``VLLMRollout``, ``ServerRollout``) takes
 token-id prompts and ``SamplingParams`` and returns ``Completion`` objects (the vLLM backends
 through ``make_completion``, the one check of what an engine answered); ``otbrl.rollout.batch``
-turns them into the batch contract of DESIGN.md. The agent loop (``otbrl.rollout.agent``) is a
-``Sampler`` too: the sampling step asks any sampler for completions of rows, the same way.
+turns them into the batch contract (docs/architecture.md, "The batch"). The agent loop
+(``otbrl.rollout.agent``) is a ``Sampler`` too: the sampling step asks any sampler for
+completions of rows, the same way.
 
 Log-prob definition (both backends): ``Completion.logprobs[t]`` is log π_T(token_t) with
 π_T = softmax(logits / temperature) over the full vocabulary, the distribution the trainer's

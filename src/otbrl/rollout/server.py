@@ -95,7 +95,7 @@ def warn_open_servers(urls: Sequence[str]) -> None:
         f"({TOKEN_ENV} is not set): anyone who reaches them can load other weights into the "
         "policy's server or pause it. Start each with --middleware "
         f"otbrl.rollout.server_auth.require_token and {TOKEN_ENV}=<secret> in its environment "
-        "and the trainer's (README: Launch recipes).",
+        "and the trainer's (docs/rollout.md, Launch recipes).",
         file=sys.stderr,
         flush=True,
     )
