@@ -101,3 +101,42 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(VERL_VENV) .pytest_cache build src/*.egg-info
+
+# The GPU check (docs/gpu.md). `gpu-check` runs on a GPU machine whose python3 already holds a
+# CUDA torch and that has no network: a venv over that torch (system site-packages), otbrl and
+# what the machine lacks from the wheel folder $(OTBRL_WHEELS), then benchmarks/gpu_check.py:
+# the gpu-marked tests and the timings, one JSON (gpu-check.json) and a summary. TRL installs on
+# its own line: if it cannot, only the otbrl-vs-TRL part skips.
+# `gpu-wheels` runs here (network) and fills $(OTBRL_WHEELS) for the GPU machine's Python
+# (3.12, manylinux x86_64; it has torch, transformers, peft, triton, pytest, hypothesis,
+# pyarrow, matplotlib, safetensors, tqdm): then checks that both installs resolve offline.
+OTBRL_WHEELS ?= wheels-gpu
+GPU_VENV ?= .venv-gpu
+GPU_PY := $(GPU_VENV)/bin/python
+GPU_PYTHON_VERSION ?= 3.12
+GPU_PLATFORM ?= manylinux_2_28_x86_64
+# a local Python of that version for the offline check (pyenv's here)
+GPU_CHECK_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+GPU_WHEELS := omegaconf==2.4.0 pytest-timeout==2.4.0 setuptools wheel packaging peft==0.21.2 \
+	trl==1.16.0 accelerate==1.16.0 datasets==5.2.0 dill multiprocess xxhash pandas \
+	python-dateutil six tzdata
+GPU_WHEELS_FALLBACK := datasets==4.8.5
+GPU_DOWNLOAD = $(PY) -m pip download -q --no-deps --only-binary=:all: \
+	--python-version $(GPU_PYTHON_VERSION) --platform $(GPU_PLATFORM) -d $(OTBRL_WHEELS)
+
+.PHONY: gpu-check gpu-wheels
+
+gpu-check:
+	@test -d $(OTBRL_WHEELS) || { echo "gpu-check: no wheel folder $(OTBRL_WHEELS): run make gpu-wheels where there is network and bring it here"; exit 2; }
+	@test -x $(GPU_PY) || python3 -m venv --system-site-packages $(GPU_VENV)
+	$(GPU_PY) -m pip install -q --no-index --find-links $(OTBRL_WHEELS) -e . pytest-timeout antlr4-python3-runtime==4.9.3
+	@$(GPU_PY) -m pip install -q --no-index --find-links $(OTBRL_WHEELS) -e '.[trl]' || echo "gpu-check: TRL did not install: the rl_step part skips"
+	$(GPU_PY) benchmarks/gpu_check.py --out gpu-check.json
+
+# antlr4-python3-runtime 4.9.3 is an sdist on PyPI, built into a (pure) wheel here
+gpu-wheels: $(STAMP)
+	@mkdir -p $(OTBRL_WHEELS)
+	$(GPU_DOWNLOAD) $(GPU_WHEELS)
+	$(GPU_DOWNLOAD) $(GPU_WHEELS_FALLBACK)
+	$(PY) -m pip wheel -q --no-deps -w $(OTBRL_WHEELS) antlr4-python3-runtime==4.9.3
+	$(PY) benchmarks/gpu_check.py --check-wheels $(OTBRL_WHEELS) --python $(GPU_CHECK_PYTHON)

@@ -13,17 +13,20 @@ layers, heads, KV heads; the vocabulary is ``--vocab``, the tokenizer's BPE trai
 saves the random model in ``--model-dtype`` (bfloat16 for the large shapes: a 7 B model is
 built, saved and loaded without ever holding an fp32 copy).
 
-Every arm runs in its own process (peak resident memory is the process's: Linux VmHWM, reset
-at each step; CUDA: ``max_memory_allocated``). Each arm trains ``--steps`` RL steps (sampling,
-statistics, update) and reports the median of the steps after the first. otbrl's step time and
-peak come from its own ``metrics.jsonl`` (``timing/step``, ``memory/peak_gb``); TRL's from a
-callback around its ``training_step`` (which samples too), measured the same way. The last
-lines print the ratios.
+Every arm runs in its own process, on the GPU when there is one (peak resident memory is the
+process's: Linux VmHWM, reset at each step; CUDA: ``max_memory_allocated``). Each arm trains
+``--steps`` RL steps (sampling, statistics, update) and reports the median of the steps after
+the first. otbrl's step time, peak and tokens/s come from its own ``metrics.jsonl``
+(``timing/step``, ``memory/peak_gb``, ``throughput/tokens_per_s``: prompt + response tokens,
+no padding); TRL's from a callback around its ``training_step`` (which samples too), measured
+the same way, its tokens from the ``num_tokens`` it logs (the same count). The last lines print
+the ratios; ``--json PATH`` writes the rows (``benchmarks/gpu_check.py`` reads them).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -181,6 +184,7 @@ def otbrl_arm(name: str, root: Path, args) -> dict:
     return {
         "step_s": statistics.median(r["timing/step"] for r in later),
         "peak_gb": max(r["memory/peak_gb"] for r in later),
+        "tokens_per_s": statistics.median(r["throughput/tokens_per_s"] for r in later),
     }
 
 
@@ -235,7 +239,7 @@ def run_trl(name: str, root: Path, args) -> None:
         logging_steps=1,
         report_to="none",
         save_strategy="no",
-        use_cpu=True,
+        use_cpu=not torch.cuda.is_available(),
         seed=0,
         gradient_checkpointing=settings.pop("gradient_checkpointing", False),
         **settings,
@@ -245,16 +249,25 @@ def run_trl(name: str, root: Path, args) -> None:
         from peft import LoraConfig
 
         peft = LoraConfig(r=lora, lora_alpha=2 * lora, target_modules="all-linear")
-    times, peaks = [], []
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    times, peaks, seen = [], [], [0.0]  # seen: TRL's cumulative num_tokens at each log
 
     class Timer(TrainerCallback):
         def on_step_begin(self, *a, **k):
-            reset_peak_memory(torch.device("cpu"))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            reset_peak_memory(device)
             self.start = time.perf_counter()
 
         def on_step_end(self, *a, **k):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             times.append(time.perf_counter() - self.start)
-            peaks.append(peak_memory_gb(torch.device("cpu")))
+            peaks.append(peak_memory_gb(device))
+
+        def on_log(self, args, state, control, logs=None, **k):
+            if logs and "num_tokens" in logs:
+                seen.append(float(logs["num_tokens"]))
 
     trainer = GRPOTrainer(
         model=str(root / "model"),
@@ -266,7 +279,17 @@ def run_trl(name: str, root: Path, args) -> None:
     )
     trainer.train()
     later = slice(1, None) if len(times) > 1 else slice(None)
-    print(json.dumps({"step_s": statistics.median(times[later]), "peak_gb": max(peaks[later])}))
+    tokens = [b - a for a, b in itertools.pairwise(seen)]  # per step (logging_steps=1)
+    rates = [n / t for n, t in zip(tokens, times)][later] if len(tokens) == len(times) else []
+    print(
+        json.dumps(
+            {
+                "step_s": statistics.median(times[later]),
+                "peak_gb": max(peaks[later]),
+                "tokens_per_s": statistics.median(rates) if rates else None,
+            }
+        )
+    )
 
 
 def main(argv=None) -> int:
@@ -286,6 +309,7 @@ def main(argv=None) -> int:
     parser.add_argument("--keep", help="build the model here once and reuse it (a folder)")
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated arm names")
     parser.add_argument("--no-trl", action="store_true", help="otbrl's arms only")
+    parser.add_argument("--json", help="also write the rows to this JSON file")
     parser.add_argument("--trl-arm", help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
     args, _ = parser.parse_known_args(argv)
@@ -321,6 +345,9 @@ def main(argv=None) -> int:
             continue
         per_param = r["peak_gb"] * 1e9 / params
         print(f"{name:<18}{framework:<10}{r['step_s']:9.2f}{r['peak_gb']:9.2f}{per_param:9.1f}")
+    if args.json:
+        table = {f"{framework}/{name}": r for (framework, name), r in rows.items()}
+        Path(args.json).write_text(json.dumps({"params": params, "rows": table}, indent=1))
     ok = {k: v for k, v in rows.items() if "error" not in v}
     base = ok.get(("otbrl", "32-true"))
 

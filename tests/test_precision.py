@@ -35,11 +35,10 @@ def float64_stats(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch
     }
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
-def test_stats_from_bf16_logits_equal_float64_on_the_same_logits(monkeypatch, precision, layout):
-    """Whatever the layout, the head sees bf16 logits (bf16 hidden states and weight for the
-    fused head) and the three statistics equal a float64 softmax of exactly those values."""
+def record_head_stats(monkeypatch) -> list:
+    """Spy on the engine's statistics head: every call appends ``(logits [N, V], labels [N],
+    {output: [N] float32})``, the logits being what the head reduced (for the fused head the
+    ``features @ weight.T`` it forms, in its compute dtype). Returns the list it fills."""
     seen = []
     real = layout_module._stats_of
 
@@ -55,12 +54,12 @@ def test_stats_from_bf16_logits_equal_float64_on_the_same_logits(monkeypatch, pr
         return out
 
     monkeypatch.setattr(layout_module, "_stats_of", spy)
-    model = tiny_model()
-    if precision == "bf16-true":
-        model = model.to(torch.bfloat16)
-    engine = Engine(model, actor(), precision=precision, **LAYOUTS[layout])
-    out = engine.compute(make_batch(), ALL)
-    assert all(v.dtype == torch.float32 for v in out.values())
+    return seen
+
+
+def check_bf16_stats(seen: list) -> None:
+    """Each recorded head call saw bf16 logits and its float32 statistics equal a float64
+    softmax of those very logits within 1e-5 relative (to max(|ref|, 1e-3))."""
     assert seen
     for logits, labels, stats in seen:
         assert logits.dtype == torch.bfloat16
@@ -70,6 +69,21 @@ def test_stats_from_bf16_logits_equal_float64_on_the_same_logits(monkeypatch, pr
             assert stats[key].dtype == torch.float32
             err = ((got - want[key]).abs() / want[key].abs().clamp_min(1e-3)).max()
             assert err <= 1e-5, (key, float(err))
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_stats_from_bf16_logits_equal_float64_on_the_same_logits(monkeypatch, precision, layout):
+    """Whatever the layout, the head sees bf16 logits (bf16 hidden states and weight for the
+    fused head) and the three statistics equal a float64 softmax of exactly those values."""
+    seen = record_head_stats(monkeypatch)
+    model = tiny_model()
+    if precision == "bf16-true":
+        model = model.to(torch.bfloat16)
+    engine = Engine(model, actor(), precision=precision, **LAYOUTS[layout])
+    out = engine.compute(make_batch(), ALL)
+    assert all(v.dtype == torch.float32 for v in out.values())
+    check_bf16_stats(seen)
 
 
 def _optimizer_dtypes(engine):
