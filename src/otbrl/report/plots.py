@@ -10,13 +10,13 @@ import io
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
-
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from otbrl.report.metrics_log import read_metrics
 from otbrl.store.files import SUMMARY_FILE, atomic_write_bytes
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 # (metrics key, panel title, smooth?) in panel order; a key no run logged gets no panel.
 PANELS = (
@@ -97,6 +97,11 @@ def _figure(runs: Sequence[Run], title: str) -> Figure:
     if not panels:
         keys = [key for key, _, _ in PANELS]
         raise ValueError(f"run_dirs: no run logged any of the plotted metrics {keys}")
+    # matplotlib here, not at import: every training process imports this module and most
+    # plot once, at the end (half a second of start-up for each `otbrl` process otherwise)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     ncols = 1 if len(panels) == 1 else 2 if len(panels) <= 4 else 3
     nrows = -(-len(panels) // ncols)
     fig = Figure(figsize=(4.8 * ncols, 3.3 * nrows + 0.6), dpi=110, layout="constrained")
