@@ -229,7 +229,7 @@ def _eval(args: argparse.Namespace) -> int:
         plan = plan_run(cfg, train=False)
     except ConfigError as err:  # e.g. a data source left without its reward: say why
         raise ConfigError(f"{err}; {hint}" if dropped else str(err), err.key) from None
-    from otbrl.engine.world import World
+    from otbrl.engine.world import local_world
     from otbrl.models import eos_token_ids
     from otbrl.rollout import HFRollout
     from otbrl.run.build import build_sampler, load_policy, model_path, scoring
@@ -237,11 +237,12 @@ def _eval(args: argparse.Namespace) -> int:
 
     path = model_path(cfg)
     tokenizer = plan.tokenizer
-    model = load_policy(cfg, path, tokenizer)
+    world = local_world()  # the GPU when there is one, as training's single process
+    model = load_policy(cfg, path, tokenizer).to(world.device)
     eos = eos_token_ids(model, tokenizer)
     sampler = build_sampler(cfg, plan.tools, HFRollout(model, tokenizer), tokenizer, eos, str(path))
     result = validate(
-        sampler, tokenizer, plan.val_rows, plan.spec, world=World(), stop_token_ids=eos,
+        sampler, tokenizer, plan.val_rows, plan.spec, world=world, stop_token_ids=eos,
         seed=cfg.trainer.seed, scoring=scoring(cfg, plan).for_validation(), label="evaluating",
     ).metrics  # fmt: skip
     rate = result.get("val/tool_call_rate")

@@ -257,15 +257,21 @@ class World:
             dist.barrier()
 
 
+def local_world() -> World:
+    """The world of one process: this machine's GPU when it has one (``cuda:<current>``),
+    else the CPU; no process group."""
+    if torch.cuda.is_available():
+        return World(device=torch.device("cuda", torch.cuda.current_device()))
+    return World()
+
+
 def start_world(dims: ParallelDims, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> World:
     """The ``World`` of this process: a process group and a ``dims``-shaped mesh when
     ``dims.distributed`` (torchrun, or a sharded engine asked for explicitly), else the identity
-    world without one, on this machine's GPU when it has one (``cuda:<current>``; else the CPU).
-    torchrun's world size must be the one ``dims`` was planned for."""
+    world without one (``local_world``). torchrun's world size must be the one ``dims`` was
+    planned for."""
     if not dims.distributed:
-        if torch.cuda.is_available():
-            return World(device=torch.device("cuda", torch.cuda.current_device()))
-        return World()
+        return local_world()
     info = init_distributed(timeout_s=timeout_s)
     if info.world_size != dims.world_size:
         raise RuntimeError(
