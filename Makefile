@@ -2,7 +2,10 @@
 # install the CPU torch build only when no torch is importable, so a CPU machine never pulls a
 # CUDA wheel; a GPU machine with its own torch keeps it. (pip's bytecode compilation stays on:
 # with PYTHONDONTWRITEBYTECODE set, as here, nothing else ever writes it and every import of
-# torch and transformers compiles from source, 3 x slower.)
+# torch and transformers compiles from source, 3 x slower.) Make's own commands do write the
+# bytecode of otbrl and its tests: the suite starts a few hundred Python processes, and each
+# compiled otbrl's 130 modules from source again (0.8 s apiece).
+unexport PYTHONDONTWRITEBYTECODE
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.otbrl-installed
@@ -58,7 +61,9 @@ demo: $(STAMP)
 	$(PY) -m otbrl demo
 
 # The verl tests skip in .venv (no verl there) and run in .venv-verl; the TRL tests run in .venv.
-# Both suites run whatever the first one gives; make fails at the end if either failed.
+# The verl suite (one process, half a minute) runs beside the main one, where the main one's
+# waits leave the cores idle, with its own temp folder; its output follows the main suite's.
+# Both suites run whatever the other gives; make fails at the end if either failed.
 # The two environments install side by side (pip waits on disk and network as much as on CPU).
 # pytest-xdist: TEST_WORKERS processes, each test file on one of them (module fixtures such as
 # the zoo's models are built once), the cores shared out between them (tests/conftest.py).
@@ -70,10 +75,13 @@ PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile
 test:
 	@$(MAKE) --no-print-directory -j3 setup setup-verl browser
 	$(PY) -m ruff check .
-	@status=0; \
+	@status=0; scratch=$$(mktemp -d); \
+	$(VERL_PY) -m pytest -q -p no:cacheprovider --basetemp=$$scratch/tmp \
+		tests/test_integrations_verl_*.py > $$scratch/verl.log 2>&1 & verl=$$!; \
 	$(PY) -m pytest -q $(PYTEST_PARALLEL) --durations=10 || status=$$?; \
-	$(VERL_PY) -m pytest -q tests/test_integrations_verl_*.py || status=$$?; \
-	exit $$status
+	wait $$verl || status=$$?; \
+	echo "--- the verl plug-in's suite (.venv-verl):"; cat $$scratch/verl.log; \
+	rm -rf $$scratch; exit $$status
 
 # The suite on other floating-point paths of this machine: torch's AVX2 and plain kernels (as
 # another CPU would round) on 1 and 2 threads. Nothing in it may depend on one CPU's bits.
