@@ -274,11 +274,9 @@ def run_tests_part(dry: bool, timeout_s: float) -> dict:
         xml = Path(tmp) / "junit.xml"
         cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"]
         cmd += [f"--junitxml={xml}", "tests/test_gpu.py"]
-        try:
-            done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+        done, wall = _child(cmd, timeout_s, start)
+        if done is None:
             return _result("failed", f"timed out after {timeout_s:.0f} s", {}, timeout_s)
-        wall = time.monotonic() - start
         if not xml.exists():
             return _result("failed", _last_line(done.stdout + done.stderr), {}, wall)
         counts, failures, skips = _junit(xml)
@@ -289,6 +287,18 @@ def run_tests_part(dry: bool, timeout_s: float) -> dict:
     else:
         status, reason = "passed", None
     return _result(status, reason, counts, wall)
+
+
+def _child(
+    cmd: list[str], timeout_s: float, start: float
+) -> tuple[subprocess.CompletedProcess | None, float]:
+    """``cmd`` run from the repository root within ``timeout_s`` (None when it ran past it, and
+    was killed) and the seconds since ``start``."""
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        done = None
+    return done, time.monotonic() - start
 
 
 def _junit(xml: Path) -> tuple[dict, list[str], list[str]]:
@@ -331,11 +341,9 @@ def run_part(name: str, dry: bool, timeout_s: float) -> dict:
         result_file = Path(tmp) / "result.json"
         cmd = [sys.executable, __file__, "--part", name, "--result", str(result_file)]
         cmd += ["--dry-run"] if dry else []
-        try:
-            done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+        done, wall = _child(cmd, timeout_s, start)
+        if done is None:
             return _result("failed", f"timed out after {timeout_s:.0f} s", {}, timeout_s)
-        wall = time.monotonic() - start
         if not result_file.exists():
             return _result("failed", _last_line(done.stderr or done.stdout), {}, wall)
         result = json.loads(result_file.read_text())
