@@ -7,7 +7,7 @@ logit-gradient norm of the sampled token), times rollout_is_weights² when given
 W_{i,t} = Σ_{j≤t} w_{i,j} m_{i,j}. A group is the set of rows sharing an ``index`` value.
 
 The baseline at position t of a group is the W-weighted mean of G over the rows active there,
-and the advantage is the reward-to-go minus it:
+and the advantage is the reward-to-go minus it::
 
     B_t = Σ_i G_{i,t} W_{i,t} m_{i,t} / (Σ_i W_{i,t} m_{i,t} + 1e-8)
     A_{i,t} = (G_{i,t} − B_t)·m_{i,t}

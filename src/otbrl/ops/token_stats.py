@@ -1,6 +1,6 @@
 """Per-token statistics of a softmax policy in one chunked pass: log π(y), entropy and Σπ².
 
-For logits z (already divided by the temperature) of one token and its label y:
+For logits z (already divided by the temperature) of one token and its label y::
 
     lse      = log Σ_v exp(z_v)
     log π(y) = z_y − lse
