@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -82,27 +82,17 @@ class Skip(Exception):
 # -- timing helpers (run inside a part's process) --------------------------------------------
 
 
-def median_time(fn, device, *, warmup: int = 3, repeats: int = 10) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` calls after ``warmup`` calls: CUDA events on
-    a GPU, ``time.perf_counter`` on a CPU."""
-    import torch
+def _bench():
+    """``benchmarks/token_stats.py``, whose timer (``median_seconds``: round-robin medians, CUDA
+    events on a GPU) and lm_head problem and step these timings use."""
+    import importlib.util
 
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    spec = importlib.util.spec_from_file_location(
+        "otbrl_bench_token_stats", ROOT / "benchmarks" / "token_stats.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def extra_peak_gb(fn, device) -> float | None:
@@ -160,13 +150,17 @@ def _time_token_stats(name: str, logits, labels, device) -> dict:
 
     scratch = torch.empty_like(logits)
     nbytes = logits.numel() * logits.element_size()
-    copy_s = median_time(lambda: scratch.copy_(logits), device)
-    fwd_s = median_time(lambda: token_stats(logits, labels), device)
-    soft_s = median_time(lambda: torch.log_softmax(logits, -1), device)
     x = logits.detach().requires_grad_()
     stats = token_stats(x, labels)
     loss = stats.log_probs.sum() + stats.entropy.sum()
-    bwd_s = median_time(lambda: torch.autograd.grad(loss, x, retain_graph=True), device)
+    fns = {
+        "copy": lambda: scratch.copy_(logits),
+        "fwd": lambda: token_stats(logits, labels),
+        "soft": lambda: torch.log_softmax(logits, -1),
+        "bwd": lambda: torch.autograd.grad(loss, x, retain_graph=True),
+    }
+    t = _bench().median_seconds(fns, repeats=10, warmup=3, device=device)
+    copy_s, fwd_s, soft_s, bwd_s = t["copy"], t["fwd"], t["soft"], t["bwd"]
     copy_bw = 2 * nbytes / copy_s  # a read and a write
     return {
         f"{name}_copy_gbps": copy_bw / 1e9,
@@ -186,30 +180,19 @@ def part_fused_head(dry: bool) -> dict:
     (allocated above the inputs; None on a CPU) and ``memory_ratio``."""
     import torch
 
-    from otbrl.ops import fused_linear_token_stats, token_stats
-
+    bench = _bench()
     device = _device(dry)
     tokens, hidden_size, vocab = (128, 64, 2048) if dry else (8192, 896, 151_936)
     dtype = torch.float32 if dry else torch.bfloat16  # bf16 is emulated on most CPUs
-    g = torch.Generator(device=device).manual_seed(0)
-    hidden = torch.randn(tokens, hidden_size, generator=g, device=device).to(dtype)
-    weight = (torch.randn(vocab, hidden_size, generator=g, device=device) / 30).to(dtype)
-    labels = torch.randint(0, vocab, (tokens,), generator=g, device=device)
-    h, w = hidden.requires_grad_(), weight.requires_grad_()
-
-    def step(stats_of):
-        def run():
-            stats = stats_of()
-            loss = stats.log_probs.sum() + stats.entropy.sum()
-            torch.autograd.grad(loss, [h, w])
-
-        return run
-
-    fused = step(lambda: fused_linear_token_stats(h, w, labels))
-    materialized = step(lambda: token_stats(h @ w.T, labels))
+    problem = bench.lm_head_problem(tokens, vocab, hidden_size, dtype, device=device)
+    fused = functools.partial(bench.lm_head_step, "fused", *problem)
+    materialized = functools.partial(bench.lm_head_step, "materialized", *problem)
+    t = bench.median_seconds(
+        {"fused": fused, "materialized": materialized}, repeats=5, warmup=2, device=device
+    )
     figures = {"tokens": tokens, "hidden": hidden_size, "vocab": vocab}
-    figures["fused_ms"] = median_time(fused, device, warmup=2, repeats=5) * 1e3
-    figures["materialized_ms"] = median_time(materialized, device, warmup=2, repeats=5) * 1e3
+    figures["fused_ms"] = t["fused"] * 1e3
+    figures["materialized_ms"] = t["materialized"] * 1e3
     figures["time_ratio"] = figures["fused_ms"] / figures["materialized_ms"]
     figures["fused_extra_gb"] = extra_peak_gb(fused, device)
     figures["materialized_extra_gb"] = extra_peak_gb(materialized, device)

@@ -33,17 +33,28 @@ from otbrl.ops import fused_linear_token_stats, token_stats
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def median_seconds(fns: dict, repeats: int, warmup: int = 2) -> dict:
-    """Median wall time of each callable, run round-robin so that load drift hits all alike."""
+def median_seconds(fns: dict, repeats: int, warmup: int = 2, device=None) -> dict:
+    """Median time of each callable, run round-robin so that load drift hits all alike: wall
+    time, or CUDA events when ``device`` is a CUDA device (the work it queued, timed on it)."""
+    cuda = device is not None and torch.device(device).type == "cuda"
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+            if cuda:
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end) / 1e3)
+            else:
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -58,11 +69,13 @@ def separate_passes(logits, labels):
     return log_probs, entropy, spp
 
 
-def lm_head_problem(tokens, vocab, hidden_size, dtype, seed=0):
+def lm_head_problem(tokens, vocab, hidden_size, dtype, seed=0, device="cpu"):
+    """hidden [T, H], weight [V, H] (both ``dtype``, requiring grad) and labels [T] on
+    ``device``, the same values on every device (drawn on the CPU)."""
     g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(tokens, hidden_size, generator=g).to(dtype).requires_grad_()
-    weight = (torch.randn(vocab, hidden_size, generator=g) / hidden_size**0.5).to(dtype)
-    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    hidden = torch.randn(tokens, hidden_size, generator=g).to(device, dtype).requires_grad_()
+    weight = (torch.randn(vocab, hidden_size, generator=g) / hidden_size**0.5).to(device, dtype)
+    labels = torch.randint(0, vocab, (tokens,), generator=g).to(device)
     return hidden, weight.requires_grad_(), labels
 
 
