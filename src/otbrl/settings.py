@@ -76,11 +76,16 @@ def _in_range(value: float, meta: Mapping[str, Any]) -> bool:
     )
 
 
+def type_name(f: Field) -> str:
+    """A field's declared type as written (``"int"``, ``"str | None"``, ``"list[str]"``)."""
+    return f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+
+
 def check_field(f: Field, value: Any, key: str) -> None:
     """One field's own rules (its type, finite, in its range, one of its choices);
     ``ConfigError``."""
     meta = f.metadata
-    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+    kind = type_name(f)
     if kind in ("int", "float") and (
         isinstance(value, bool) or not isinstance(value, int if kind == "int" else (int, float))
     ):

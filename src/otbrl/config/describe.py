@@ -15,6 +15,7 @@ import functools
 import inspect
 import json
 import textwrap
+from collections.abc import Iterator
 from dataclasses import fields, is_dataclass
 from typing import Any
 
@@ -35,21 +36,27 @@ def _class_comments(cls: type) -> dict[str, str]:
     return notes
 
 
+def _groups(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, type, list]]:
+    """Each settings group of the schema, a group before the groups nested in it, as
+    ``(dotted prefix, its class, [(field, schema default), ...] of its leaf keys)``."""
+    node = cls()
+    leaves, nested = [], []
+    for f in fields(cls):
+        value = getattr(node, f.name)
+        (nested if is_dataclass(value) else leaves).append((f, value))
+    yield prefix, cls, leaves
+    for f, value in nested:
+        yield from _groups(type(value), f"{prefix}{f.name}.")
+
+
 @functools.cache
 def key_comments() -> dict[str, str]:
     """``{dotted key: its one-line description}`` for every leaf key of the schema."""
     out: dict[str, str] = {}
-
-    def walk(cls: type, prefix: str) -> None:
-        for f in fields(cls):
-            default = getattr(cls(), f.name)
-            if is_dataclass(default):
-                walk(type(default), f"{prefix}{f.name}.")
-                continue
+    for prefix, cls, leaves in _groups():
+        for f, _ in leaves:
             owners = [c for c in cls.__mro__ if f.name in _declared(c)]
             out[f"{prefix}{f.name}"] = _class_comments(owners[0]).get(f.name, "") if owners else ""
-
-    walk(Config, "")
     return out
 
 
@@ -121,7 +128,7 @@ def reference_markdown() -> str:
     """Every key of the schema as Markdown for the documentation site: one section per group
     (``data``, ``rollout.vllm``, ...), one table row per key with its type, schema default,
     allowed values and description — all read from the declarations, none written by hand."""
-    from otbrl.settings import range_text
+    from otbrl.settings import range_text, type_name
 
     comments = key_comments()
     sections: list[str] = []
@@ -129,14 +136,11 @@ def reference_markdown() -> str:
     def cell(text: str) -> str:
         return text.replace("|", "\\|").replace("\n", " ")
 
-    def walk(cls: type, prefix: str) -> None:
-        node = cls()
-        rows, nested = [], []
-        for f in fields(cls):
-            value = getattr(node, f.name)
-            if is_dataclass(value):
-                nested.append((type(value), f"{prefix}{f.name}."))
-                continue
+    for prefix, cls, leaves in _groups():
+        if not leaves:
+            continue
+        rows = []
+        for f, value in leaves:
             key = f"{prefix}{f.name}"
             allowed = []
             if f.metadata.get("choices") is not None:
@@ -145,30 +149,23 @@ def reference_markdown() -> str:
                 allowed.append(f"{'each of' if many else 'one of'} {names}")
             if text := range_text(f.metadata):
                 allowed.append(text)
-            kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-            value_cell = f"`{cell(kind)}` = `{cell(_scalar(value))}`"
+            value_cell = f"`{cell(type_name(f))}` = `{cell(_scalar(value))}`"
             if allowed:
                 value_cell += "<br>" + cell("; ".join(allowed))
             rows.append(f"| `{key}` | {value_cell} | {cell(comments.get(key, ''))} |")
-        if rows:
-            doc = inspect.getdoc(cls) or ""
-            # a dataclass without a docstring gets its signature as one: not a description
-            intro = "" if doc.startswith(f"{cls.__name__}(") else doc.split("\n\n")[0]
-            sections.append(
-                "\n".join(
-                    [
-                        f"## `{prefix.rstrip('.')}`",
-                        "",
-                        *([intro.replace("\n", " "), ""] if intro else []),
-                        "| key | type = default, allowed | description |",
-                        "|---|---|---|",
-                        *rows,
-                    ]
-                )
+        doc = inspect.getdoc(cls) or ""
+        # a dataclass without a docstring gets its signature as one: not a description
+        intro = "" if doc.startswith(f"{cls.__name__}(") else doc.split("\n\n")[0]
+        sections.append(
+            "\n".join(
+                [
+                    f"## `{prefix.rstrip('.')}`",
+                    "",
+                    *([intro.replace("\n", " "), ""] if intro else []),
+                    "| key | type = default, allowed | description |",
+                    "|---|---|---|",
+                    *rows,
+                ]
             )
-        for sub_cls, sub_prefix in nested:
-            walk(sub_cls, sub_prefix)
-
-    for f in fields(Config):
-        walk(type(getattr(Config(), f.name)), f"{f.name}.")
+        )
     return "\n\n".join(sections) + "\n"
