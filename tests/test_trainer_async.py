@@ -10,6 +10,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 
 import pytest
@@ -107,21 +108,35 @@ def test_sigkill_and_resume_under_max_staleness_1(vllm_server, data, tmp_path, c
 def test_partial_rollouts_span_updates_within_the_bound(vllm_server, data, tmp_path, monkeypatch):
     """`rollout.partial_rollout=true` under max_staleness=1: the trainer's weight update does
     not wait for the producer's requests in flight; they go on with the new weights, so rows
-    span an update (per-token versions), and no row is older than the bound. Long responses
-    and many samples make sampling the slower side; and each update's pause first waits (a few
-    seconds at most) for the producer to have requests in flight — after the buckets are
-    written and hashed, which under load can outlast a batch — so that an update lands
-    mid-batch however the machine's load shifts the two sides."""
+    span an update (per-token versions), and no row is older than the bound. The signal is
+    built, not hoped for (the machine's load decides which side is faster, and a producer done
+    before the update has nothing to keep): the first request each weight version samples is
+    held back (2 s at most) until an update is about to pause the server, which then waits (a
+    few seconds at most) for it to be at the server — so an update lands in the middle of it."""
     from otbrl.rollout.server import ServerRollout
 
-    load = ServerRollout._load
+    complete, load = ServerRollout._complete, ServerRollout._load
+    pausing, held = threading.Event(), set()
+
+    def first_request_waits_for_a_pause(self, server, prompt, fields, version):
+        with lock:
+            first = version not in held
+            held.add(version)
+        if first:
+            pausing.wait(timeout=2.0)
+        return complete(self, server, prompt, fields, version)
 
     def load_while_sampling(self, server, *, pause=False):
-        deadline = time.monotonic() + 5.0
-        while pause and self._in_flight == 0 and time.monotonic() < deadline:
-            time.sleep(0.005)
+        if pause:
+            pausing.set()
+            deadline = time.monotonic() + 5.0
+            while not self._requests._by_id and time.monotonic() < deadline:
+                time.sleep(0.002)
+            pausing.clear()
         return load(self, server, pause=pause)
 
+    lock = threading.Lock()
+    monkeypatch.setattr(ServerRollout, "_complete", first_request_waits_for_a_pause)
     monkeypatch.setattr(ServerRollout, "_load", load_while_sampling)
     out = tmp_path / "run"
     args = overrides(vllm_server[0], data, out, *server(vllm_server), "trainer.total_steps=4",
