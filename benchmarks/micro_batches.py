@@ -2,13 +2,15 @@
 update's forward + backward on one mini-batch whose response lengths span 16-512 tokens.
 
     python benchmarks/micro_batches.py                  # ~3 min on 2 CPU cores
-    python benchmarks/micro_batches.py --budget 4096 --rows 1,2,4,8,16
+    python benchmarks/micro_batches.py --budget 4096 --rows 1,2,4,8,16 --layout packed
 
 Each arm runs in its own process (peak resident memory is the process's: VmHWM, reset after
-the model and batch are built) on the same random Llama-shaped model and the same batch, in the
-packed layout (``model.use_remove_padding=true``: no padding in either arm, so the comparison
-is the micro-batching alone): ``Engine.accumulate_gradients`` ``--repeats`` times, the median
-time reported. The row-counted arm compared with is the fastest ``micro_batch_size`` whose peak
+the model and batch are built) on the same random Llama-shaped model and the same batch, in
+the padded layout (the default; each micro-batch runs cut to its own widths, so a budget that
+keeps rows of like length together computes little padding) or the packed one
+(``model.use_remove_padding=true``: no padding in either arm, so the comparison is the
+micro-batching alone): ``Engine.accumulate_gradients`` ``--repeats`` times, the median time
+reported. The row-counted arm compared with is the fastest ``micro_batch_size`` whose peak
 memory is at most the token budget's: what a user would have to pick to fit the same memory.
 The last line prints the ratio of times.
 """
@@ -64,7 +66,7 @@ def _arm(args) -> dict:
     optim = OptimConfig(
         micro_batch_size=int(value) if kind == "rows" else 1, max_tokens_per_micro_batch=budget
     )
-    engine = Engine(model, optim, packed=True)
+    engine = Engine(model, optim, packed=args.layout == "packed")
     batch, _ = _batch(args.batch_rows, args.vocab, args.seed)
     batch["old_log_probs"] = engine.compute(batch, frozenset({"log_probs"}))["log_probs"]
     loss = build_loss()
@@ -95,6 +97,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layout", choices=("padded", "packed"), default="padded")
     p.add_argument("--arm", default=None, help=argparse.SUPPRESS)  # one arm, in a child
     p.add_argument("--out", default=None, help="JSON of every arm")
     args = p.parse_args()
@@ -104,11 +107,11 @@ def main() -> int:
     _, lengths = _batch(args.batch_rows, args.vocab, args.seed)
     tokens = sum(lengths) + 32 * len(lengths)
     span = f"{min(lengths)}-{max(lengths)} (median {statistics.median(lengths)})"
-    print(f"{len(lengths)} rows, response lengths {span}, {tokens} tokens")
+    print(f"{len(lengths)} rows, response lengths {span}, {tokens} tokens, {args.layout}")
     arms = [f"tokens={args.budget}", *[f"rows={r}" for r in args.rows.split(",")]]
     results = []
     for arm in arms:
-        keys = ("vocab", "hidden", "layers", "repeats", "threads", "seed", "batch_rows")
+        keys = ("vocab", "hidden", "layers", "repeats", "threads", "seed", "batch_rows", "layout")
         child = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys]
         cmd = [sys.executable, __file__, *child, "--arm", arm]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout

@@ -209,6 +209,47 @@ def test_gradient_accumulation_is_exact(mode, micro):
         assert metrics[1][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
 
 
+def test_padded_micro_batches_run_cut_to_their_own_widths():
+    """In the padded layout each micro-batch runs on the columns its rows attend to (short rows
+    no longer pay for the batch's longest) and its outputs equal the float64 reference taken
+    on the whole padded batch; a response_mask outside the attended tokens is refused."""
+    model = tiny_model().eval()
+    batch = make_batch(bsz=6, prompt_len=5, resp_len=7)
+    am = batch["attention_mask"]
+    am[1:, :3] = 0  # rows 1-5: prompts of at most 2 tokens, responses of at most 3
+    am[1:, 5 + 3 :] = 0
+    batch["response_mask"] = batch["response_mask"] * am[:, 5:]
+    batch["position_ids"] = (am.cumsum(1) - 1).clamp(min=0)
+    widths = []
+    hook = model.register_forward_pre_hook(
+        lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    engine = Engine(model, OptimConfig(micro_batch_size=2))
+    out = engine.compute(batch, frozenset({"log_probs", "entropy", "sum_pi_squared"}))
+    hook.remove()
+    spans = [am[rows].any(0).nonzero() for rows in ([0, 1], [2, 3], [4, 5])]
+    assert widths == [int(c.max() - c.min() + 1) for c in spans]
+    assert widths[0] > 7 and max(widths[1:]) <= 2 + 3  # row 0's whole response; the others cut
+    ref = reference_stats(model, batch, temperature=1.0)
+    for key, name in (("log_probs", "lp"), ("entropy", "h"), ("sum_pi_squared", "s")):
+        assert out[key].shape == batch["responses"].shape
+        torch.testing.assert_close(out[key].double(), ref[name], atol=1e-5, rtol=1e-5)
+    bad = dict(batch, response_mask=batch["response_mask"].clone())
+    bad["response_mask"][3, 6] = 1.0  # a trained token where no row of its micro-batch attends
+    with pytest.raises(ValueError, match="response_mask: marks tokens past column 3"):
+        engine.compute(bad, frozenset({"log_probs"}))
+
+
+def _micro_tokens(batch, rows, packed: bool) -> int:
+    """What a micro-batch of ``rows`` costs: its real tokens packed; padded, its rows x the
+    span of the columns any of them attends to (it runs cut to that)."""
+    mask = batch["attention_mask"][rows]
+    if packed:
+        return int(mask.sum())
+    cols = mask.any(0).nonzero()
+    return len(rows) * int(cols.max() - cols.min() + 1)
+
+
 @pytest.mark.parametrize(
     "mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 )
@@ -220,7 +261,7 @@ def test_token_budget_micro_batches_give_the_whole_batch_gradient(mode, packed):
     loss = build_loss(
         loss_agg_mode=mode, horizon=7, entropy_coeff=0.01, kl_loss_coef=0.1, kl_loss_type="k3"
     )
-    budget = 30 if packed else 36  # padded: 3 rows of width 12; packed: ~3-5 rows of 2-12
+    budget = 30  # packed: ~3-5 rows of 2-12 tokens; padded: rows x the micro-batch's width
     grads, metrics, stats = [], [], []
     for optim in (OptimConfig(micro_batch_size=8), OptimConfig(max_tokens_per_micro_batch=budget)):
         model = tiny_model()
@@ -230,8 +271,7 @@ def test_token_budget_micro_batches_give_the_whole_batch_gradient(mode, packed):
         assert sorted(torch.cat(bins).tolist()) == list(range(8))
         if optim.max_tokens_per_micro_batch:
             assert len(bins) > 1
-            tokens = batch["attention_mask"].sum(1) if packed else torch.full((8,), 12)
-            assert all(int(tokens[b].sum()) <= budget for b in bins)
+            assert all(_micro_tokens(batch, b, packed) <= budget for b in bins)
         stats.append(engine.compute(batch, frozenset({"log_probs", "entropy"})))
         engine.model.train()
         metrics.append(engine.accumulate_gradients(batch, loss))
@@ -242,8 +282,10 @@ def test_token_budget_micro_batches_give_the_whole_batch_gradient(mode, packed):
         assert metrics[1][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
     for key in stats[0]:
         torch.testing.assert_close(stats[1][key], stats[0][key], atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="max_tokens_per_micro_batch: a row of 12 tokens"):
-        Engine(tiny_model(), OptimConfig(max_tokens_per_micro_batch=11)).micro_batches(batch)
+    longest = max(_micro_tokens(batch, [i], packed) for i in range(8))
+    too_small = OptimConfig(max_tokens_per_micro_batch=longest - 1)
+    with pytest.raises(ValueError, match=f"max_tokens_per_micro_batch: a row of {longest} tokens"):
+        Engine(tiny_model(), too_small, packed=packed).micro_batches(batch)
 
 
 def test_update_metrics_and_steps():

@@ -29,8 +29,8 @@ from otbrl.algos.loss_math import Normalizers, loss_normalizers
 from otbrl.algos.loss_terms import Loss
 from otbrl.engine import parallel
 from otbrl.engine import state as checkpoint_state
-from otbrl.engine.layout import Layout, forward_outputs
-from otbrl.engine.micro import balance_ranks, first_fit_bins, token_bins
+from otbrl.engine.layout import Layout, forward_outputs, padded_extents, trim_padding
+from otbrl.engine.micro import balance_ranks, padded_bins, token_bins
 from otbrl.engine.optim import OptimConfig, warmup_schedule
 from otbrl.engine.precision import get_precision
 from otbrl.engine.world import World
@@ -188,16 +188,22 @@ class Engine:
         """One forward of a micro-batch -> {output: [B, Lr] float32} on the batch's device.
 
         The batch may live on the CPU (the trainer's batches do): inputs go to this rank's
-        device and the outputs come back (differentiably).
+        device and the outputs come back (differentiably). In the padded layout the
+        micro-batch runs cut to its own widths (``trim_padding``): the outputs are padded back.
         """
         home = micro["input_ids"].device
         device = self.world.device
+        width = micro["responses"].shape[1]
+        if not self.layout.packed:
+            micro = trim_padding(micro)
         micro = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in micro.items()}
         with self._context(), self.precision.autocast(device, enabled=self._autocast):
             out = forward_outputs(
                 self.model, micro, self.layout, outputs=outputs, temperature=self.temperature
             )
-        return {k: v.to(home) for k, v in out.items()}
+        return {
+            k: torch.nn.functional.pad(v.to(home), (0, width - v.shape[1])) for k, v in out.items()
+        }
 
     @torch.no_grad()
     def compute(self, batch: dict[str, Tensor], outputs: frozenset[str]) -> dict[str, Tensor]:
@@ -214,23 +220,24 @@ class Engine:
         permutation of its B rows): consecutive runs of ``micro_batch_size`` rows, or, with a
         token budget, rows packed by length (``otbrl.engine.micro``) into as many micro-batches
         as the rank that needs the most (a forward is collective: every rank runs as many).
-        Tokens: a row's real tokens in the packed layout, the batch's width in the padded one."""
+        Tokens: a row's real tokens in the packed layout; in the padded one a micro-batch's
+        rows × its own width (its longest prompt + response: ``micro.padded_bins``)."""
         rows = batch["input_ids"].shape[0]
         if self.max_tokens is None:
             cap = self.micro_batch_size
             return [torch.arange(i, min(i + cap, rows)) for i in range(0, rows, cap)]
-        mask = batch["attention_mask"]
-        lengths = mask.sum(dim=1).tolist() if self.layout.packed else [mask.shape[1]] * rows
+        if self.layout.packed:
+            binning, sizes = token_bins, [batch["attention_mask"].sum(dim=1).tolist()]
+        else:
+            binning, sizes = padded_bins, [e.tolist() for e in padded_extents(batch)]
         try:
-            need = len(first_fit_bins(lengths, self.max_tokens))
+            need = len(binning(*sizes, self.max_tokens, None))
         except ValueError as err:
             raise ValueError(
                 f"max_tokens_per_micro_batch: {str(err).removeprefix('lengths: ')}"
             ) from None
         count = int(self.world.max([need])[0])
-        return [
-            torch.tensor(b, dtype=torch.long) for b in token_bins(lengths, self.max_tokens, count)
-        ]
+        return [torch.tensor(b, dtype=torch.long) for b in binning(*sizes, self.max_tokens, count)]
 
     # -- training ----------------------------------------------------------------------------
     def update(self, batch: dict[str, Tensor], loss_fn: Loss) -> dict[str, float]:

@@ -62,6 +62,43 @@ def sequence_inputs(
     }
 
 
+def padded_extents(micro: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """Per row of a padded batch, the columns it needs: ``(prompt [B], response [B])`` int64,
+    counted from the prompt/response boundary outwards to its farthest attended token (its
+    left-padded prompt's and right-padded response's lengths). ``input_ids`` and
+    ``attention_mask`` [B, Lp + Lr], ``responses`` [B, Lr]."""
+    lr = micro["responses"].shape[1]
+    lp = micro["input_ids"].shape[1] - lr
+    seen = micro["attention_mask"].ne(0)
+    device = seen.device
+    prompt = (seen[:, :lp] * torch.arange(lp, 0, -1, device=device)).amax(dim=1)
+    response = (seen[:, lp:] * torch.arange(1, lr + 1, device=device)).amax(dim=1)
+    return prompt, response
+
+
+def trim_padding(micro: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The model inputs of a padded micro-batch cut to its own widths: ``input_ids``,
+    ``attention_mask``, ``position_ids`` [B, wp + wr], ``responses`` and ``response_mask``
+    [B, wr] (wp / wr: its longest prompt / response, :func:`padded_extents`; wr ≥ 1). The
+    columns cut are padding in every row, so each kept token's outputs are unchanged; the
+    batch's width is set by its longest row, and a micro-batch of short rows no longer pays
+    for it. ``ValueError`` if ``response_mask`` marks a token outside the attended ones."""
+    prompt, response = padded_extents(micro)
+    lr = micro["responses"].shape[1]
+    lp = micro["input_ids"].shape[1] - lr
+    wp, wr = max(int(prompt.max()), 1), max(int(response.max()), 1)
+    if wr < lr and bool(micro["response_mask"][:, wr:].ne(0).any()):
+        raise ValueError(
+            f"response_mask: marks tokens past column {wr} of the responses, where "
+            "attention_mask is 0 in every row"
+        )
+    cut = slice(lp - wp, lp + wr)
+    out = {key: micro[key][:, cut] for key in ("input_ids", "attention_mask", "position_ids")}
+    out["responses"] = micro["responses"][:, :wr]
+    out["response_mask"] = micro["response_mask"][:, :wr]
+    return out
+
+
 class ResponseRows(NamedTuple):
     """The N response tokens a forward scores, in row-major order."""
 

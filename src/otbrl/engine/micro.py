@@ -9,6 +9,10 @@ longest-processing-time first (each row, longest first, to the lightest bin: a m
 4/3 of the optimum) when that keeps every bin under T, else the first-fit bins split until
 there are k. Pure Python over row lengths: the engine asks for the bins, the ranks agree on k.
 
+In the padded layout a micro-batch is cut to its own widths (its longest prompt and response),
+so it costs its rows × that width: ``padded_bins`` keeps rows of like length together under
+the budget, so little of what a forward computes is padding.
+
 Before that, in the packed layout, the rows of each global mini-batch are dealt out again over
 the data-parallel ranks (``balance_ranks``, LPT again) so that each rank's token load is near
 the mean: the rank with the most tokens sets the step's time, and the loss is normalised by the
@@ -52,11 +56,13 @@ def first_fit_bins(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
-def token_bins(lengths: Sequence[int], budget: int, count: int) -> list[list[int]]:
+def token_bins(lengths: Sequence[int], budget: int, count: int | None) -> list[list[int]]:
     """Exactly ``count`` non-empty bins of the rows of ``lengths`` [N], each of at most
     ``budget`` tokens, as balanced as the methods of the module docstring give; ``count`` must
-    lie between the first-fit count and N."""
+    lie between the first-fit count and N. ``count`` None: the first-fit bins."""
     bins = first_fit_bins(lengths, budget)
+    if count is None:
+        return bins
     if not len(bins) <= count <= len(lengths):
         raise ValueError(
             f"count: expected between {len(bins)} (bins the budget needs) and {len(lengths)} "
@@ -75,6 +81,50 @@ def token_bins(lengths: Sequence[int], budget: int, count: int) -> list[list[int
         rows = sorted(bins.pop(big), key=lambda i: (-lengths[i], i))
         bins += [sorted(rows[0::2]), sorted(rows[1::2])]
     return bins
+
+
+def padded_bins(
+    prompt_lengths: Sequence[int], response_lengths: Sequence[int], budget: int, count: int | None
+) -> list[list[int]]:
+    """Micro-batches of the padded layout, where a micro-batch of n rows costs n × (its longest
+    prompt + its longest response) tokens (it is trimmed to its own widths): the rows sorted by
+    length, longest first, each micro-batch the next rows while its cost stays within
+    ``budget`` — rows of like length together, so little of a micro-batch is padding (the
+    fewest micro-batches for rows of one width each). ``count`` None: that many; else exactly
+    ``count`` (between that and N): the costliest micro-batch is halved until there are as
+    many (halves of like rows cost no more). Arguments ``[N]`` each; rows in index order
+    within a micro-batch. ``ValueError`` for a row over the budget."""
+    if len(prompt_lengths) != len(response_lengths):
+        raise ValueError(
+            f"response_lengths: expected {len(prompt_lengths)} rows like prompt_lengths, "
+            f"got {len(response_lengths)}"
+        )
+    totals = [p + r for p, r in zip(prompt_lengths, response_lengths)]
+    _check(totals, budget)
+
+    def cost(rows: list[int]) -> int:
+        return len(rows) * (
+            max(prompt_lengths[i] for i in rows) + max(response_lengths[i] for i in rows)
+        )
+
+    runs: list[list[int]] = []
+    for i in sorted(range(len(totals)), key=lambda i: (-totals[i], i)):
+        if runs and cost([*runs[-1], i]) <= budget:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    if count is not None:
+        if not len(runs) <= count <= len(totals):
+            raise ValueError(
+                f"count: expected between {len(runs)} (micro-batches the budget needs) and "
+                f"{len(totals)} (rows), got {count}"
+            )
+        while len(runs) < count:
+            big = max(range(len(runs)), key=lambda b: (len(runs[b]) > 1, cost(runs[b]), -b))
+            rows = runs.pop(big)
+            half = (len(rows) + 1) // 2
+            runs[big:big] = [rows[:half], rows[half:]]
+    return [sorted(b) for b in runs]
 
 
 def balance_ranks(lengths: Sequence[int], ranks: int) -> list[list[int]]:

@@ -32,7 +32,7 @@ class OptimConfig:
     micro_batch_size: int = setting(8, gt=0)
     # at most this many tokens per forward/backward instead (rows packed by length, the same
     # number of micro-batches on every rank; with model.use_remove_padding=true real tokens
-    # count, else rows x the batch's width); None: micro_batch_size rows
+    # count, else rows x the micro-batch's own width); None: micro_batch_size rows
     max_tokens_per_micro_batch: int | None = setting(None, gt=0, null="micro_batch_size rows")
     # global gradient-norm clip; 0 = none
     grad_clip: float = setting(1.0, ge=0)
