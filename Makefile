@@ -65,6 +65,8 @@ demo: $(STAMP)
 # The verl suite (one process, half a minute) runs beside the main one, where the main one's
 # waits leave the cores idle, with its own temp folder; its output follows the main suite's.
 # Both suites run whatever the other gives; make fails at the end if either failed.
+# Both run with TMPDIR in one scratch folder, deleted at the end: their runs, checkpoints and
+# the temp folders vLLM and torchrun leave behind (a hundred per run) do not pile up in /tmp.
 # The two environments install side by side (pip waits on disk and network as much as on CPU).
 # pytest-xdist: TEST_WORKERS processes, each test file on one of them (module fixtures such as
 # the zoo's models are built once), the cores shared out between them (tests/conftest.py).
@@ -76,7 +78,7 @@ PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile
 test:
 	@$(MAKE) --no-print-directory -j3 setup setup-verl browser
 	$(PY) -m ruff check .
-	@status=0; scratch=$$(mktemp -d); \
+	@status=0; scratch=$$(mktemp -d); export TMPDIR=$$scratch; \
 	$(VERL_PY) -m pytest -q -p no:cacheprovider --basetemp=$$scratch/tmp \
 		tests/test_integrations_verl_*.py > $$scratch/verl.log 2>&1 & verl=$$!; \
 	$(PY) -m pytest -q $(PYTEST_PARALLEL) --durations=10 || status=$$?; \
