@@ -234,12 +234,15 @@ def _all_generating(backend, count, thread) -> bool:
     return False
 
 
-def test_partial_rollout_keeps_requests_across_an_update(vllm_server, model):
+def test_partial_rollout_keeps_requests_across_an_update(vllm_server, model, monkeypatch):
     """`rollout.partial_rollout`: a weight update lands while a batch is generated; the requests
     are kept and go on with the new weights. Each token's recorded version is the one whose
     weights give its log-prob (to 1e-5: the kept requests' KV cache is recomputed with the new
     weights), the rows that span the update are many, and their later tokens differ from what
-    the old weights give (the labels are not vacuous)."""
+    the old weights give (the labels are not vacuous). The update's buckets are written before
+    the batch starts, so between "every sample is generating" and the server's pause there is
+    only an HTTP call or two (writing and hashing them under load outlasted the batch once)."""
+    from otbrl.rollout import server as server_module
     from otbrl.rollout.config import ServerConfig
     from otbrl.rollout.server import ServerRollout
     from otbrl.run.producer import version_metrics
@@ -251,6 +254,13 @@ def test_partial_rollout_keeps_requests_across_an_update(vllm_server, model):
         backend.sync_weights(model.named_parameters())
         start = backend.weight_version
         before = {k: v.clone() for k, v in model.state_dict().items()}
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        manifest = server_module.write_buckets(
+            backend.weights_dir, model.named_parameters(), backend.bucket_bytes
+        )
+        monkeypatch.setattr(server_module, "write_buckets", lambda *args: manifest)
         prompts = [[5 + i % 10, 6, 7] for i in range(8)]
         # the update must land while every sample is generating; under load (a neighbour's
         # torchrun) 5 tries all missed once in a fresh clone
@@ -266,10 +276,7 @@ def test_partial_rollout_keeps_requests_across_an_update(vllm_server, model):
             thread.join()
         else:
             pytest.fail("15 batches of 32 samples finished before all of them were generating")
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.05)
-        backend.sync_weights(model.named_parameters())  # mid-generation
+        backend.sync_weights(model.named_parameters())  # mid-generation: the buckets are there
         thread.join(timeout=600)
         ids, mask = left_pad(prompts, 0)
         batch = completions_to_batch(ids, mask, result["out"], pad_id=0)

@@ -264,12 +264,23 @@ def test_as_an_unprivileged_user():
     """The sandbox's tests again, as uid 65534: the sandbox is made in a user namespace and
     holds the same. An interpreter under a home directory others cannot enter (pyenv in
     ``/root``) is made reachable in a private mount namespace of the test's own."""
-    tmp_path = Path(tempfile.mkdtemp(prefix="otbrl-unprivileged-"))  # pytest's is root-only
+    # pytest's folder is root-only, and so may be TMPDIR (make test's scratch folder is)
+    tmp_path = Path(tempfile.mkdtemp(prefix="otbrl-unprivileged-", dir=_enterable_tmp()))
     try:
         os.chmod(tmp_path, 0o777)
         _run_as_unprivileged(tmp_path)
     finally:
         shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _enterable_tmp() -> str:
+    """A temporary folder that other users may enter: TMPDIR's when every folder on its way
+    lets them, else /var/tmp or /tmp (world-writable by convention)."""
+    for folder in (tempfile.gettempdir(), "/var/tmp", "/tmp"):
+        path = Path(folder).resolve()
+        if path.is_dir() and all(os.stat(a).st_mode & 0o001 for a in (path, *path.parents)):
+            return str(path)
+    return tempfile.gettempdir()
 
 
 def _reveal(paths: list[Path], stash: Path) -> str:
