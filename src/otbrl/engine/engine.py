@@ -196,14 +196,16 @@ class Engine:
         width = micro["responses"].shape[1]
         if not self.layout.packed:
             micro = trim_padding(micro)
+        cut = width - micro["responses"].shape[1]
         micro = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in micro.items()}
         with self._context(), self.precision.autocast(device, enabled=self._autocast):
             out = forward_outputs(
                 self.model, micro, self.layout, outputs=outputs, temperature=self.temperature
             )
-        return {
-            k: torch.nn.functional.pad(v.to(home), (0, width - v.shape[1])) for k, v in out.items()
-        }
+        out = {k: v.to(home) for k, v in out.items()}
+        if cut:  # the response columns trim_padding dropped
+            out = {k: torch.nn.functional.pad(v, (0, cut)) for k, v in out.items()}
+        return out
 
     @torch.no_grad()
     def compute(self, batch: dict[str, Tensor], outputs: frozenset[str]) -> dict[str, Tensor]:

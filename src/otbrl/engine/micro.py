@@ -108,11 +108,15 @@ def padded_bins(
         )
 
     runs: list[list[int]] = []
+    widest = (0, 0)  # the current run's longest prompt and response
     for i in sorted(range(len(totals)), key=lambda i: (-totals[i], i)):
-        if runs and cost([*runs[-1], i]) <= budget:
+        grown = (max(widest[0], prompt_lengths[i]), max(widest[1], response_lengths[i]))
+        if runs and (len(runs[-1]) + 1) * sum(grown) <= budget:
             runs[-1].append(i)
+            widest = grown
         else:
             runs.append([i])
+            widest = (prompt_lengths[i], response_lengths[i])
     if count is not None:
         if not len(runs) <= count <= len(totals):
             raise ValueError(
