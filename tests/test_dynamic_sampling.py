@@ -84,18 +84,46 @@ def test_a_step_trains_the_groups_with_signal_and_counts_its_rounds(run, tmp_pat
     assert trainer.dataset.state_dict()["position"] == drawn % 32
 
 
-def test_a_step_short_after_its_rounds_fills_up_and_says_so(run, tmp_path):
+def test_a_step_short_after_its_rounds_fills_up_and_says_so(run, tmp_path, monkeypatch):
+    """One round: the odd-answer prompts' groups never carry signal, so steps fill up; the
+    filled groups enter the estimator with empty masks and every group that trains differs."""
+    overrides, _ = run
+    seen = spy_advantage(monkeypatch)
+    out = tmp_path / "run"
+    extra = ["algorithm.max_sample_rounds=1", "trainer.total_steps=3", "trainer.save_every=0"]
+    trainer_mod.Trainer(load_config(None, overrides(out, *extra))).fit()
+    steps = [r for r in read_metrics(out) if "policy/loss" in r]
+    filled_total = 0
+    for kwargs, r in zip(seen, steps, strict=True):
+        rewards = kwargs["token_level_rewards"].sum(dim=1).view(4, 4)
+        trained = kwargs["response_mask"].view(4, -1).sum(dim=1) > 0  # per group
+        signal = rewards.max(1).values > rewards.min(1).values
+        assert torch.equal(trained, signal)  # a filled group trains no token
+        assert r["dynamic_sampling/filled_frac"] == float((~signal).sum()) / 4
+        assert r["dynamic_sampling/rounds"] == 1
+        filled_total += int((~signal).sum())
+    assert filled_total > 0  # the data has odd answers in the first 12 prompts
+
+
+def test_a_step_without_signal_trains_nothing(run, tmp_path):
+    """Every group filled up: the weights do not move, although the entropy bonus would give
+    any trained row a gradient and AdamW's weight decay would move them without one."""
     overrides, root = run
     out = tmp_path / "run"
     args = overrides(
         out, f"reward.function={root / 'constant.py'}:score", "algorithm.max_sample_rounds=3",
-        "trainer.total_steps=2", "trainer.save_every=0",
+        "trainer.total_steps=2", "trainer.save_every=0", "actor.entropy_coeff=0.01",
+        "actor.weight_decay=0.1",
     )  # fmt: skip
-    assert cli.main(["train", *args]) == 0
+    trainer = trainer_mod.Trainer(load_config(None, args))
+    before = {k: v.clone() for k, v in trainer.policy.model.state_dict().items()}
+    trainer.fit()
+    for key, value in trainer.policy.model.state_dict().items():
+        assert torch.equal(value, before[key]), key
     for r in [r for r in read_metrics(out) if "policy/loss" in r]:
         assert r["dynamic_sampling/rounds"] == 3
         assert r["dynamic_sampling/kept_frac"] == 0 and r["dynamic_sampling/filled_frac"] == 1
-        assert r["policy/grad_norm"] == 0  # groups without signal: no gradient
+        assert r["policy/grad_norm"] == 0 and r["policy/skipped_steps"] == 0
 
 
 def test_dynamic_sampling_resumes_where_it_stopped(run, tmp_path):

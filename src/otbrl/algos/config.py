@@ -102,7 +102,8 @@ class AlgorithmConfig:
     # data.train_batch_size groups with signal, or max_sample_rounds rounds were sampled
     dynamic_sampling: bool = False
     # rounds of data.train_batch_size prompts one step may sample under dynamic_sampling; a step
-    # still short after them fills up with groups without signal (dynamic_sampling/filled_frac)
+    # still short after them fills up with groups without signal, none of whose tokens is
+    # trained (dynamic_sampling/filled_frac)
     max_sample_rounds: int = setting(10, ge=1)
     otb: OTBConfig = field(default_factory=OTBConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)

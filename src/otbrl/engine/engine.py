@@ -246,7 +246,9 @@ class Engine:
         """PPO epochs over shuffled mini-batches, exact gradient accumulation over micro-batches.
 
         ``batch``: this rank's rows with the model inputs and ``loss_fn.batch_keys``. One
-        optimizer + scheduler step per mini-batch; a non-finite gradient norm skips the step.
+        optimizer + scheduler step per mini-batch; a non-finite gradient norm skips the step
+        (counted), and so does a mini-batch whose ``response_mask`` is 0 on every rank (not
+        counted: nothing to train).
         Returns the loss's metrics (summed over micro-batches and ranks, i.e. mini-batch
         values) averaged over optimizer steps, plus ``<name>/grad_norm``, ``<name>/lr`` and
         ``<name>/skipped_steps``; ``skipped_in_a_row`` counts the skips since the last step
@@ -285,15 +287,18 @@ class Engine:
         out[f"{self.name}/skipped_steps"] = float(skipped)
         return out
 
-    def accumulate_gradients(self, mini: dict[str, Tensor], loss_fn: Loss) -> dict[str, float]:
+    def accumulate_gradients(
+        self, mini: dict[str, Tensor], loss_fn: Loss, norms: Normalizers | None = None
+    ) -> dict[str, float]:
         """Zero the gradients, then backpropagate the mini-batch loss micro-batch by micro-batch.
 
-        Every micro-batch loss is normalised by the whole (global) mini-batch's counts, so the
+        Every micro-batch loss is normalised by the whole (global) mini-batch's counts
+        (``norms``; default: ``normalizers(mini["response_mask"])``, collective), so the
         accumulated gradient equals that of the mini-batch loss taken at once, for every
         ``loss_agg_mode`` and any micro-batch cap. Returns the loss's metrics, summed over
         micro-batches and data-parallel ranks (mini-batch values).
         """
-        norms = self.normalizers(mini["response_mask"])
+        norms = self.normalizers(mini["response_mask"]) if norms is None else norms
         self.optimizer.zero_grad(set_to_none=True)
         tally: dict[str, float] = {}
         for idx in self.micro_batches(mini):
@@ -335,13 +340,16 @@ class Engine:
         return {key: value[mine] for key, value in out.items()}
 
     def _optimizer_step(self, mini: dict[str, Tensor], loss_fn: Loss) -> tuple[dict, bool]:
-        metrics = self.accumulate_gradients(mini, loss_fn)
+        norms = self.normalizers(mini["response_mask"])
+        metrics = self.accumulate_gradients(mini, loss_fn, norms)
         clip = self.optim.grad_clip if self.optim.grad_clip > 0 else float("inf")
         grad_norm = parallel.clip_grad_norm(self.model.parameters(), clip)
         finite = bool(torch.isfinite(grad_norm))
         # a non-finite gradient skips the step (and shows in the metrics) instead of writing
-        # NaNs into the weights
-        if finite:
+        # NaNs into the weights; a mini-batch with no trained token on any rank (every row
+        # dropped by seq_mis, or filled up by dynamic sampling) trains nothing: AdamW would
+        # still move the weights by its momentum and weight decay
+        if finite and float(norms.num_tokens) > 0:
             self.optimizer.step()
             self._check_parameters()
         with warnings.catch_warnings():

@@ -238,6 +238,18 @@ def signal_groups(sample: Sample, n: int) -> list[int]:
 _SUMMED = ("timing/", "reward/errors", "reward/timeouts", "tool/errors")
 
 
+def untrain_groups(batch: dict[str, Tensor], groups: Sequence[int], n: int) -> None:
+    """Keep ``groups`` (indices of ``n`` consecutive rows each) in ``batch`` but train none of
+    their tokens: their ``response_mask`` rows are set to 0, in place. The rows still take their
+    place in the batch (its size, every rank's share) and in its statistics forward; the
+    estimators, losses and metrics see them as empty responses (``response_mask`` [B, Lr])."""
+    mask = batch["response_mask"]
+    for g in groups:
+        if not 0 <= g < mask.shape[0] // n:
+            raise ValueError(f"groups: {g} is not a group of a batch of {mask.shape[0]} rows")
+        mask[g * n : (g + 1) * n] = 0
+
+
 def merge_groups(
     picks: Sequence[tuple[Sample, Sequence[int]]], n: int, *, pad_id: int, uid_offset: int = 0
 ) -> Sample:

@@ -49,7 +49,7 @@ from otbrl.run.evaluate import validate
 from otbrl.run.plan import Plan, plan_run
 from otbrl.run.producer import Produced, Producer, version_metrics
 from otbrl.run.rundir import RunDir, claim_run_dir
-from otbrl.run.sampling import merge_groups, sample_batch, signal_groups
+from otbrl.run.sampling import merge_groups, sample_batch, signal_groups, untrain_groups
 from otbrl.run.seeds import seed_everything, step_seed
 from otbrl.store import checkpoint
 
@@ -130,9 +130,11 @@ class Trainer:
         """DAPO's dynamic sampling: rounds of this rank's share of the next prompts until it
         holds that many groups whose rewards are not all equal (with ``agree``, until every
         rank does: each round is sampled on every rank), at most ``max_sample_rounds``; a share
-        still short then is filled with the latest groups without signal (zero advantages
-        under a group-relative estimator: they add no gradient, and the step keeps its size on
-        every rank). Groups found beyond the share are dropped, never trained."""
+        still short then is filled with the latest groups without signal, whose
+        ``response_mask`` is all 0: the step keeps its size on every rank and trains on the
+        groups with signal alone (no policy-gradient, entropy or KL term acts on a filled row,
+        and the loss counts its tokens nowhere). Groups found beyond the share are dropped,
+        never trained."""
         quota = self.cfg.data.train_batch_size // self.world.dp_size
         n, found, signal = self.spec.sampling.n, 0, 0
         rounds: list = []  # per round: (its sample, the groups taken from it, the others)
@@ -151,17 +153,20 @@ class Trainer:
                 short = self.world.sum([float(short)], over="dp")[0] > 0
             if not short:
                 break
-        filled = 0
-        for _, take, others in reversed(rounds):  # the latest groups without signal first
-            extra = others[: quota - found - filled]
-            take += extra
-            filled += len(extra)
+        filled, fill = 0, []
+        for _, _, others in reversed(rounds):  # the latest groups without signal first
+            fill.insert(0, others[: quota - found - filled])
+            filled += len(fill[0])
+        picks = [sorted(take + extra) for (_, take, _), extra in zip(rounds, fill)]
         merged = merge_groups(
-            [(sample, sorted(take)) for sample, take, _ in rounds],
+            [(sample, groups) for (sample, _, _), groups in zip(rounds, picks)],
             n,
             pad_id=pad_token_id(self.tokenizer),
             uid_offset=self.world.dp_rank * quota,
         )
+        # the merged batch's groups in order: where the filled ones landed
+        order = [g in set(extra) for groups, extra in zip(picks, fill) for g in groups]
+        untrain_groups(merged.batch, [i for i, f in enumerate(order) if f], n)
         generated = len(rounds) * quota
         merged.metrics.update(
             {
