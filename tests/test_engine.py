@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import otbrl.engine.layout as layout_mod
 from otbrl.algos.loss_terms import build_loss
 from otbrl.config import load_config
 from otbrl.engine.engine import Engine, warmup_schedule
@@ -73,14 +74,26 @@ def reference_stats(model, batch, temperature):
     return out
 
 
+# The padded logits head either runs on every response column (few of them padding) or picks
+# the scored rows out of the logits first (many): both ways, forced by the share it switches at.
+PADDED_HEADS = {"padded_full_width": 1e9, "padded_picked": 1e-9}
+
+
+@pytest.fixture(params=sorted(PADDED_HEADS))
+def padded_head(request, monkeypatch):
+    monkeypatch.setattr(layout_mod, "FULL_WIDTH_SHARE", PADDED_HEADS[request.param])
+    return request.param
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_layouts_agree_with_float64_reference(arch):
+def test_layouts_agree_with_float64_reference(arch, padded_head):
     model = tiny_model(arch).eval()
     batch = make_batch()
+    batch["response_mask"][1, 0] = 0  # a hole inside an attended response (a tool's output)
     ref = reference_stats(model, batch, temperature=0.7)
     mask = batch["response_mask"].bool()
     layouts = {
-        "padded": {},
+        padded_head: {},
         "packed": {"packed": True},
         "fused": {"fused": True},
         "packed_fused": {"packed": True, "fused": True},
@@ -110,17 +123,23 @@ def test_only_requested_stats_and_gradients():
         assert not stats["sum_pi_squared"].requires_grad
 
 
-def test_packed_gradients_match_padded():
+def test_packed_gradients_match_padded(monkeypatch):
     model = tiny_model()
     batch = make_batch(bsz=4)
+    batch["response_mask"][0, 2] = 0  # a hole inside an attended response
     grads = []
-    for kwargs in ({}, {"packed": True}, {"fused": True}):
+    for share, kwargs in [(s, {}) for s in PADDED_HEADS.values()] + [
+        (None, {"packed": True}),
+        (None, {"fused": True}),
+    ]:
+        if share is not None:
+            monkeypatch.setattr(layout_mod, "FULL_WIDTH_SHARE", share)
         model.zero_grad()
         stats = forward_token_stats(model, batch, entropy=True, **kwargs)
         (stats["log_probs"].sum() + 0.1 * stats["entropy"].sum()).backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-    torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(grads[2], grads[0], atol=1e-5, rtol=1e-4)
+    for other in grads[1:]:
+        torch.testing.assert_close(other, grads[0], atol=1e-5, rtol=1e-4)
 
 
 def test_bad_inputs():

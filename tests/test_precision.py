@@ -13,6 +13,7 @@ from otbrl.engine import layout as layout_module
 from otbrl.engine.engine import Engine
 from otbrl.engine.optim import OptimConfig
 from otbrl.engine.precision import check_precision_device, get_precision
+from otbrl.ops import IGNORE_INDEX
 from test_engine import make_batch, rl_batch, tiny_model
 
 ALL = frozenset({"log_probs", "entropy", "sum_pi_squared"})
@@ -25,11 +26,14 @@ def actor(**kw):
 
 
 def float64_stats(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Log-prob, entropy and Σπ² of [N, V] logits by a float64 softmax."""
+    """Log-prob, entropy and Σπ² of [N, V] logits by a float64 softmax (log-prob 0 where the
+    label is ``IGNORE_INDEX``: the padded head's unscored columns)."""
     logp = torch.log_softmax(logits.double(), dim=-1)
     p = logp.exp()
+    ignored = labels == IGNORE_INDEX
+    picked = logp.gather(-1, labels.masked_fill(ignored, 0)[:, None])[:, 0]
     return {
-        "log_probs": logp.gather(-1, labels[:, None])[:, 0],
+        "log_probs": picked.masked_fill(ignored, 0.0),
         "entropy": -(p * logp).sum(-1),
         "sum_pi_squared": (p * p).sum(-1),
     }
