@@ -215,14 +215,16 @@ class GradientProbe:
         """The padded layout's outputs with log-probs from plain ``log_softmax``: the fused
         op's backward writes in place, which ``is_grads_batched`` (vmap over the backward)
         rejects. Σπ² and entropy carry no gradient here."""
-        rows, logits, labels, _ = row_features(self.model, batch, Layout())
+        rows, logits, labels, pick = row_features(self.model, batch, Layout())
         logits = logits.float() / self.temperature
-        log_probs = torch.log_softmax(logits, -1).gather(-1, labels[:, None])[:, 0]
+        # the rows pick drops may be labelled IGNORE_INDEX: any index serves them
+        picked = labels.clamp(min=0)[:, None]
+        log_probs = torch.log_softmax(logits, -1).gather(-1, picked)[:, 0]
         extra = token_stats(logits.detach(), labels, temperature=1.0)
         return {
-            "log_probs": scatter_rows(log_probs, rows.valid),
-            "entropy": scatter_rows(extra.entropy, rows.valid),
-            "sum_pi_squared": scatter_rows(extra.sum_pi_squared, rows.valid),
+            "log_probs": scatter_rows(pick(log_probs), rows.valid),
+            "entropy": scatter_rows(pick(extra.entropy), rows.valid),
+            "sum_pi_squared": scatter_rows(pick(extra.sum_pi_squared), rows.valid),
         }
 
     def reference(self, rows: list[dict], samples: int, chunk: int, seed: int) -> Tensor:
