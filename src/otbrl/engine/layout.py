@@ -192,10 +192,10 @@ def row_features(model: nn.Module, micro: dict[str, Tensor], layout: Layout):
 
     Returns ``(rows, features [M, F], labels [M], pick)``: ``features`` are logits (hidden
     states for the fused head, value logits for a value head) of M positions, ``labels`` the
-    token each predicts (``IGNORE_INDEX`` for a position nobody scores), and ``pick`` maps
-    per-position values [M] to the N scored tokens in ``rows`` order (M = N except under
-    Ulysses, where it gathers the group's slices, and for the padded logits head run on every
-    response column, M = B·Lr, where it drops the unscored ones).
+    token each predicts (at a position nobody scores: any id, or ``IGNORE_INDEX``), and
+    ``pick`` maps per-position values [M] to the N scored tokens in ``rows`` order (M = N
+    except under Ulysses, where it gathers the group's slices, and for the padded logits head
+    run on every response column, M = B·Lr, where it drops the unscored ones).
     """
     rows = response_rows(micro)
     if layout.sp_group is not None:
