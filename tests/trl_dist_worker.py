@@ -17,3 +17,8 @@ trainer.train()
 rank = trainer.accelerator.process_index
 records = [{k: v for k, v in rec.items() if k != "plugin"} for rec in trainer.records]
 torch.save(records, out_dir / f"rank{rank}.pt")
+# An explicit teardown: left to interpreter exit, gloo's threads were once destroyed while
+# still joinable ("terminate called without an active exception", SIGABRT after the last step)
+if torch.distributed.is_initialized():
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
