@@ -176,6 +176,21 @@ def test_group_relative_means_an_all_equal_group_gets_no_signal(name):
         assert (equal == 0).all(), equal
     else:
         assert equal.abs().max() > 1e-3
+    # one row longer than the rest of its equal group: OTB's zero tail leaves its return on
+    # the tokens past the second-longest row (baseline 0 there), and nothing else
+    mask[1:4, 4:] = 0
+    rewards = torch.zeros(rows, length)
+    rewards[torch.arange(rows), mask.sum(1).long() - 1] = scores
+    adv, _ = compute_advantage(
+        name, token_level_rewards=rewards, response_mask=mask, index=torch.arange(rows) // 4,
+        old_log_probs=probs.log(), sum_pi_squared=probs**2 + 0.01,
+        values=torch.randn(rows, length, generator=g),
+    )  # fmt: skip
+    if ESTIMATORS[name].group_relative:
+        tail = torch.zeros(4, length)
+        if "optimal_token_baseline" in name:  # OTB and TIR-OTB, handle_zero_tail by default
+            tail[0, 4:] = 1.0  # the return of row 0's reward 1
+        assert torch.equal(adv[:4] * mask[:4], tail), adv[:4]
 
 
 def test_merge_groups_rebuilds_the_batch_its_groups_came_from(tiny_dir):

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from otbrl.algos.metrics import (
     masked_summary,
     otb_metrics,
+    step_metrics,
     trajectory_w,
     variance_proxy,
     zero_tail_fraction,
@@ -116,3 +117,27 @@ def test_otb_metrics_keys():
     # Rows 2, 3 (length 5) tie; rows 0 (3) and 1 (5): row 1's tokens at t ≥ 3 -> 2 of 18.
     assert out["otb/zero_tail_fraction"].item() == pytest.approx(2 / 18)
     assert set(otb_metrics(torch.zeros(4, 5), m, [0, 0, 1, 1])) == {"otb/zero_tail_fraction"}
+
+
+def test_step_metrics_weigh_w_as_the_estimator_did():
+    """The trainer's metrics take the batch's rollout IS weights into W (as OTB's estimator
+    does) and TIR-OTB's zero tail in response space: hand-worked, as the tests above."""
+    m = T([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
+    lp, spi = torch.full((4, 3), 0.5).log(), torch.full((4, 3), 0.5)  # w = 0.5 per token
+    batch = {
+        "response_mask": m, "entropy": torch.zeros(4, 3), "advantages": torch.zeros(4, 3),
+        "uid": T([0, 0, 1, 1]), "old_log_probs": lp, "sum_pi_squared": spi,
+    }  # fmt: skip
+    plain = step_metrics(batch, grad_norm=1.0)
+    assert plain["otb/w_score/max"] == pytest.approx(1.5)  # row 0: 3 tokens × 0.5
+    weighted = step_metrics({**batch, "rollout_is_weights": torch.full((4, 3), 2.0)}, grad_norm=1.0)
+    assert weighted["otb/w_score/max"] == pytest.approx(6.0)  # × 2²
+    # group 1: an empty row beside a 2-token one. Sequence space: the empty row is a member
+    # (length 0), so row 3 is the unique longest and its 2 tokens are tail; response space:
+    # not a member, row 3 alone has no second-longest, no tail. Group 0: row 0's tokens 1, 2.
+    assert plain["otb/zero_tail_fraction"] == pytest.approx(4 / 6)
+    tir = step_metrics(batch, grad_norm=1.0, response_space=True)
+    assert tir["otb/zero_tail_fraction"] == pytest.approx(2 / 6)
+    for response_space, metrics in ((False, plain), (True, tir)):
+        want = zero_tail_mask(m, batch["uid"], response_space=response_space).sum() / 6
+        assert metrics["otb/zero_tail_fraction"] == pytest.approx(float(want))

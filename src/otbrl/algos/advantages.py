@@ -48,7 +48,10 @@ class Estimator:
     keys such as ``"old_log_probs"``, ``"sum_pi_squared"``, ``"values"``) it needs with default
     options; ``options_needs``: optional ``(**options) -> frozenset`` for option-dependent needs.
     ``group_relative``: a group whose rewards are all equal gets zero advantages, whatever the
-    rest of the batch holds (what dynamic sampling relies on to drop it).
+    rest of the batch holds (what dynamic sampling relies on to drop it) — but for OTB's zero
+    tail (``handle_zero_tail``): the tokens of its unique longest row past the second-longest
+    have baseline 0 and keep their return. Dynamic sampling drops such a group all the same,
+    as DAPO does: the rule is the rewards', not the estimator's.
     """
 
     name: str

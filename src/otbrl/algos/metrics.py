@@ -155,14 +155,22 @@ def sample_metrics(scores: Tensor, response_mask: Tensor, truncated: Tensor) -> 
     }
 
 
-def step_metrics(batch: dict[str, Tensor], *, grad_norm: Tensor | float | None) -> dict[str, float]:
+def step_metrics(
+    batch: dict[str, Tensor],
+    *,
+    grad_norm: Tensor | float | None,
+    response_space: bool = False,
+) -> dict[str, float]:
     """The statistics of a trained batch, after its update: ``policy/entropy_mean``; with Σπ²
     in the batch ``policy/sum_pi_squared_mean`` and :func:`otb_metrics` (``grad_norm``, the
-    update's mean pre-clip norm, stands in for the batch-gradient norm); with ``values`` the
-    critic's ``critic/values_mean``, ``critic/returns_mean`` and ``critic/explained_variance``.
+    update's mean pre-clip norm, stands in for the batch-gradient norm; W weighted by the
+    batch's ``rollout_is_weights`` when it has them, as the estimator's was;
+    ``response_space=True`` for TIR-OTB's zero tail); with ``values`` the critic's
+    ``critic/values_mean``, ``critic/returns_mean`` and ``critic/explained_variance``.
 
     ``batch``: the step's batch (``response_mask``, ``entropy``, ``advantages``, ``uid`` and the
-    optional ``sum_pi_squared`` / ``old_log_probs`` / ``values`` / ``returns``, all [B, Lr]).
+    optional ``sum_pi_squared`` / ``old_log_probs`` / ``rollout_is_weights`` / ``values`` /
+    ``returns``, all [B, Lr]).
     """
     mask = batch["response_mask"]
     out = {"policy/entropy_mean": float(masked_mean(batch["entropy"], mask))}
@@ -174,7 +182,9 @@ def step_metrics(batch: dict[str, Tensor], *, grad_norm: Tensor | float | None) 
             batch["uid"],
             batch["old_log_probs"],
             batch["sum_pi_squared"],
+            rollout_is_weights=batch.get("rollout_is_weights"),
             grad_norm=grad_norm,
+            response_space=response_space,
         )
         out.update({k: float(v) for k, v in extra.items()})
     if "values" in batch:

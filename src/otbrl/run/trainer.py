@@ -319,7 +319,13 @@ class Trainer:
                     metrics.update(self.engines["critic"].update(batch, self.critic_loss))
                 metrics.update(self.policy.update(batch, self.policy_loss))
                 self._sync_rollout_weights()
-            metrics.update(step_metrics(batch, grad_norm=metrics["policy/grad_norm"]))
+            metrics.update(
+                step_metrics(
+                    batch,
+                    grad_norm=metrics["policy/grad_norm"],
+                    response_space=self.spec.estimator == "tir_optimal_token_baseline",
+                )
+            )
             timing["timing/step"] = time.perf_counter() - start
             metrics["throughput/tokens_per_s"] = (
                 float(batch["attention_mask"].sum()) / timing["timing/step"]
