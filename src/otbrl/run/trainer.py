@@ -153,20 +153,20 @@ class Trainer:
                 short = self.world.sum([float(short)], over="dp")[0] > 0
             if not short:
                 break
-        filled, fill = 0, []
-        for _, _, others in reversed(rounds):  # the latest groups without signal first
-            fill.insert(0, others[: quota - found - filled])
-            filled += len(fill[0])
-        picks = [sorted(take + extra) for (_, take, _), extra in zip(rounds, fill)]
+        filled = 0
+        for _, take, others in reversed(rounds):  # the latest groups without signal first
+            extra = others[: quota - found - filled]
+            take += extra
+            filled += len(extra)
         merged = merge_groups(
-            [(sample, groups) for (sample, _, _), groups in zip(rounds, picks)],
+            [(sample, sorted(take)) for sample, take, _ in rounds],
             n,
             pad_id=pad_token_id(self.tokenizer),
             uid_offset=self.world.dp_rank * quota,
         )
-        # the merged batch's groups in order: where the filled ones landed
-        order = [g in set(extra) for groups, extra in zip(picks, fill) for g in groups]
-        untrain_groups(merged.batch, [i for i, f in enumerate(order) if f], n)
+        # the filled groups are the merged batch's groups without signal (the rest have it)
+        silent = set(range(len(merged.prompt_ids))) - set(signal_groups(merged, n))
+        untrain_groups(merged.batch, sorted(silent), n)
         generated = len(rounds) * quota
         merged.metrics.update(
             {
