@@ -2,7 +2,7 @@
 base commit run side by side on this machine.
 
     python benchmarks/regression.py                    # the working tree against HEAD
-    python benchmarks/regression.py --base main --task arithmetic
+    python benchmarks/regression.py --base main --task arithmetic,chain_sum
 
 The base commit is checked out in a temporary ``git worktree``; each tree runs the same short
 demo runs (the demo's preset, a cut-short warm start, a few RL steps: ``RUNS``) in its own
@@ -52,6 +52,17 @@ RUNS = {
         "sft.max_steps=60",
         "sft.eval_every=60",
         f"reward.function={PARTIAL_REWARD}:digits_in_place",
+    ],
+    # the long-response task (136 tokens): padded micro-batches cut to their own widths
+    "chain_sum": [
+        "data.task=chain_sum",
+        "trainer.total_steps=3",
+        "trainer.val_every=3",
+        "data.val_size=16",
+        "data.train_batch_size=8",
+        "actor.ppo_mini_batch_size=4",
+        "sft.max_steps=30",
+        "sft.eval_every=30",
     ],
 }
 WALL_CLOCK = ("timing/", "throughput/", "memory/")
@@ -129,7 +140,9 @@ def _run_tree(tree: Path, task: str, work: Path, threads: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base", default="HEAD", help="the commit to compare with (HEAD)")
-    parser.add_argument("--task", default="arithmetic,tool_arithmetic", help="comma-separated")
+    parser.add_argument(
+        "--task", default="arithmetic,tool_arithmetic,chain_sum", help="comma-separated"
+    )
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     tasks = args.task.split(",")
