@@ -28,7 +28,8 @@ from pathlib import Path
 from otbrl import cli
 from otbrl.config import load_config
 from otbrl.rollout.server import ServerRollout
-from otbrl.run.build import warm_start
+from otbrl.run.build import model_path
+from otbrl.run.spec import resolve
 
 HERE = Path(__file__).resolve().parent
 ARMS = {
@@ -93,7 +94,7 @@ def main() -> None:
     sizes = [f"data.train_batch_size={args.batch}", f"rollout.n={args.n}",
              f"data.val_size={args.val_size}", f"trainer.total_steps={args.steps}",
              f"trainer.val_every={max(1, args.steps // 5)}", "trainer.save_every=0"]  # fmt: skip
-    model_dir = warm_start(load_config(overrides=base))
+    model_dir = model_path(resolve(load_config(overrides=base)).model)
     server = ServerRollout(model_dir, seed=0)
     results: dict[str, list[dict]] = {}
     try:

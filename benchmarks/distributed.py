@@ -169,23 +169,30 @@ def ppo_batch(model, groups: int, n: int, prompt_len: int, resp_len: int, vocab:
     """A real rollout of `model` (n samples of `groups` random prompts) with random advantages."""
     from types import SimpleNamespace
 
-    from otbrl.rollout import generate
+    from otbrl.rollout import HFRollout, SamplingParams, completions_to_batch, unpad_prompts
 
     g = torch.Generator().manual_seed(7)
     prompts = torch.randint(2, vocab, (groups, prompt_len), generator=g)
-    ids = SimpleNamespace(pad_token_id=0, eos_token_id=1)  # all generate needs of a tokenizer
-    batch = generate(
-        model, ids, prompts, torch.ones_like(prompts), n=n, max_new_tokens=resp_len, seed=7
-    )
+    mask = torch.ones_like(prompts)
+    ids = SimpleNamespace(pad_token_id=0, eos_token_id=1)  # all sampling needs of a tokenizer
+    params = SamplingParams(n=n, max_tokens=resp_len, stop_token_ids=(1,), seed=7)
+    completions = HFRollout(model, ids).generate(unpad_prompts(prompts, mask), params)
+    batch = completions_to_batch(prompts, mask, completions, pad_id=0)
     mask = batch["response_mask"]
     batch["advantages"] = torch.randn(mask.shape, generator=g) * mask
     return batch
 
 
-def _actor_config(micro: int):
+def _actor(model, micro: int, mini_batch_size: int, world=None):
+    """A trainable engine on ``model``: micro-batches of ``micro`` rows, one optimizer step per
+    ``mini_batch_size`` (global) sequences."""
     from otbrl.engine.optim import OptimConfig
+    from otbrl.engine.spec import EngineSpec, MicroBatchConfig
+    from otbrl.engine.trainable import TrainableEngine
 
-    return OptimConfig(lr=1e-4, warmup_steps=0, micro_batch_size=micro, grad_clip=1.0)
+    optim = OptimConfig(lr=1e-4, warmup_steps=0, grad_clip=1.0)
+    spec = EngineSpec(micro=MicroBatchConfig(micro))
+    return TrainableEngine(model, optim, spec, world=world, mini_batch_size=mini_batch_size)
 
 
 OUTPUTS = frozenset({"log_probs", "entropy", "sum_pi_squared"})
@@ -199,7 +206,6 @@ def _step(engine, batch):
 
 
 def _dp_worker(rank, world_size, model_args, batch_args, repeats):
-    from otbrl.engine.engine import Engine
     from otbrl.engine.parallel import build_mesh
     from otbrl.engine.world import World
 
@@ -208,22 +214,15 @@ def _dp_worker(rank, world_size, model_args, batch_args, repeats):
     size = batch["uid"].numel()
     rows = torch.tensor(world.shard(range(size)))  # whole groups: they are contiguous
     local = {k: v[rows] for k, v in batch.items()}
-    engine = Engine(
-        tiny_llama(*model_args),
-        _actor_config(size // world_size),
-        world=world,
-        mini_batch_size=size,
-    )
+    engine = _actor(tiny_llama(*model_args), size // world_size, size, world=world)
     return median_time(lambda: _step(engine, local), repeats)
 
 
 def single_process_step(model_args, batch_args, repeats, threads: int) -> float:
-    from otbrl.engine.engine import Engine
-
     torch.set_num_threads(threads)
     batch = ppo_batch(tiny_llama(*model_args), *batch_args)
     size = batch["uid"].numel()
-    engine = Engine(tiny_llama(*model_args), _actor_config(size), mini_batch_size=size)
+    engine = _actor(tiny_llama(*model_args), size, size)
     return median_time(lambda: _step(engine, batch), repeats)
 
 

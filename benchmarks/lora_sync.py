@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-from otbrl.engine.engine import Engine
+from otbrl.engine.frozen import FrozenEngine
+from otbrl.engine.spec import EngineSpec, MicroBatchConfig
 from otbrl.models import load_model_and_tokenizer, random_causal_lm
 from otbrl.models.config import LoraConfig
 from otbrl.models.lora import add_lora
-from otbrl.rollout import SamplingParams, VLLMRollout, completions_to_batch
-from otbrl.run.build import sync_rollout
+from otbrl.rollout import SamplingParams, VLLMRollout, completions_to_batch, sync_from
 
 
 def build_model(out: Path, hidden: int, layers: int, vocab: int) -> Path:
@@ -44,7 +44,7 @@ def build_model(out: Path, hidden: int, layers: int, vocab: int) -> Path:
     return out
 
 
-def perturb(engine: Engine, seed: int) -> None:
+def perturb(engine: FrozenEngine, seed: int) -> None:
     """A stand-in for an optimizer step: new adapter values (B ≠ 0, so the merge matters)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -56,7 +56,7 @@ def perturb(engine: Engine, seed: int) -> None:
 def measure(mode: str, model_dir: Path, args) -> dict:
     model, _ = load_model_and_tokenizer(model_dir)
     add_lora(model, LoraConfig(rank=args.rank, alpha=2.0 * args.rank))
-    engine = Engine(model, None, micro_batch_size=16)
+    engine = FrozenEngine(model, EngineSpec(micro=MicroBatchConfig(16)))
     from otbrl.models.lora import adapter_config
 
     lora = adapter_config(model, str(model_dir)) if mode == "adapter" else None
@@ -66,7 +66,7 @@ def measure(mode: str, model_dir: Path, args) -> dict:
         for k in range(args.syncs):
             perturb(engine, k)
             start = time.perf_counter()
-            sync_rollout(backend, engine)
+            sync_from(backend, engine.model)
             syncs.append(time.perf_counter() - start)
         g = torch.Generator().manual_seed(1)
         prompts = [torch.randint(0, args.vocab, (16,), generator=g).tolist()]

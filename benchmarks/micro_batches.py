@@ -9,7 +9,7 @@ the model and batch are built) on the same random Llama-shaped model and the sam
 the padded layout (the default; each micro-batch runs cut to its own widths, so a budget that
 keeps rows of like length together computes little padding) or the packed one
 (``model.use_remove_padding=true``: no padding in either arm, so the comparison is the
-micro-batching alone): ``Engine.accumulate_gradients`` ``--repeats`` times, the median time
+micro-batching alone): ``TrainableEngine.accumulate_gradients`` ``--repeats`` times, the median time
 reported. The row-counted arm compared with is the fastest ``micro_batch_size`` whose peak
 memory is at most the token budget's: what a user would have to pick to fit the same memory.
 The last line prints the ratio of times.
@@ -50,9 +50,10 @@ def _arm(args) -> dict:
     import torch
 
     from otbrl.algos.loss_terms import build_loss
-    from otbrl.engine.engine import Engine
     from otbrl.engine.memory import peak_memory_gb, reset_peak_memory
     from otbrl.engine.optim import OptimConfig
+    from otbrl.engine.spec import EngineSpec, MicroBatchConfig
+    from otbrl.engine.trainable import TrainableEngine
     from otbrl.models import random_causal_lm
 
     torch.set_num_threads(args.threads)
@@ -63,10 +64,11 @@ def _arm(args) -> dict:
     )  # fmt: skip
     kind, value = args.arm.split("=")
     budget = int(value) if kind == "tokens" else None
-    optim = OptimConfig(
+    micro = MicroBatchConfig(
         micro_batch_size=int(value) if kind == "rows" else 1, max_tokens_per_micro_batch=budget
     )
-    engine = Engine(model, optim, packed=args.layout == "packed")
+    spec = EngineSpec(packed=args.layout == "packed", micro=micro)
+    engine = TrainableEngine(model, OptimConfig(), spec)
     batch, _ = _batch(args.batch_rows, args.vocab, args.seed)
     batch["old_log_probs"] = engine.compute(batch, frozenset({"log_probs"}))["log_probs"]
     loss = build_loss()

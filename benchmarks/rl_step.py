@@ -33,7 +33,7 @@ def snapshot(trainer: Trainer) -> dict:
         "model": copy.deepcopy(policy.model.state_dict()),
         "optimizer": copy.deepcopy(policy.optimizer.state_dict()),
         "engine": copy.deepcopy(policy.state_dict()),
-        "data": trainer.dataset.state_dict(),
+        "data": trainer.source.state_dict(),
     }
 
 
@@ -42,7 +42,7 @@ def restore(trainer: Trainer, state: dict) -> None:
     policy.model.load_state_dict(state["model"])
     policy.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
     policy.load_state_dict(copy.deepcopy(state["engine"]))
-    trainer.dataset.load_state_dict(state["data"])
+    trainer.source.load_state_dict(state["data"])
     trainer.step = 0  # the rollout seed is a function of the step: same samples every time
 
 
@@ -58,10 +58,16 @@ def main(argv: list[str] | None = None) -> int:
     demo = ["actor.ppo_mini_batch_size=16"]
     cfg = load_config(None, [f"trainer.output_dir={out}", *demo, *args.overrides])
     trainer = Trainer(cfg)
-    with_needs = trainer.plan.spec.needs | {"sum_pi_squared"}
+    spec = trainer.spec
+    with_needs = spec.needs | {"sum_pi_squared"}
+    options = dict(spec.estimator_options)
     variants = {
-        "with Σπ²": (with_needs, cfg.algorithm.otb.energy),
-        "without Σπ²": (with_needs - {"sum_pi_squared"}, "uniform"),
+        "with Σπ²": dataclasses.replace(spec, needs=with_needs, estimator_options=options),
+        "without Σπ²": dataclasses.replace(
+            spec,
+            needs=with_needs - {"sum_pi_squared"},
+            estimator_options={**options, "energy": "uniform"},
+        ),
     }
     if cfg.algorithm.adv_estimator != "optimal_token_baseline":
         print("note: the 'without' variant switches OTB's energy; other estimators keep theirs")
@@ -72,10 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     for repeat in range(args.warmup + args.repeats):
         order = names if repeat % 2 == 0 else names[::-1]
         for name in order:
-            needs, energy = variants[name]
             restore(trainer, state)
-            trainer.plan = dataclasses.replace(trainer.plan, needs=needs)
-            trainer.cfg.algorithm.otb.energy = energy
+            trainer.spec = variants[name]
             start = time.perf_counter()
             metrics = trainer.train_step()
             elapsed = time.perf_counter() - start

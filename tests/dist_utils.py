@@ -29,7 +29,8 @@ _PRELOAD = [
     "otbrl.engine.parallel",
     "otbrl.engine.ulysses",
     "otbrl.engine.world",
-    "otbrl.engine.engine",
+    "otbrl.engine.frozen",
+    "otbrl.engine.trainable",
 ]
 _CTX = None
 
@@ -161,11 +162,21 @@ OUTPUTS = frozenset({"log_probs", "entropy", "sum_pi_squared"})
 
 
 def actor_config(**overrides):
+    """The optimizer settings the multi-process tests train with (``OptimConfig``)."""
     from otbrl.engine.optim import OptimConfig
 
-    kwargs = dict(lr=1e-3, warmup_steps=0, micro_batch_size=4, grad_clip=0.5, ppo_epochs=1)
+    kwargs = dict(lr=1e-3, warmup_steps=0, grad_clip=0.5, ppo_epochs=1)
     kwargs.update(overrides)
     return OptimConfig(**kwargs)
+
+
+def actor_spec(micro_batch_size: int = 4, max_tokens_per_micro_batch=None, **overrides):
+    """The engine spec the multi-process tests run with: micro-batches of 4 rows (or a token
+    budget), and ``overrides`` of its other fields (strategy, packed, precision...)."""
+    from otbrl.engine.spec import EngineSpec, MicroBatchConfig
+
+    micro = MicroBatchConfig(micro_batch_size, max_tokens_per_micro_batch)
+    return EngineSpec(micro=micro, **overrides)
 
 
 def ppo_batch(groups: int = 4, n: int = 2, seed: int = 7) -> dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ from transformers import (
 )
 
 from ckpt_utils import plant_pickle, reseal
+from otbrl.engine.state import EngineState
 from otbrl.store.checkpoint import (
     IntegrityError,
     capture_rng_state,
@@ -73,11 +74,19 @@ def tiny_llama(vocab_size, seed):
 
 def make_engine(vocab_size, seed, **optim):
     """An engine on a tiny tied-embedding Llama: AdamW (weight decay) + a warmup schedule."""
-    from otbrl.engine.engine import Engine
     from otbrl.engine.optim import OptimConfig
+    from otbrl.engine.spec import EngineSpec, MicroBatchConfig
+    from otbrl.engine.trainable import TrainableEngine
 
-    settings = dict(lr=1e-3, weight_decay=0.01, warmup_steps=4, micro_batch_size=4, **optim)
-    return Engine(tiny_llama(vocab_size, seed), OptimConfig(**settings), seed=seed)
+    settings = dict(lr=1e-3, weight_decay=0.01, warmup_steps=4, **optim)
+    spec = EngineSpec(micro=MicroBatchConfig(4))
+    return TrainableEngine(tiny_llama(vocab_size, seed), OptimConfig(**settings), spec, seed=seed)
+
+
+def states(**engines):
+    """``save_checkpoint``'s / ``load_checkpoint``'s ``engines``: each trainable engine's
+    checkpoint adapter (``EngineState``), by name."""
+    return {name: EngineState(engine) for name, engine in engines.items()}
 
 
 def train_step(engine, vocab_size):
@@ -119,7 +128,7 @@ def test_round_trip_is_exact_and_training_continues_identically(tmp_path, tokeni
     path = save_checkpoint(
         tmp_path / "ckpt",
         3,
-        engines={"policy": engine},
+        engines=states(policy=engine),
         tokenizer=tokenizer,
         trainer_state=state,
         config={"actor": {"lr": 1e-3}, "trainer": {"logger": ("jsonl",), "out": tmp_path}},
@@ -138,7 +147,7 @@ def test_round_trip_is_exact_and_training_continues_identically(tmp_path, tokeni
 
     engine2 = make_engine(vocab, seed=99)  # different init and shuffling seed
     torch.manual_seed(12345)  # different RNG position
-    restored = load_checkpoint(path, engines={"policy": engine2})
+    restored = load_checkpoint(path, engines=states(policy=engine2))
     assert_nested_equal(restored, state)
     assert_nested_equal(engine2.optimizer.state_dict(), saved_optimizer)  # bit-identical
     assert engine2.scheduler.state_dict()["last_epoch"] == 3
@@ -160,36 +169,37 @@ def test_round_trip_is_exact_and_training_continues_identically(tmp_path, tokeni
 def test_critic_and_frozen_engines(tmp_path, tokenizer):
     """A value model goes to critic/ with its own optimizer shards; a checkpoint without the
     critic cannot restore one."""
-    from otbrl.engine.engine import Engine
     from otbrl.engine.optim import OptimConfig
+    from otbrl.engine.spec import EngineSpec
+    from otbrl.engine.trainable import TrainableEngine
     from otbrl.models import load_value_model
 
     vocab = len(tokenizer)
     policy = make_engine(vocab, seed=0)
     policy.model.save_pretrained(tmp_path / "hf")
-    critic = Engine(
+    critic = TrainableEngine(
         load_value_model(tmp_path / "hf"),
         OptimConfig(lr=1e-5, warmup_steps=0),
+        EngineSpec(value=True),
         name="critic",
-        value=True,
     )
     ids = torch.randint(3, vocab, (2, 6))
     critic.model(input_ids=ids).logits.sum().backward()
     critic.optimizer.step()
-    path = save_checkpoint(tmp_path / "c", 1, engines={"policy": policy, "critic": critic})
+    path = save_checkpoint(tmp_path / "c", 1, engines=states(policy=policy, critic=critic))
     assert (path / "critic" / "model.safetensors").is_file()
-    fresh = Engine(
+    fresh = TrainableEngine(
         load_value_model(tmp_path / "hf"),
         OptimConfig(lr=1e-5, warmup_steps=0),
+        EngineSpec(value=True),
         name="critic",
-        value=True,
     )
-    load_checkpoint(path, engines={"policy": make_engine(vocab, seed=3), "critic": fresh})
+    load_checkpoint(path, engines=states(policy=make_engine(vocab, seed=3), critic=fresh))
     for (name, a), b in zip(critic.model.state_dict().items(), fresh.model.state_dict().values()):
         assert torch.equal(a, b), name
-    only_policy = save_checkpoint(tmp_path / "p", 1, engines={"policy": policy})
+    only_policy = save_checkpoint(tmp_path / "p", 1, engines=states(policy=policy))
     with pytest.raises(ValueError, match="critic"):
-        load_checkpoint(only_policy, engines={"policy": policy, "critic": fresh})
+        load_checkpoint(only_policy, engines=states(policy=policy, critic=fresh))
 
 
 def test_trainer_state_keeps_types(tmp_path, tokenizer):
@@ -204,7 +214,7 @@ def test_trainer_state_keeps_types(tmp_path, tokenizer):
         "same_twice": [torch.ones(2), torch.ones(2)],
         "nan": float("nan"),
     }
-    engines = {"policy": make_engine(len(tokenizer), seed=0)}
+    engines = states(policy=make_engine(len(tokenizer), seed=0))
     path = save_checkpoint(tmp_path, 1, engines=engines, trainer_state=state)
     restored = load_checkpoint(path, engines=engines)
     assert np.isnan(restored.pop("nan")) and np.isnan(state.pop("nan"))
@@ -212,7 +222,7 @@ def test_trainer_state_keeps_types(tmp_path, tokenizer):
 
 
 def test_bad_trainer_state_fails_before_writing(tmp_path, tokenizer):
-    engines = {"policy": make_engine(len(tokenizer), seed=0)}
+    engines = states(policy=make_engine(len(tokenizer), seed=0))
     with pytest.raises(TypeError, match=r"trainer_state\['trainer'\]\['data'\]\['sampler'\]"):
         save_checkpoint(tmp_path, 1, engines=engines, trainer_state={"data": {"sampler": object()}})
     assert list(tmp_path.iterdir()) == []
@@ -226,21 +236,21 @@ def test_bad_trainer_state_fails_before_writing(tmp_path, tokenizer):
 
 def test_failed_save_leaves_previous_checkpoint_and_no_partial(tmp_path, tokenizer, monkeypatch):
     engine = make_engine(len(tokenizer), seed=0)
-    first = save_checkpoint(tmp_path, 1, engines={"policy": engine}, trainer_state={"a": 1})
+    first = save_checkpoint(tmp_path, 1, engines=states(policy=engine), trainer_state={"a": 1})
 
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
     monkeypatch.setattr(tokenizer, "save_pretrained", crash)
     with pytest.raises(OSError, match="disk full"):
-        save_checkpoint(tmp_path, 2, engines={"policy": engine}, tokenizer=tokenizer)
+        save_checkpoint(tmp_path, 2, engines=states(policy=engine), tokenizer=tokenizer)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
     assert latest_checkpoint(tmp_path) == first
 
 
 def test_latest_ignores_temp_and_incomplete_dirs(tmp_path, tokenizer):
     assert latest_checkpoint(tmp_path / "missing") is None
-    engines = {"policy": make_engine(len(tokenizer), seed=0)}
+    engines = states(policy=make_engine(len(tokenizer), seed=0))
     save_checkpoint(tmp_path, 2, engines=engines)
     save_checkpoint(tmp_path, 10, engines=engines)
     # What a SIGKILL mid-save leaves: a temp dir; and a step dir without its marker.
@@ -257,7 +267,7 @@ def test_latest_ignores_temp_and_incomplete_dirs(tmp_path, tokenizer):
 
 
 def test_keep_last_and_resave_same_step(tmp_path, tokenizer):
-    engines = {"policy": make_engine(len(tokenizer), seed=0)}
+    engines = states(policy=make_engine(len(tokenizer), seed=0))
     for step in (1, 2, 3, 4):
         save_checkpoint(tmp_path, step, engines=engines, trainer_state={"v": step}, keep_last=2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_3", "step_4"]
@@ -267,17 +277,17 @@ def test_keep_last_and_resave_same_step(tmp_path, tokenizer):
 
 
 def test_load_errors_name_the_problem(tmp_path, tokenizer):
-    engines = {"policy": make_engine(len(tokenizer), seed=0)}
+    engines = states(policy=make_engine(len(tokenizer), seed=0))
     path = save_checkpoint(tmp_path, 1, engines=engines)
-    other = {"policy": make_engine(len(tokenizer) + 5, seed=0)}
+    other = states(policy=make_engine(len(tokenizer) + 5, seed=0))
     with pytest.raises(ValueError, match=r"embed_tokens.weight has shape \[\d+, 32\] there"):
         load_checkpoint(path, engines=other)
     qwen = tiny_causal_lm("qwen2", 0, vocab_size=len(tokenizer))  # another architecture
-    from otbrl.engine.engine import Engine
     from otbrl.engine.optim import OptimConfig
+    from otbrl.engine.trainable import TrainableEngine
 
     with pytest.raises(ValueError, match="does not match the model"):
-        load_checkpoint(path, engines={"policy": Engine(qwen, OptimConfig())})
+        load_checkpoint(path, engines=states(policy=TrainableEngine(qwen, OptimConfig())))
 
 
 def test_no_file_of_a_checkpoint_is_unpickled(tmp_path, tokenizer):
@@ -286,7 +296,7 @@ def test_no_file_of_a_checkpoint_is_unpickled(tmp_path, tokenizer):
     files fail verification (naming them); resealed, as an attacker with write access would,
     the load succeeds and still runs nothing."""
     marker = tmp_path / "pwned"
-    engines = {"policy": make_engine(len(tokenizer), seed=0)}
+    engines = states(policy=make_engine(len(tokenizer), seed=0))
     path = save_checkpoint(tmp_path / "ckpt", 1, engines=engines)
     for target in (path / "state" / "policy" / ".metadata", path / "state" / "policy" / "x.pt"):
         plant_pickle(target, marker)
@@ -313,7 +323,7 @@ def test_export_loads_with_auto_classes(tmp_path, tokenizer):
     path = save_checkpoint(
         tmp_path / "ckpt",
         5,
-        engines={"policy": engine},
+        engines=states(policy=engine),
         tokenizer=tokenizer,
         trainer_state={"rng": capture_rng_state()},
         config={"model": {"path": "tiny"}},
@@ -351,9 +361,10 @@ import os, signal, sys
 sys.path.insert(0, sys.argv[2])
 import otbrl.store.checkpoint as ckpt
 from otbrl.engine.optim import OptimConfig
-from otbrl.engine.engine import Engine
+from otbrl.engine.state import EngineState
+from otbrl.engine.trainable import TrainableEngine
 from tiny_models import tiny_causal_lm
-engines = {"policy": Engine(tiny_causal_lm(), OptimConfig())}
+engines = {"policy": EngineState(TrainableEngine(tiny_causal_lm(), OptimConfig()))}
 ckpt.save_checkpoint(sys.argv[1], 1, engines=engines, trainer_state={"step": 1})
 real_replace = os.replace
 def replace_then_die(src, dst):
@@ -366,8 +377,8 @@ ckpt.save_checkpoint(sys.argv[1], 2, engines=engines, trainer_state={"step": 2})
 
 
 def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path):
-    from otbrl.engine.engine import Engine
     from otbrl.engine.optim import OptimConfig
+    from otbrl.engine.trainable import TrainableEngine
 
     tests = os.path.dirname(__file__)
     cmd = [sys.executable, "-c", KILLED_SAVE, str(tmp_path), tests]
@@ -376,11 +387,10 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path):
     assert len(leftovers) == 1  # the fully written but unpublished step 2
     assert latest_checkpoint(tmp_path) == tmp_path / "step_1"
     saved = tiny_causal_lm()  # what the child saved
-    engines = {"policy": Engine(tiny_causal_lm(seed=4), OptimConfig())}
+    engine = TrainableEngine(tiny_causal_lm(seed=4), OptimConfig())
+    engines = states(policy=engine)
     assert load_checkpoint(tmp_path / "step_1", engines=engines) == {"step": 1}
-    for (name, a), b in zip(
-        saved.state_dict().items(), engines["policy"].model.state_dict().values()
-    ):
+    for (name, a), b in zip(saved.state_dict().items(), engine.model.state_dict().values()):
         assert torch.equal(a, b), name
     save_checkpoint(tmp_path, 2, engines=engines, trainer_state={"step": 2})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1", "step_2"]

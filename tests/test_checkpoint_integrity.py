@@ -12,8 +12,9 @@ import torch
 from ckpt_utils import flip_byte, reseal, truncate
 from otbrl import cli
 from otbrl.config import load_config
-from otbrl.engine.engine import Engine
 from otbrl.engine.optim import OptimConfig
+from otbrl.engine.state import EngineState
+from otbrl.engine.trainable import TrainableEngine
 from otbrl.models import build_tiny_model, load_model_and_tokenizer
 from otbrl.report.metrics_log import MetricsLogger
 from otbrl.run.rundir import claim_run_dir
@@ -36,13 +37,13 @@ def model_dir(tmp_path_factory):
 
 def engine_and_tokenizer(model_dir):
     model, tokenizer = load_model_and_tokenizer(model_dir)
-    return Engine(model, OptimConfig(lr=1e-3)), tokenizer
+    return TrainableEngine(model, OptimConfig(lr=1e-3)), tokenizer
 
 
 def saved(model_dir, root, steps=(1,)):
     engine, tokenizer = engine_and_tokenizer(model_dir)
     for step in steps:
-        save_checkpoint(root, step, engines={"policy": engine}, tokenizer=tokenizer)
+        save_checkpoint(root, step, engines={"policy": EngineState(engine)}, tokenizer=tokenizer)
     return engine
 
 
@@ -64,7 +65,7 @@ def test_damage_is_found_and_named(model_dir, tmp_path, damage, match):
     with pytest.raises(IntegrityError, match=match):
         verify_checkpoint(ckpt)
     with pytest.raises(IntegrityError, match=match):
-        load_checkpoint(ckpt, engines={"policy": engine})
+        load_checkpoint(ckpt, engines={"policy": EngineState(engine)})
 
 
 def test_random_bytes_in_the_weights_do_not_load(model_dir, tmp_path):
@@ -76,7 +77,7 @@ def test_random_bytes_in_the_weights_do_not_load(model_dir, tmp_path):
     data[-256:] = os.urandom(256)  # inside the tensor data, after the JSON header
     weights.write_bytes(bytes(data))
     with pytest.raises(IntegrityError, match=r"model\.safetensors"):
-        load_checkpoint(tmp_path / "step_1", engines={"policy": engine})
+        load_checkpoint(tmp_path / "step_1", engines={"policy": EngineState(engine)})
 
 
 def test_newest_verified_checkpoint_passes_over_damaged_ones(model_dir, tmp_path):
@@ -149,7 +150,10 @@ def test_export_is_loaded_back_before_it_appears(model_dir, tmp_path):
     # an intact one exports, and what appears is the model that was saved
     good = tmp_path / "good"
     save_checkpoint(
-        good, 2, engines={"policy": engine}, tokenizer=engine_and_tokenizer(model_dir)[1]
+        good,
+        2,
+        engines={"policy": EngineState(engine)},
+        tokenizer=engine_and_tokenizer(model_dir)[1],
     )
     out = export_checkpoint(good / "step_2", tmp_path / "export")
     from transformers import AutoModelForCausalLM

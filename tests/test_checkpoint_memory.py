@@ -54,12 +54,14 @@ def _in_fresh_python(call: str, **env) -> dict:
 def _one_process_main(ckpt: str) -> None:
     """Save a ~51 M-parameter model with its AdamW state; print the state's size, the save's
     peak growth, and the growth a deliberate copy of the weights shows (the probe's check)."""
-    from dist_utils import actor_config, ppo_batch, ppo_step
-    from otbrl.engine.engine import Engine
+    from dist_utils import actor_config, actor_spec, ppo_batch, ppo_step
     from otbrl.engine.memory import peak_memory_gb, reset_peak_memory
+    from otbrl.engine.state import EngineState
+    from otbrl.engine.trainable import TrainableEngine
     from otbrl.store.checkpoint import save_checkpoint
 
-    engine = Engine(_qwen2(32000, 6), actor_config(), mini_batch_size=8, seed=0)
+    model = _qwen2(32000, 6)
+    engine = TrainableEngine(model, actor_config(), actor_spec(), mini_batch_size=8, seed=0)
     ppo_step(engine, ppo_batch())
     weights = sum(t.numel() * t.element_size() for t in engine.model.state_dict().values())
     moments = sum(
@@ -68,7 +70,7 @@ def _one_process_main(ckpt: str) -> None:
     trim()
     reset_peak_memory()
     before = rss_gb()
-    save_checkpoint(ckpt, 1, engines={"policy": engine}, trainer_state={"step": 1})
+    save_checkpoint(ckpt, 1, engines={"policy": EngineState(engine)}, trainer_state={"step": 1})
     save = peak_memory_gb() - before
 
     trim()
@@ -91,21 +93,25 @@ def test_a_save_adds_at_most_15_percent_of_the_state_to_peak_memory(tmp_path):
 
 
 def _fsdp_worker(rank, world_size, port, ckpt_root):
-    from dist_utils import actor_config, ppo_batch, ppo_step, start_test_world
-    from otbrl.engine.engine import Engine
+    from dist_utils import actor_config, actor_spec, ppo_batch, ppo_step, start_test_world
     from otbrl.engine.memory import optimizer_gb, params_gb, peak_memory_gb, reset_peak_memory
+    from otbrl.engine.state import EngineState
+    from otbrl.engine.trainable import TrainableEngine
     from otbrl.store.checkpoint import save_checkpoint
 
     world = start_test_world(rank, world_size)
     model = _qwen2(8000, 4)
     largest = max(p.numel() * p.element_size() for p in model.parameters()) / 1e9
-    engine = Engine(model, actor_config(), world=world, mini_batch_size=8, seed=0)
+    engine = TrainableEngine(
+        model, actor_config(), actor_spec(), world=world, mini_batch_size=8, seed=0
+    )
     ppo_step(engine, ppo_batch())
     world.barrier()
     trim()
     reset_peak_memory()
     before = rss_gb()
-    save_checkpoint(ckpt_root, 1, engines={"policy": engine}, trainer_state={"step": 1})
+    engines = {"policy": EngineState(engine)}
+    save_checkpoint(ckpt_root, 1, engines=engines, trainer_state={"step": 1})
     return {
         "save": peak_memory_gb() - before,
         "shard_state": params_gb(engine.model) + optimizer_gb(engine.optimizer),

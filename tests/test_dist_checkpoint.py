@@ -10,6 +10,7 @@ import torch
 from ckpt_utils import plant_pickle, reseal
 from dist_utils import (
     actor_config,
+    actor_spec,
     check_ok,
     launch,
     ppo_batch,
@@ -22,29 +23,32 @@ pytestmark = pytest.mark.distributed
 
 
 def _worker(rank, world_size, port, ckpt_root, save, tp=1):
-    from otbrl.engine.engine import Engine
+    from otbrl.engine.state import EngineState
+    from otbrl.engine.trainable import TrainableEngine
     from otbrl.engine.world import World
+    from otbrl.models.weights import full_tensors
     from otbrl.store.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
     world = start_test_world(rank, world_size, tp=tp) if world_size > 1 else World()
     # a resumed run starts from other weights: everything must come from the checkpoint
     model = tiny_llama(seed=0 if save else 123)
-    engine = Engine(
+    engine = TrainableEngine(
         model,
         actor_config(),
+        actor_spec(strategy="tp" if tp > 1 else "fsdp"),
         world=world,
-        strategy="tp" if tp > 1 else "fsdp",
         mini_batch_size=8,
         seed=0 if save else 5,
     )
+    engines = {"policy": EngineState(engine)}
     if save:
         ppo_step(engine, ppo_batch(seed=7))
-        save_checkpoint(ckpt_root, 1, engines={"policy": engine}, trainer_state={"step": 1})
+        save_checkpoint(ckpt_root, 1, engines=engines, trainer_state={"step": 1})
     else:
-        state = load_checkpoint(latest_checkpoint(ckpt_root), engines={"policy": engine})
+        state = load_checkpoint(latest_checkpoint(ckpt_root), engines=engines)
         assert state == {"step": 1}
     stats, metrics = ppo_step(engine, ppo_batch(seed=8))
-    full = dict(engine.full_tensors())
+    full = dict(full_tensors(engine.model))
     return {"stats": stats, "metrics": metrics, "state": full if rank == 0 else None}
 
 

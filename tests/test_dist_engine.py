@@ -8,6 +8,7 @@ import torch
 from dist_utils import (
     OUTPUTS,
     actor_config,
+    actor_spec,
     check_ok,
     launch,
     local_batch,
@@ -32,14 +33,16 @@ def full_grads(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def single_process_reference(batch, model_kwargs=None, engine_kwargs=None, loss="ppo"):
-    """Stats and mini-batch gradients of the one-process engine on the whole batch."""
-    from otbrl.engine.engine import Engine
+def single_process_reference(batch, model_kwargs=None, engine_kwargs=None, loss="ppo", world=None):
+    """Stats and mini-batch gradients of the one-process engine (in ``world``: the CPU by
+    default; ``engine_kwargs``: fields of its ``actor_spec``) on the whole batch."""
     from otbrl.engine.parallel import clip_grad_norm
+    from otbrl.engine.trainable import TrainableEngine
 
     model = tiny_llama(**(model_kwargs or {}))
-    engine = Engine(
-        model, actor_config(), mini_batch_size=batch["uid"].numel(), **(engine_kwargs or {})
+    spec = actor_spec(**(engine_kwargs or {}))
+    engine = TrainableEngine(
+        model, actor_config(), spec, world=world, mini_batch_size=batch["uid"].numel()
     )
     stats = engine.compute(batch, OUTPUTS)
     mini = {**batch, "old_log_probs": stats["log_probs"]}
@@ -65,8 +68,8 @@ def _engine_worker(
     engine_kwargs=None,
     loss="ppo",
 ):
-    from otbrl.engine.engine import Engine
     from otbrl.engine.parallel import clip_grad_norm
+    from otbrl.engine.trainable import TrainableEngine
 
     world = start_test_world(rank, world_size, sp=sp, tp=tp)
     batch = ppo_batch()
@@ -74,16 +77,10 @@ def _engine_worker(
     model = tiny_llama(**(model_kwargs or {}))
     shapes = []  # the logits each forward produced: their vocabulary / sequence extent
     model.register_forward_hook(lambda _m, _i, out: shapes.append(tuple(out.logits.shape[-2:])))
-    engine_kwargs = dict(engine_kwargs or {})  # a token budget is an optimizer setting
-    budget = engine_kwargs.pop("max_tokens_per_micro_batch", None)
-    actor = Engine(
-        model,
-        actor_config(max_tokens_per_micro_batch=budget),
-        world=world,
-        strategy=strategy,
-        mini_batch_size=batch["uid"].numel(),
-        packed=packed,
-        **(engine_kwargs or {}),
+    # a token budget is a micro-batch setting of the spec, like the layout and precision
+    spec = actor_spec(strategy=strategy, packed=packed, **(engine_kwargs or {}))
+    actor = TrainableEngine(
+        model, actor_config(), spec, world=world, mini_batch_size=batch["uid"].numel()
     )
     from torch.profiler import ProfilerActivity, profile
 
@@ -119,8 +116,9 @@ def _engine_worker(
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from otbrl.models.tied import tied_aliases
+    from otbrl.models.weights import full_tensors
 
-    streamed = dict(actor.full_tensors())
+    streamed = dict(full_tensors(actor.model))
     full = get_model_state_dict(actor.model, options=StateDictOptions(full_state_dict=True))
     kept = set(full) - set(tied_aliases(actor.model))
     synced = set(streamed) == kept and all(torch.equal(streamed[k], full[k]) for k in kept)
@@ -289,23 +287,27 @@ def test_bf16_mixed_sharded_step_matches_one_process(tmp_path, engine, sp, tp, p
 
 
 def _lora_worker(rank, world_size, port):
-    from otbrl.engine.engine import Engine
+    from otbrl.engine.spec import MicroBatchConfig
+    from otbrl.engine.trainable import TrainableEngine
     from otbrl.models.config import LoraConfig
     from otbrl.models.lora import add_lora
+    from otbrl.models.weights import full_tensors
 
     world = start_test_world(rank, world_size)
     batch = ppo_batch()
     local = local_batch(batch, world)
     model = add_lora(tiny_llama(), LoraConfig(rank=4, alpha=8.0))
-    actor = Engine(model, actor_config(lr=5e-2), world=world, mini_batch_size=8)
-    reference = actor.without_adapters(micro_batch_size=4)
+    actor = TrainableEngine(
+        model, actor_config(lr=5e-2), actor_spec(), world=world, mini_batch_size=8
+    )
+    reference = actor.without_adapters(micro=MicroBatchConfig(4))
     for _ in range(2):
         ppo_step(actor, batch)
     return {
         "rows": split_by_groups(batch["uid"], world.dp_rank, world.dp_size),
         "policy": actor.compute(local, OUTPUTS)["log_probs"],
         "reference": reference.compute(local, OUTPUTS)["log_probs"],
-        "merged": dict(actor.full_tensors()),
+        "merged": dict(full_tensors(actor.model)),
         "trainable": sorted(n for n, p in actor.model.named_parameters() if p.requires_grad),
     }
 
@@ -313,22 +315,27 @@ def _lora_worker(rank, world_size, port):
 def test_lora_under_fsdp2_matches_one_process(tmp_path):
     """Two FSDP2 ranks train the adapters as one process does; the reference view (adapters
     disabled) gives the base model's log-probs; the merged stream is the one-process one."""
-    from otbrl.engine.engine import Engine
+    from otbrl.engine.frozen import FrozenEngine
+    from otbrl.engine.spec import EngineSpec, MicroBatchConfig
+    from otbrl.engine.trainable import TrainableEngine
     from otbrl.models.config import LoraConfig
     from otbrl.models.lora import add_lora
+    from otbrl.models.weights import full_tensors
 
     results = check_ok(launch(_lora_worker, 2, tmp_path))
     batch = ppo_batch()
-    actor = Engine(
+    actor = TrainableEngine(
         add_lora(tiny_llama(), LoraConfig(rank=4, alpha=8.0)),
         actor_config(lr=5e-2),
+        actor_spec(),
         mini_batch_size=8,
     )
     for _ in range(2):
         ppo_step(actor, batch)
     want = actor.compute(batch, OUTPUTS)["log_probs"]
-    base = Engine(tiny_llama(), None, micro_batch_size=4).compute(batch, OUTPUTS)["log_probs"]
-    merged = dict(actor.full_tensors())
+    base_engine = FrozenEngine(tiny_llama(), EngineSpec(micro=MicroBatchConfig(4)))
+    base = base_engine.compute(batch, OUTPUTS)["log_probs"]
+    merged = dict(full_tensors(actor.model))
     mask = batch["response_mask"].bool()
     for rank in range(2):
         got = results[rank]

@@ -16,6 +16,7 @@ def _worker(rank, world_size, port, rm_dir):
     from otbrl.data import get_task
     from otbrl.rewards.reward_model import RewardModel
     from otbrl.run.build import build_reward_model
+    from otbrl.run.spec import resolve
 
     world = start_test_world(rank, world_size)
     rows = get_task("arithmetic").rows("train", 4, seed=0)
@@ -23,7 +24,7 @@ def _worker(rank, world_size, port, rm_dir):
     mine = slice(2 * rank, 2 * rank + 2)  # each rank scores its own rows
     full = RewardModel(rm_dir).score(rows[mine], answers[mine])
     cfg = load_config(None, [f"reward.model.path={rm_dir}", "reward.model.micro_batch_size=1"])
-    sharded = build_reward_model(cfg, world)
+    sharded = build_reward_model(resolve(cfg), world)
     from torch.distributed.tensor import DTensor
 
     assert any(isinstance(p, DTensor) for p in sharded.model.parameters())

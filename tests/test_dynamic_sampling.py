@@ -81,7 +81,7 @@ def test_a_step_trains_the_groups_with_signal_and_counts_its_rounds(run, tmp_pat
             assert (rewards.max(1).values > rewards.min(1).values).all()  # every group: signal
         drawn += rounds * 4
     # the data stream moved on by every round's prompts: none is drawn twice in an epoch
-    assert trainer.dataset.state_dict()["position"] == drawn % 32
+    assert trainer.source.state_dict()["position"] == drawn % 32
 
 
 def test_a_step_short_after_its_rounds_fills_up_and_says_so(run, tmp_path, monkeypatch):

@@ -6,9 +6,11 @@ import torch
 import otbrl.engine.layout as layout_mod
 from otbrl.algos.loss_terms import build_loss
 from otbrl.config import load_config
-from otbrl.engine.engine import Engine, warmup_schedule
+from otbrl.engine.frozen import FrozenEngine
 from otbrl.engine.layout import Layout, forward_outputs, sequence_inputs
-from otbrl.engine.optim import OptimConfig
+from otbrl.engine.optim import OptimConfig, warmup_schedule
+from otbrl.engine.spec import EngineSpec, MicroBatchConfig
+from otbrl.engine.trainable import TrainableEngine
 from tiny_models import TEST_SIZE, tiny_causal_lm
 
 ALL = frozenset({"log_probs", "entropy", "sum_pi_squared"})
@@ -155,10 +157,12 @@ def test_bad_inputs():
         sequence_inputs(
             batch["prompts"][:1], batch["prompts"][:1], batch["responses"], batch["response_mask"]
         )
+    # the micro-batches are the spec's, checked when it is built (frozen or trainable)
     with pytest.raises(ValueError, match="micro_batch_size"):
-        Engine(model, OptimConfig(micro_batch_size=0))
-    with pytest.raises(ValueError, match="micro_batch_size"):
-        Engine(model, None)  # a frozen engine needs its own cap
+        EngineSpec(micro=MicroBatchConfig(micro_batch_size=0))
+    for bad in ({"micro_batch_size": 2.0}, {"max_tokens_per_micro_batch": 0}):
+        with pytest.raises(ValueError, match=f"'{next(iter(bad))}' must be"):
+            EngineSpec(micro=MicroBatchConfig(**bad))
     for bad in (
         {"lr": 0.0},
         {"lr": float("nan")},
@@ -166,25 +170,25 @@ def test_bad_inputs():
         {"ppo_epochs": 0},
         {"grad_clip": -1.0},
         {"weight_decay": float("inf")},
-        {"micro_batch_size": 2.0},
     ):
         with pytest.raises(ValueError, match=f"'{next(iter(bad))}' must be"):
-            Engine(model, OptimConfig(**bad))
+            TrainableEngine(model, OptimConfig(**bad))
     # the engine takes its own settings (the actor's and critic's groups are OptimConfigs with
     # more keys: it keeps only its own), never an untyped mapping
     with pytest.raises(TypeError, match="OptimConfig"):
-        Engine(model, {"lr": 1e-3})
+        TrainableEngine(model, {"lr": 1e-3})
     group = load_config(overrides=["actor.lr=0.5", "actor.micro_batch_size=3"]).actor
-    assert OptimConfig.from_group(group) == OptimConfig(lr=0.5, micro_batch_size=3)
-    assert Engine(model, group).optim == OptimConfig(lr=0.5, micro_batch_size=3)
-    engine = Engine(model, OptimConfig(micro_batch_size=2))
+    assert OptimConfig.from_group(group) == OptimConfig(lr=0.5)
+    assert MicroBatchConfig.from_group(group) == MicroBatchConfig(micro_batch_size=3)
+    assert TrainableEngine(model, group).optim == OptimConfig(lr=0.5)
+    engine = TrainableEngine(model, OptimConfig(), EngineSpec(micro=MicroBatchConfig(2)))
     batch = rl_batch(engine)
     del batch["ref_log_probs"]
     with pytest.raises(ValueError, match="ref_log_probs"):
         engine.update(batch, build_loss(kl_loss_coef=0.1))
-    frozen = Engine(model, None, micro_batch_size=2)
-    with pytest.raises(ValueError, match="frozen"):
-        frozen.update(batch, build_loss())
+    frozen = FrozenEngine(model)  # a frozen engine has the default micro-batches, no update
+    assert frozen.spec.micro == MicroBatchConfig()
+    assert not hasattr(frozen, "update") and not hasattr(frozen, "optimizer")
 
 
 def rl_batch(engine, bsz=8, seed=0):
@@ -216,7 +220,7 @@ def test_gradient_accumulation_is_exact(mode, micro):
     grads, metrics = [], []
     for cap in (8, micro):
         model = tiny_model()
-        engine = Engine(model, OptimConfig(micro_batch_size=cap))
+        engine = TrainableEngine(model, OptimConfig(), EngineSpec(micro=MicroBatchConfig(cap)))
         batch = rl_batch(engine)
         engine.model.train()
         metrics.append(engine.accumulate_gradients(batch, loss))
@@ -243,7 +247,7 @@ def test_padded_micro_batches_run_cut_to_their_own_widths():
     hook = model.register_forward_pre_hook(
         lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
     )
-    engine = Engine(model, OptimConfig(micro_batch_size=2))
+    engine = TrainableEngine(model, OptimConfig(), EngineSpec(micro=MicroBatchConfig(2)))
     out = engine.compute(batch, frozenset({"log_probs", "entropy", "sum_pi_squared"}))
     hook.remove()
     spans = [am[rows].any(0).nonzero() for rows in ([0, 1], [2, 3], [4, 5])]
@@ -282,13 +286,13 @@ def test_token_budget_micro_batches_give_the_whole_batch_gradient(mode, packed):
     )
     budget = 30  # packed: ~3-5 rows of 2-12 tokens; padded: rows x the micro-batch's width
     grads, metrics, stats = [], [], []
-    for optim in (OptimConfig(micro_batch_size=8), OptimConfig(max_tokens_per_micro_batch=budget)):
+    for micro in (MicroBatchConfig(8), MicroBatchConfig(max_tokens_per_micro_batch=budget)):
         model = tiny_model()
-        engine = Engine(model, optim, packed=packed)
+        engine = TrainableEngine(model, OptimConfig(), EngineSpec(packed=packed, micro=micro))
         batch = rl_batch(engine)
         bins = engine.micro_batches(batch)
         assert sorted(torch.cat(bins).tolist()) == list(range(8))
-        if optim.max_tokens_per_micro_batch:
+        if micro.max_tokens_per_micro_batch:
             assert len(bins) > 1
             assert all(_micro_tokens(batch, b, packed) <= budget for b in bins)
         stats.append(engine.compute(batch, frozenset({"log_probs", "entropy"})))
@@ -302,15 +306,18 @@ def test_token_budget_micro_batches_give_the_whole_batch_gradient(mode, packed):
     for key in stats[0]:
         torch.testing.assert_close(stats[1][key], stats[0][key], atol=1e-5, rtol=1e-5)
     longest = max(_micro_tokens(batch, [i], packed) for i in range(8))
-    too_small = OptimConfig(max_tokens_per_micro_batch=longest - 1)
+    too_small = EngineSpec(
+        packed=packed, micro=MicroBatchConfig(max_tokens_per_micro_batch=longest - 1)
+    )
     with pytest.raises(ValueError, match=f"max_tokens_per_micro_batch: a row of {longest} tokens"):
-        Engine(tiny_model(), too_small, packed=packed).micro_batches(batch)
+        TrainableEngine(tiny_model(), OptimConfig(), too_small).micro_batches(batch)
 
 
 def test_update_metrics_and_steps():
     model = tiny_model()
-    cfg = OptimConfig(lr=1e-3, warmup_steps=2, ppo_epochs=2, micro_batch_size=2, grad_clip=0.5)
-    engine = Engine(model, cfg, mini_batch_size=4)
+    cfg = OptimConfig(lr=1e-3, warmup_steps=2, ppo_epochs=2, grad_clip=0.5)
+    spec = EngineSpec(micro=MicroBatchConfig(2))
+    engine = TrainableEngine(model, cfg, spec, mini_batch_size=4)
     batch = rl_batch(engine)
     before = [p.detach().clone() for p in model.parameters()]
     metrics = engine.update(batch, build_loss())
@@ -323,12 +330,12 @@ def test_update_metrics_and_steps():
     assert metrics["policy/lr"] == pytest.approx(1e-3)
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     with pytest.raises(ValueError, match="mini-batch"):
-        Engine(tiny_model(), cfg, mini_batch_size=3).update(batch, build_loss())
+        TrainableEngine(tiny_model(), cfg, spec, mini_batch_size=3).update(batch, build_loss())
 
 
 def test_non_finite_gradient_skips_the_step():
     model = tiny_model()
-    engine = Engine(model, OptimConfig(micro_batch_size=8))
+    engine = TrainableEngine(model, OptimConfig(), EngineSpec(micro=MicroBatchConfig(8)))
     batch = rl_batch(engine)
     batch["advantages"] = torch.where(batch["response_mask"] > 0, float("inf"), 0.0)
     before = [p.detach().clone() for p in model.parameters()]
@@ -343,10 +350,10 @@ def test_warmup_schedule():
 
 
 def test_state_dict_round_trip():
-    cfg = OptimConfig(micro_batch_size=4)
-    a = Engine(tiny_model(), cfg, mini_batch_size=4, seed=3)
+    cfg, spec = OptimConfig(), EngineSpec(micro=MicroBatchConfig(4))
+    a = TrainableEngine(tiny_model(), cfg, spec, mini_batch_size=4, seed=3)
     a.update(rl_batch(a), build_loss())
-    b = Engine(tiny_model(), cfg, mini_batch_size=4, seed=99)
+    b = TrainableEngine(tiny_model(), cfg, spec, mini_batch_size=4, seed=99)
     b.load_state_dict(a.state_dict())
     assert torch.equal(a.generator.get_state(), b.generator.get_state())
     assert a.scheduler.last_epoch == b.scheduler.last_epoch
@@ -355,8 +362,8 @@ def test_state_dict_round_trip():
 def test_update_moves_log_probs_along_the_advantage():
     """After PPO steps, responses with A > 0 gain log-probability relative to A < 0 ones."""
     model = tiny_model()
-    cfg = OptimConfig(lr=3e-3, warmup_steps=0, ppo_epochs=3, micro_batch_size=8)
-    engine = Engine(model, cfg, mini_batch_size=8)
+    cfg = OptimConfig(lr=3e-3, warmup_steps=0, ppo_epochs=3)
+    engine = TrainableEngine(model, cfg, EngineSpec(micro=MicroBatchConfig(8)), mini_batch_size=8)
     batch = make_batch(bsz=8, seed=3)
     mask = batch["response_mask"]
     old = engine.compute(batch, frozenset({"log_probs"}))["log_probs"]
@@ -374,7 +381,8 @@ def test_value_head_outputs_match_the_model():
     batch = make_batch()
     for packed in (False, True):
         value = _value_model()
-        engine = Engine(value, None, value=True, packed=packed, micro_batch_size=4)
+        spec = EngineSpec(value=True, packed=packed, micro=MicroBatchConfig(4))
+        engine = FrozenEngine(value, spec)
         got = engine.compute(batch, frozenset({"values"}))["values"]
         with torch.no_grad():
             scores = value(

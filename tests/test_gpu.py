@@ -22,13 +22,24 @@ import copy
 import pytest
 import torch
 
-from dist_utils import OUTPUTS, actor_config, check_ok, launch, policy_loss, ppo_batch, tiny_llama
+from dist_utils import (
+    OUTPUTS,
+    actor_config,
+    actor_spec,
+    check_ok,
+    launch,
+    policy_loss,
+    ppo_batch,
+    tiny_llama,
+)
 from otbrl import cli
-from otbrl.engine.engine import Engine
 from otbrl.engine.memory import GB, peak_memory_gb, reset_peak_memory
+from otbrl.engine.spec import EngineSpec, MicroBatchConfig
+from otbrl.engine.trainable import TrainableEngine
 from otbrl.engine.world import World
 from otbrl.models.config import LoraConfig
 from otbrl.models.lora import add_lora, unload_lora
+from otbrl.models.weights import full_tensors
 from otbrl.ops import IGNORE_INDEX, fused_linear_token_stats, token_stats
 from run_utils import read_metrics
 from test_dist_engine import full_grads, single_process_reference
@@ -40,6 +51,7 @@ from test_precision import (
     _ppo,
     actor,
     check_bf16_stats,
+    engine_of,
     record_head_stats,
 )
 from test_token_stats import reference, tolerance
@@ -202,8 +214,8 @@ def test_bf16_mixed_step_matches_32_true(device, monkeypatch, layout):
     (1e-5 relative); the log-probs sit off ``32-true``'s by bf16 rounding (max gap in
     (1e-4, 0.1), docs/concepts-precision.md); the step keeps fp32 weights and AdamW state."""
     world = World(device=device)
-    fp32 = Engine(tiny_model(), actor(), world=world, **LAYOUTS[layout])
-    mixed = Engine(tiny_model(), actor(), world=world, precision="bf16-mixed", **LAYOUTS[layout])
+    fp32 = engine_of(tiny_model(), world=world, **LAYOUTS[layout])
+    mixed = engine_of(tiny_model(), world=world, precision="bf16-mixed", **LAYOUTS[layout])
     batch = make_batch()
     ref = fp32.compute(batch, ALL)
     seen = record_head_stats(monkeypatch)
@@ -225,10 +237,8 @@ def test_bf16_mixed_step_matches_32_true(device, monkeypatch, layout):
 def test_gradient_checkpointing_gives_the_same_gradients(device, layout):
     """fp32 gradients with ``gradient_checkpointing`` equal the plain backward's (1e-6)."""
     world = World(device=device)
-    plain = Engine(tiny_model(), actor(), world=world, **LAYOUTS[layout])
-    ckpt = Engine(
-        tiny_model(), actor(), world=world, gradient_checkpointing=True, **LAYOUTS[layout]
-    )
+    plain = engine_of(tiny_model(), world=world, **LAYOUTS[layout])
+    ckpt = engine_of(tiny_model(), world=world, gradient_checkpointing=True, **LAYOUTS[layout])
     batch = rl_batch(plain)
     plain.model.train(), ckpt.model.train()
     want, got = _grads(plain, batch), _grads(ckpt, batch)
@@ -244,9 +254,10 @@ def test_lora_step_and_merged_export(device):
     trained log-probs (1e-5)."""
     from test_lora import LP, _loss, log_probs
 
-    engine = Engine(
+    engine = TrainableEngine(
         add_lora(tiny_model(), LoraConfig(rank=4, alpha=8.0)),
         actor(lr=5e-2),
+        EngineSpec(micro=MicroBatchConfig(3)),
         world=World(device=device),
     )
     base = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
@@ -257,7 +268,7 @@ def test_lora_step_and_merged_export(device):
     batch = make_batch()
     want = engine.compute(batch, LP)["log_probs"]
     plain = tiny_model(seed=1)  # other weights: everything must come from the stream
-    merged = dict(engine.full_tensors())
+    merged = dict(full_tensors(engine.model))
     assert set(merged) == set(plain.state_dict())
     plain.load_state_dict(merged)
     torch.testing.assert_close(log_probs(plain, batch), want, atol=1e-5, rtol=0)
@@ -278,7 +289,8 @@ def _fsdp_nccl_worker(rank, world_size, port):
     mesh = build_mesh(world_size, device_type=info.device.type)
     world = World(rank=info.rank, size=info.world_size, device=info.device, mesh=mesh)
     batch = ppo_batch()
-    engine = Engine(tiny_llama(), actor_config(), world=world, strategy="fsdp", mini_batch_size=8)
+    spec = actor_spec(strategy="fsdp")
+    engine = TrainableEngine(tiny_llama(), actor_config(), spec, world=world, mini_batch_size=8)
     stats = engine.compute(batch, OUTPUTS)
     mini = {**batch, "old_log_probs": stats["log_probs"]}
     tally = engine.accumulate_gradients(mini, policy_loss())
@@ -293,9 +305,7 @@ def test_fsdp2_over_nccl_matches_one_process(device, tmp_path):
     got = check_ok(launch(_fsdp_nccl_worker, 1, tmp_path, timeout_s=240.0))[0]
     assert got["backend"] == ("nccl" if device.type == "cuda" else "gloo")
     batch = ppo_batch()
-    stats, tally, grads, norm = single_process_reference(
-        batch, engine_kwargs={"world": World(device=device)}
-    )
+    stats, tally, grads, norm = single_process_reference(batch, world=World(device=device))
     mask = batch["response_mask"].bool()
     for key in sorted(OUTPUTS):
         torch.testing.assert_close(got["stats"][key][mask], stats[key][mask], atol=2e-6, rtol=0)

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from otbrl import cli
-from otbrl.engine.engine import Engine
 from otbrl.engine.layout import Layout, forward_outputs
+from otbrl.engine.spec import EngineSpec, MicroBatchConfig
+from otbrl.engine.trainable import TrainableEngine
 from otbrl.models import build_tiny_model, load_model_and_tokenizer
 from otbrl.models.config import LoraConfig
 from otbrl.models.lora import (
@@ -22,6 +23,7 @@ from otbrl.models.lora import (
     save_adapter,
     unload_lora,
 )
+from otbrl.models.weights import full_tensors
 from test_engine import make_batch, rl_batch, tiny_model
 from test_precision import actor
 
@@ -39,8 +41,9 @@ def log_probs(model, batch):
         return forward_outputs(model.eval(), batch, Layout(), outputs=LP)["log_probs"]
 
 
-def trained_lora_engine(**engine_kw):
-    engine = Engine(lora_model(), actor(lr=5e-2), **engine_kw)
+def trained_lora_engine(**spec_kw):
+    spec = EngineSpec(micro=MicroBatchConfig(3), **spec_kw)
+    engine = TrainableEngine(lora_model(), actor(lr=5e-2), spec)
     for seed in range(2):
         engine.update(rl_batch(engine, seed=seed), _loss())
     return engine
@@ -69,13 +72,13 @@ def test_only_the_adapters_train_and_the_reference_is_the_base_model():
         assert torch.equal(p, plain[name.replace(".base_layer", "")]), name
     assert any(p.abs().sum() > 0 for n, p in model.named_parameters() if ".lora_B." in n)
     batch = make_batch()
-    reference = engine.without_adapters(micro_batch_size=4)
+    reference = engine.without_adapters(micro=MicroBatchConfig(4))
     ref = reference.compute(batch, LP)["log_probs"]
     torch.testing.assert_close(ref, log_probs(base, batch), atol=1e-6, rtol=0)
     policy = engine.compute(batch, LP)["log_probs"]
     assert (policy - ref).abs().max() > 1e-3  # the adapters are on again outside the view
     # no second copy: the reference view holds the policy's very modules
-    assert reference.model is engine.model and reference.optimizer is None
+    assert reference.model is engine.model and not hasattr(reference, "optimizer")
 
 
 def test_merged_tensors_reproduce_the_trained_model():
@@ -84,7 +87,7 @@ def test_merged_tensors_reproduce_the_trained_model():
     want = engine.compute(batch, LP)["log_probs"]
     plain = tiny_model(seed=1)  # other weights: everything must come from the stream
     names = set(plain.state_dict())
-    merged = dict(engine.full_tensors())
+    merged = dict(full_tensors(engine.model))
     assert set(merged) == names
     plain.load_state_dict(merged)
     torch.testing.assert_close(log_probs(plain, batch), want, atol=1e-5, rtol=0)
@@ -123,7 +126,8 @@ def test_bf16_mixed_lora_keeps_a_bf16_base_and_fp32_adapters():
     model = add_lora(
         tiny_model().to(torch.bfloat16), LoraConfig(rank=4, alpha=8.0), adapter_dtype=torch.float32
     )
-    engine = Engine(model, actor(lr=5e-2), precision="bf16-mixed")
+    spec = EngineSpec(precision="bf16-mixed", micro=MicroBatchConfig(3))
+    engine = TrainableEngine(model, actor(lr=5e-2), spec)
     engine.update(rl_batch(engine), _loss())
     dtypes = {n: p.dtype for n, p in model.named_parameters()}
     assert {d for n, d in dtypes.items() if ".lora_" in n} == {torch.float32}

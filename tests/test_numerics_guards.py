@@ -8,10 +8,10 @@ import re
 import pytest
 import torch
 
-from dist_utils import actor_config, ppo_batch, ppo_step, tiny_llama
+from dist_utils import actor_config, actor_spec, ppo_batch, ppo_step, tiny_llama
 from otbrl import cli
 from otbrl.config import Config, ConfigError, load_config
-from otbrl.engine.engine import Engine, NumericsError
+from otbrl.engine.trainable import NumericsError, TrainableEngine
 from otbrl.store.checkpoint import list_checkpoints
 from run_utils import read_metrics, refused
 
@@ -87,21 +87,26 @@ def _update(engine):
     return ppo_step(engine, ppo_batch())[1]
 
 
+def _engine(model, mini_batch_size=8):
+    """The tests' trainable engine (``dist_utils``' settings) on ``model``."""
+    return TrainableEngine(model, actor_config(), actor_spec(), mini_batch_size=mini_batch_size)
+
+
 def test_pure_fp16_step_is_caught_not_trained_on():
     """fp16 AdamW: eps underflows, the update is NaN although the gradient is finite (so the
     skip guard does not fire); the parameter check stops it. bf16 and fp32 train."""
-    engine = Engine(tiny_llama(seed=0).half(), actor_config(), mini_batch_size=8)
+    engine = _engine(tiny_llama(seed=0).half())
     with pytest.raises(NumericsError, match=r"non-finite values in the parameters \(model\."):
         _update(engine)
     for dtype in (torch.bfloat16, torch.float32):
-        engine = Engine(tiny_llama(seed=0).to(dtype), actor_config(), mini_batch_size=8)
+        engine = _engine(tiny_llama(seed=0).to(dtype))
         metrics = _update(engine)
         assert metrics["policy/skipped_steps"] == 0 and math.isfinite(metrics["policy/grad_norm"])
         assert all(bool(torch.isfinite(p).all()) for p in engine.model.parameters())
 
 
 def test_the_check_names_the_parameter_that_went_bad(monkeypatch):
-    engine = Engine(tiny_llama(seed=0), actor_config(), mini_batch_size=8)
+    engine = _engine(tiny_llama(seed=0))
     real_step = engine.optimizer.step
 
     def step_then_poison(*args, **kwargs):
@@ -139,7 +144,7 @@ def test_trainer_stops_before_saving_non_finite_weights(tiny_run, tmp_path, caps
 
 
 def test_a_run_that_only_skips_stops(tiny_run, tmp_path, capsys, monkeypatch):
-    import otbrl.engine.engine as engine_mod
+    import otbrl.engine.trainable as engine_mod
 
     monkeypatch.setattr(engine_mod.parallel, "clip_grad_norm", lambda *a: torch.tensor(math.nan))
     run = tmp_path / "run"
@@ -156,7 +161,7 @@ def test_a_run_that_only_skips_stops(tiny_run, tmp_path, capsys, monkeypatch):
 
 
 def test_skips_counted_in_a_row_reset_on_a_taken_step(monkeypatch):
-    import otbrl.engine.engine as engine_mod
+    import otbrl.engine.trainable as engine_mod
 
     real = engine_mod.parallel.clip_grad_norm
     norms = iter([math.nan, math.nan, None, math.nan])
@@ -166,7 +171,7 @@ def test_skips_counted_in_a_row_reset_on_a_taken_step(monkeypatch):
         return real(params, clip) if value is None else torch.tensor(value)
 
     monkeypatch.setattr(engine_mod.parallel, "clip_grad_norm", scripted)
-    engine = Engine(tiny_llama(seed=0), actor_config(), mini_batch_size=4)  # 2 steps / update
+    engine = _engine(tiny_llama(seed=0), mini_batch_size=4)  # 2 steps / update
     seen = []
     for _ in range(2):
         _update(engine)
@@ -177,7 +182,7 @@ def test_skips_counted_in_a_row_reset_on_a_taken_step(monkeypatch):
 def test_the_check_is_exact_when_a_sum_overflows():
     """The fast path sums each parameter; finite values whose sum overflows are not an error,
     one NaN next to them is."""
-    engine = Engine(tiny_llama(seed=0), actor_config(), mini_batch_size=8)
+    engine = _engine(tiny_llama(seed=0))
     weight = engine.model.model.layers[0].mlp.up_proj.weight
     with torch.no_grad():
         weight[0, :2] = 3e38  # finite in fp32; their sum is not

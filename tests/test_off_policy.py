@@ -12,7 +12,7 @@ from otbrl.algos.loss_terms import build_loss
 from otbrl.algos.otb import token_energy
 from otbrl.algos.rollout_correction import rollout_is_weights
 from otbrl.config import ConfigError, load_config
-from otbrl.run.spec import correction_mode
+from otbrl.run.needs import correction_mode
 
 
 def _batch(seed=0, b=8, length=6, stale=0.5):

@@ -13,8 +13,8 @@ from otbrl.data import get_task, write_parquet_rows
 from otbrl.engine.dims import ParallelDims
 from otbrl.models import build_tiny_model
 from otbrl.ops.token_stats import HEAD_OUTPUTS
+from otbrl.run.needs import SOURCES
 from otbrl.run.plan import plan_run
-from otbrl.run.spec import SOURCES
 from tiny_models import ONE_LAYER
 
 
@@ -181,6 +181,14 @@ def test_resolve_is_pure_and_takes_every_decision(tmp_path, monkeypatch):
     assert (spec.validation.n, spec.validation.greedy, spec.validation.temperature) == (
         1, False, 0.5,
     )  # fmt: skip
+    # what build makes: the engines and how each runs, where the weights come from, the sync
+    policy = spec.engines["policy"]
+    assert set(spec.engines) == {"policy", "reference"}  # the KL reward needs the reference
+    assert policy.optim is not None and policy.mini_batch_size == 4 * 4  # prompts x n
+    assert policy.spec.temperature == 0.7 and spec.engines["reference"].optim is None
+    assert spec.model.path == f"{missing}/model" and spec.model.warm_start is None
+    assert spec.sync_at_start and spec.trainer.max_staleness == 1  # a server may hold others
+    assert spec.record["rollout"]["n"] == 4  # the config, kept as a record
     # and it refuses what the config alone rules out, naming the key
     with pytest.raises(ConfigError, match=r"critic\.enable") as err:
         spec_module.resolve(
@@ -249,10 +257,11 @@ def test_runs_sharing_a_weights_dir_get_their_own_buckets(tmp_path):
     from types import SimpleNamespace
 
     from otbrl.run.build import weights_subdir
+    from otbrl.run.spec import resolve
 
     def subdir(out, rank):
-        cfg = load_config(None, [f"trainer.output_dir={out}"])
-        return weights_subdir(cfg, "/shared/w", SimpleNamespace(dp_rank=rank))
+        spec = resolve(load_config(None, [f"trainer.output_dir={out}"]))
+        return weights_subdir(spec, "/shared/w", SimpleNamespace(dp_rank=rank))
 
     a, b = subdir(tmp_path / "a", 0), subdir(tmp_path / "b", 0)
     assert a != b and a.parent.parent == b.parent.parent == Path("/shared/w")

@@ -10,9 +10,10 @@ import torch
 from otbrl import cli
 from otbrl.config import ConfigError, load_config
 from otbrl.engine import layout as layout_module
-from otbrl.engine.engine import Engine
 from otbrl.engine.optim import OptimConfig
 from otbrl.engine.precision import check_precision_device, get_precision
+from otbrl.engine.spec import EngineSpec, MicroBatchConfig
+from otbrl.engine.trainable import TrainableEngine
 from otbrl.ops import IGNORE_INDEX
 from test_engine import make_batch, rl_batch, tiny_model
 
@@ -21,8 +22,16 @@ LAYOUTS = {"padded": {}, "packed": {"packed": True}, "fused": {"fused": True}}
 
 
 def actor(**kw):
-    settings = dict(lr=1e-3, warmup_steps=0, micro_batch_size=3, grad_clip=1.0)
+    settings = dict(lr=1e-3, warmup_steps=0, grad_clip=1.0)
     return OptimConfig(**{**settings, **kw})
+
+
+def engine_of(model, *, world=None, **spec):
+    """A trainable engine on ``model`` (in ``world``: one process by default) with ``actor()``,
+    micro-batches of 3 rows and the ``EngineSpec`` fields ``spec`` (layout, precision, gradient
+    checkpointing)."""
+    spec = EngineSpec(micro=MicroBatchConfig(3), **spec)
+    return TrainableEngine(model, actor(), spec, world=world)
 
 
 def float64_stats(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -84,7 +93,7 @@ def test_stats_from_bf16_logits_equal_float64_on_the_same_logits(monkeypatch, pr
     model = tiny_model()
     if precision == "bf16-true":
         model = model.to(torch.bfloat16)
-    engine = Engine(model, actor(), precision=precision, **LAYOUTS[layout])
+    engine = engine_of(model, precision=precision, **LAYOUTS[layout])
     out = engine.compute(make_batch(), ALL)
     assert all(v.dtype == torch.float32 for v in out.values())
     check_bf16_stats(seen)
@@ -100,8 +109,8 @@ def _optimizer_dtypes(engine):
 def test_bf16_mixed_keeps_fp32_master_weights_and_state(layout):
     """The step updates fp32 weights with fp32 moments; the forward is bf16 (log-probs move
     off the fp32 ones by bf16 rounding, not more); the PPO ratio is taken in fp32."""
-    fp32 = Engine(tiny_model(), actor(), **LAYOUTS[layout])
-    mixed = Engine(tiny_model(), actor(), precision="bf16-mixed", **LAYOUTS[layout])
+    fp32 = engine_of(tiny_model(), **LAYOUTS[layout])
+    mixed = engine_of(tiny_model(), precision="bf16-mixed", **LAYOUTS[layout])
     batch = make_batch()
     ref, got = fp32.compute(batch, ALL), mixed.compute(batch, ALL)
     mask = batch["response_mask"].bool()
@@ -114,7 +123,7 @@ def test_bf16_mixed_keeps_fp32_master_weights_and_state(layout):
 
 
 def test_bf16_true_keeps_everything_in_bf16():
-    engine = Engine(tiny_model().to(torch.bfloat16), actor(), precision="bf16-true")
+    engine = engine_of(tiny_model().to(torch.bfloat16), precision="bf16-true")
     engine.update(rl_batch(engine), _ppo())
     assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
     assert _optimizer_dtypes(engine) == {"torch.bfloat16"}
@@ -122,7 +131,7 @@ def test_bf16_true_keeps_everything_in_bf16():
 
 def test_bf16_mixed_refuses_bf16_weights():
     with pytest.raises(ValueError, match=r"bf16-mixed trains torch\.float32 parameters"):
-        Engine(tiny_model().to(torch.bfloat16), actor(), precision="bf16-mixed")
+        engine_of(tiny_model().to(torch.bfloat16), precision="bf16-mixed")
     with pytest.raises(ValueError, match="precision: expected one of"):
         get_precision("16-mixed")
 
@@ -140,8 +149,8 @@ def _grads(engine, batch):
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_gradient_checkpointing_gives_the_same_gradients(layout):
-    plain = Engine(tiny_model(), actor(), **LAYOUTS[layout])
-    ckpt = Engine(tiny_model(), actor(), gradient_checkpointing=True, **LAYOUTS[layout])
+    plain = engine_of(tiny_model(), **LAYOUTS[layout])
+    ckpt = engine_of(tiny_model(), gradient_checkpointing=True, **LAYOUTS[layout])
     batch = rl_batch(plain)
     plain.model.train(), ckpt.model.train()
     want, got = _grads(plain, batch), _grads(ckpt, batch)
@@ -154,7 +163,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(layout):
 def test_checkpointing_recomputes_the_blocks():
     """With checkpointing each decoder block runs twice per backward (forward + recompute)."""
     calls = []
-    engine = Engine(tiny_model(), actor(), gradient_checkpointing=True)
+    engine = engine_of(tiny_model(), gradient_checkpointing=True)
     engine.model.model.layers[0].mlp.register_forward_hook(lambda *_: calls.append(1))
     engine.model.train()
     _grads(engine, rl_batch(engine))
@@ -187,7 +196,7 @@ def test_a_device_without_bf16_is_refused_before_any_model_loads(monkeypatch, ca
         raise AssertionError("a model was loaded")
 
     monkeypatch.setattr("otbrl.run.build.load_policy", no_model)
-    monkeypatch.setattr("otbrl.run.build.warm_start", no_model)
+    monkeypatch.setattr("otbrl.run.build.ensure_warm_start", no_model)
     assert cli.main(["train", "model.precision=bf16-mixed"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "'model.precision'" in err and "V100" in err

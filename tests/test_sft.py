@@ -49,15 +49,18 @@ def test_a_demonstration_is_a_response_trained_to_its_eos(tiny):
 
 
 def test_the_sft_loss_is_response_token_cross_entropy(tiny):
+    from otbrl.algos.loss_math import loss_normalizers
     from otbrl.algos.loss_terms import build_sft_loss
-    from otbrl.engine.engine import Engine
+    from otbrl.engine.frozen import FrozenEngine
+    from otbrl.engine.spec import EngineSpec, MicroBatchConfig
 
     model, tok = tiny
     rows, demos = _data(8)
     data = sft.demonstration_batch(rows, demos, tok)
-    engine = Engine(model, None, micro_batch_size=3)
+    engine = FrozenEngine(model, EngineSpec(micro=MicroBatchConfig(3)))
     loss_fn = build_sft_loss()
-    norms = engine.normalizers(data["response_mask"])
+    # one process: the batch's own counts (what TrainableEngine.normalizers sums over ranks)
+    norms = loss_normalizers(data["response_mask"])
     with torch.no_grad():
         loss, metrics = loss_fn(engine.forward(data, loss_fn.needs), data, norms)
         logits = model(input_ids=data["input_ids"], attention_mask=data["attention_mask"]).logits
@@ -93,9 +96,11 @@ def test_warmup_and_clip_reach_the_engine(tiny, monkeypatch):
     model, tok = tiny
     rows, demos = _data(16)
     optims = []
-    engine = sft.Engine
+    engine = sft.TrainableEngine
     monkeypatch.setattr(
-        sft, "Engine", lambda m, optim, **kw: optims.append(optim) or engine(m, optim, **kw)
+        sft,
+        "TrainableEngine",
+        lambda m, optim, *a, **kw: optims.append(optim) or engine(m, optim, *a, **kw),
     )
 
     def largest_change(**settings):
@@ -136,8 +141,10 @@ def test_trigger_evaluates_between_periodic_evaluations(tiny):
 
 
 def test_sure_rows_are_greedy_exact_matches(tiny):
+    from otbrl.algos.loss_math import loss_normalizers
     from otbrl.algos.loss_terms import build_sft_loss
-    from otbrl.engine.engine import Engine
+    from otbrl.engine.frozen import FrozenEngine
+    from otbrl.engine.spec import EngineSpec, MicroBatchConfig
 
     model, tok = tiny
     train_rows, train_demos = _data(128, seed=1)
@@ -158,13 +165,14 @@ def test_sure_rows_are_greedy_exact_matches(tiny):
     loss_fn = build_sft_loss()
 
     def sure_rows(temperature):
-        engine = Engine(model, None, micro_batch_size=12, temperature=temperature)
+        spec = EngineSpec(temperature=temperature, micro=MicroBatchConfig(12))
+        engine = FrozenEngine(model, spec)
         sure = []
         for i in range(12):  # row by row
             data = sft.demonstration_batch(rows[i : i + 1], demos[i : i + 1], tok)
             with torch.no_grad():
                 out = engine.forward(data, loss_fn.needs)
-            _, metrics = loss_fn(out, data, engine.normalizers(data["response_mask"]))
+            _, metrics = loss_fn(out, data, loss_normalizers(data["response_mask"]))
             sure.append(metrics["sft/sure_frac"].item() == 1.0)
         return sure
 

@@ -31,26 +31,36 @@ def test_the_kept_names_are_the_ones_transformers_saves(zoo_dirs, shape):
 
 
 def _engine(model, **settings):
-    from otbrl.engine.engine import Engine
     from otbrl.engine.optim import OptimConfig
+    from otbrl.engine.spec import EngineSpec, MicroBatchConfig
+    from otbrl.engine.trainable import TrainableEngine
 
-    return Engine(model, OptimConfig(lr=1e-3, micro_batch_size=4, **settings))
+    spec = EngineSpec(micro=MicroBatchConfig(4))
+    return TrainableEngine(model, OptimConfig(lr=1e-3, **settings), spec)
+
+
+def _state(model):
+    """What a checkpoint saves and restores of ``_engine(model)`` (``EngineState``)."""
+    from otbrl.engine.state import EngineState
+
+    return EngineState(_engine(model))
 
 
 def test_every_stream_carries_a_tied_parameter_once(zoo_dirs):
     from otbrl.models.config import LoraConfig
     from otbrl.models.lora import add_lora
+    from otbrl.models.weights import full_tensors
 
     model = AutoModelForCausalLM.from_pretrained(zoo_dirs["qwen2.5"])
     names = untied_names(model)
-    stream = list(_engine(model).full_tensors())
+    stream = list(full_tensors(_engine(model).model))
     assert [n for n, _ in stream] == names
     assert len({t.data_ptr() for _, t in stream}) == len(stream)  # no tensor twice
     # a LoRA model's merged stream: the plain model's names, the tied one once
     lora = add_lora(
         AutoModelForCausalLM.from_pretrained(zoo_dirs["qwen2.5"]), LoraConfig(rank=4, alpha=8)
     )
-    merged = [n for n, _ in _engine(lora).full_tensors()]
+    merged = [n for n, _ in full_tensors(_engine(lora).model)]
     assert sorted(merged) == sorted(names)
     # the shared tensor is the embedding, and the loaded copy re-ties from it
     embed = dict(stream)["model.embed_tokens.weight"]
@@ -65,7 +75,7 @@ def test_a_checkpoint_that_holds_the_alias_still_loads(zoo_dirs, tmp_path):
     trained = AutoModelForCausalLM.from_pretrained(zoo_dirs["qwen2.5"])
     with torch.no_grad():
         trained.model.embed_tokens.weight.add_(1.0)  # distinguishable from the fresh copy
-    ckpt = save_checkpoint(tmp_path / "ckpt", 1, engines={"policy": _engine(trained)})
+    ckpt = save_checkpoint(tmp_path / "ckpt", 1, engines={"policy": _state(trained)})
     with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
         assert "lm_head.weight" not in f.keys()  # noqa: SIM118 (safe_open has no __iter__)
     for with_alias in (False, True):
@@ -74,6 +84,6 @@ def test_a_checkpoint_that_holds_the_alias_still_loads(zoo_dirs, tmp_path):
             save_file(state, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
             reseal(ckpt)
         fresh = AutoModelForCausalLM.from_pretrained(zoo_dirs["qwen2.5"])
-        load_checkpoint(ckpt, engines={"policy": _engine(fresh)})
+        load_checkpoint(ckpt, engines={"policy": _state(fresh)})
         assert torch.equal(fresh.model.embed_tokens.weight, trained.model.embed_tokens.weight)
         assert fresh.lm_head.weight is fresh.model.embed_tokens.weight  # still tied

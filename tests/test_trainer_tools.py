@@ -19,6 +19,7 @@ from otbrl.rollout import HFRollout, SamplingParams, completions_to_batch, unpad
 from otbrl.run.evaluate import evaluate_accuracy
 from otbrl.run.sampling import Sample, Scoring
 from otbrl.run.seeds import step_seed
+from otbrl.run.sources import SyncSource
 from run_utils import data_files, read_metrics, stable_metrics, train_overrides
 from tiny_models import ONE_LAYER, steer_to_calls
 
@@ -147,34 +148,32 @@ def test_config_errors_name_the_key(tool_dir, tool_files, tmp_path, capsys):
     assert "data row 3" in err and "['search']" in err
 
 
-def _single_turn_sample(self):
-    """The trainer's sampling before multi-turn rollouts (commit 6411f9e): generate, decode the
-    prefix of ones, score, place."""
-    cfg = self.cfg
-    rows = self.world.shard(self.dataset.next_batch())
-    enc = encode_prompts(rows, self.tokenizer, cfg.data.max_prompt_length)
+def _single_turn_sample(self, step):
+    """The trainer's sampling before multi-turn rollouts (commit 6411f9e), as a batch source's
+    ``next``: generate, decode the prefix of ones, score, place."""
+    r = self.rounds
+    rows = r.world.shard(r.dataset.next_batch())
+    enc = encode_prompts(rows, r.tokenizer, r.max_prompt_length)
+    p = r.params
     params = SamplingParams(
-        n=cfg.rollout.n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-        top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_new_tokens,
-        stop_token_ids=tuple(self.eos_ids),
-        seed=step_seed(cfg.trainer.seed, self.step, self.world.dp_rank),
+        n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_tokens,
+        stop_token_ids=r.stop_token_ids, seed=step_seed(r.seed, step, r.world.dp_rank),
     )  # fmt: skip
-    completions = self.rollout.generate(
-        unpad_prompts(enc["input_ids"], enc["attention_mask"]), params
-    )
+    completions = r.rollout.generate(unpad_prompts(enc["input_ids"], enc["attention_mask"]), params)
     batch = completions_to_batch(
-        enc["input_ids"], enc["attention_mask"], completions, pad_id=self.tokenizer.pad_token_id
+        enc["input_ids"], enc["attention_mask"], completions, pad_id=r.tokenizer.pad_token_id
     )
-    batch["uid"] = batch["uid"] + self.world.dp_rank * len(rows)
-    rows = [row for row in rows for _ in range(cfg.rollout.n)]
+    batch["uid"] = batch["uid"] + r.world.dp_rank * len(rows)
+    rows = [row for row in rows for _ in range(p.n)]
     mask = batch["response_mask"]
     lengths = mask.sum(dim=1).long().tolist()
-    texts = self.tokenizer.batch_decode(
+    texts = r.tokenizer.batch_decode(
         [ids[:k] for ids, k in zip(batch["responses"].tolist(), lengths)], skip_special_tokens=True
     )
+    settings = r.scoring.settings
     scores, info = score_responses(
-        texts, rows, function=self.plan.reward_fn, on_error=self.cfg.reward.on_error,
-        timeout_s=self.cfg.reward.timeout_s,
+        texts, rows, function=r.scoring.function, on_error=settings.on_error,
+        timeout_s=settings.timeout_s,
     )  # fmt: skip
     score = torch.tensor(scores, dtype=torch.float32)
     batch["token_level_scores"] = place_scores(score, mask)
@@ -189,16 +188,16 @@ def _single_turn_sample(self):
 
 
 def _single_turn_validate(self, logger=None):
-    cfg = self.cfg
+    spec, t = self.spec, self.spec.trainer
     accuracy = evaluate_accuracy(
-        self.rollout, self.tokenizer, self.plan.val_rows,
+        self.parts.backend, self.tokenizer, self.plan.val_rows,
         SamplingParams(
-            max_tokens=cfg.rollout.max_new_tokens, stop_token_ids=tuple(self.eos_ids),
-            greedy=cfg.trainer.val_greedy, temperature=cfg.trainer.val_temperature,
-            seed=step_seed(cfg.trainer.seed, self.step),
+            max_tokens=spec.sampling.max_tokens, stop_token_ids=tuple(self.eos_ids),
+            greedy=t.val_greedy, temperature=t.val_temperature,
+            seed=step_seed(spec.seed, self.step),
         ),
-        batch_size=cfg.trainer.val_batch_size,
-        scoring=Scoring(self.plan.reward_fn, cfg.reward),
+        batch_size=t.val_batch_size,
+        scoring=Scoring(self.plan.reward_fn, spec.reward),
     )  # fmt: skip
     return {"val/accuracy": accuracy}
 
@@ -220,7 +219,7 @@ def test_without_tools_the_metrics_equal_the_single_turn_trainer(tmp_path, monke
         return stable_metrics(tmp_path / name)
 
     today = run("today")
-    monkeypatch.setattr(trainer_mod.Trainer, "sample", _single_turn_sample)
+    monkeypatch.setattr(SyncSource, "next", _single_turn_sample)
     monkeypatch.setattr(trainer_mod.Trainer, "validate", _single_turn_validate)
     before = run("before")
     assert today == before

@@ -156,7 +156,7 @@ def _demo(args: argparse.Namespace) -> int:
     if cfg.trainer.max_wall_seconds > 0:
         # the demo's wall budget covers the warm start: RL gets what the warm start left
         spent = time.perf_counter() - start
-        trainer.cfg.trainer.max_wall_seconds = max(1.0, cfg.trainer.max_wall_seconds - spent)
+        trainer.settings.max_wall_seconds = max(1.0, cfg.trainer.max_wall_seconds - spent)
     summary = trainer.fit()
     before, after = summary.get("initial_val_accuracy"), summary.get("final_val_accuracy")
     wall = time.perf_counter() - start
@@ -179,15 +179,15 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _sft(args: argparse.Namespace) -> int:
-    cfg, _ = _config(args)
+    cfg, plan = _config(args)
     if cfg.model.path != "builtin":
         raise ConfigError(
             "'model.path' must be 'builtin' for 'otbrl sft' (it warm-starts the built-in model)",
             "model.path",
         )
-    from otbrl.run.build import warm_start
+    from otbrl.run.build import model_path
 
-    path = warm_start(cfg)
+    path = model_path(plan.spec.model)
     print(f"warm-started model: {path}")
     return 0
 
@@ -235,15 +235,17 @@ def _eval(args: argparse.Namespace) -> int:
     from otbrl.run.build import build_sampler, load_policy, model_path, scoring
     from otbrl.run.evaluate import validate
 
-    path = model_path(cfg)
+    spec = plan.spec
+    path = model_path(spec.model)
     tokenizer = plan.tokenizer
     world = local_world()  # the GPU when there is one, as training's single process
-    model = load_policy(cfg, path, tokenizer).to(world.device)
+    model = load_policy(spec, path, tokenizer).to(world.device)
     eos = eos_token_ids(model, tokenizer)
-    sampler = build_sampler(cfg, plan.tools, HFRollout(model, tokenizer), tokenizer, eos, str(path))
+    backend = HFRollout(model, tokenizer)
+    sampler = build_sampler(spec, plan.tools, backend, tokenizer, eos, str(path))
     result = validate(
-        sampler, tokenizer, plan.val_rows, plan.spec, world=world, stop_token_ids=eos,
-        seed=cfg.trainer.seed, scoring=scoring(cfg, plan).for_validation(), label="evaluating",
+        sampler, tokenizer, plan.val_rows, spec, world=world, stop_token_ids=eos,
+        seed=spec.seed, scoring=scoring(plan).for_validation(), label="evaluating",
     ).metrics  # fmt: skip
     rate = result.get("val/tool_call_rate")
     print(
@@ -426,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"otbrl: error: {err}", file=sys.stderr)
         return 1
     except RuntimeError as err:
-        from otbrl.engine.engine import NumericsError  # torch is loaded: a trainer ran
+        from otbrl.engine.trainable import NumericsError  # torch is loaded: a trainer ran
         from otbrl.rollout.server import ServerError
 
         if not isinstance(err, NumericsError | ServerError):

@@ -51,7 +51,9 @@ class Estimator:
     rest of the batch holds (what dynamic sampling relies on to drop it) — but for OTB's zero
     tail (``handle_zero_tail``): the tokens of its unique longest row past the second-longest
     have baseline 0 and keep their return. Dynamic sampling drops such a group all the same,
-    as DAPO does: the rule is the rewards', not the estimator's.
+    as DAPO does: the rule is the rewards', not the estimator's. ``response_space``: its
+    baseline counts positions in response space (the k-th model token of each row, tool
+    observations skipped: TIR-OTB), so the metrics that describe it (OTB's zero tail) must too.
     """
 
     name: str
@@ -59,6 +61,7 @@ class Estimator:
     needs: frozenset[str]
     options_needs: Callable[..., frozenset[str]] | None = None
     group_relative: bool = False
+    response_space: bool = False
     params: frozenset[str] = field(init=False)  # keyword arguments fn takes
     takes_any: bool = field(init=False)  # fn has **kwargs: it is handed everything
 
@@ -90,14 +93,17 @@ def register_estimator(
     needs=(),
     options_needs: Callable[..., frozenset[str]] | None = None,
     group_relative: bool = False,
+    response_space: bool = False,
 ):
-    """Decorator: register ``fn`` under ``name`` with the statistics it needs (and whether a
-    group of equal rewards gets zero advantages from it: ``Estimator.group_relative``)."""
+    """Decorator: register ``fn`` under ``name`` with the statistics it needs and the facts the
+    trainer acts on (``Estimator.group_relative``, ``Estimator.response_space``)."""
 
     def wrap(fn):
         if name in ESTIMATORS:
             raise ValueError(f"estimator {name!r} is already registered")
-        ESTIMATORS[name] = Estimator(name, fn, frozenset(needs), options_needs, group_relative)
+        ESTIMATORS[name] = Estimator(
+            name, fn, frozenset(needs), options_needs, group_relative, response_space
+        )
         return fn
 
     return wrap
@@ -146,6 +152,7 @@ register_estimator(
     needs=_otb_needs(),
     options_needs=_otb_needs,
     group_relative=True,
+    response_space=True,
 )(tir_optimal_token_baseline)
 
 

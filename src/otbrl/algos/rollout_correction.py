@@ -144,6 +144,29 @@ def rollout_is_weights(
     return weights, keep.float(), metrics
 
 
+def correct_for_rollout(
+    old_log_probs: Tensor,
+    rollout_log_probs: Tensor,
+    response_mask: Tensor,
+    *,
+    mode: str,
+    cap: float,
+) -> tuple[Tensor | None, Tensor, dict[str, float]]:
+    """How far the rollout engine's log-probs are from the trainer's (``old_log_probs``: π_prox,
+    computed once before the update), and the correction for it: ``(weights [B, L] or None when
+    ``mode`` is ``"none"``, the response mask [B, L] with the sequences ``seq_mis`` drops
+    zeroed, metrics)`` — ``rollout_mismatch_metrics`` plus, with a mode, ``rollout_is_weights``'
+    own. The weights reach the policy loss and OTB's energy W as ``rollout_is_weights``."""
+    metrics = rollout_mismatch_metrics(old_log_probs, rollout_log_probs, response_mask)
+    if mode == "none":
+        return None, response_mask, metrics
+    weights, keep, extra = rollout_is_weights(
+        old_log_probs, rollout_log_probs, response_mask, mode=mode, cap=cap
+    )
+    metrics.update(extra)
+    return weights, response_mask * keep, metrics
+
+
 def _frac(part: Tensor, whole: Tensor) -> float:
     return float(part) / float(whole) if int(whole) else 0.0
 

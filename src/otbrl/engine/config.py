@@ -1,6 +1,7 @@
 """The trained models' settings: the model (``model.*``), the policy engine (``actor.*``: its
 optimizer, loss and parallel layout) and the critic engine (``critic.*``). Both engines'
-groups are ``OptimConfig``s with their own keys added, so the optimizer keys are declared once.
+groups are an ``OptimConfig`` and a ``MicroBatchConfig`` with their own keys added, so the
+optimizer and micro-batch keys are declared once.
 No torch: the CLI's schema composes these and starts without it."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 from otbrl.algos.config import KL_KINDS, LOSS_AGG_MODES, POLICY_LOSS_AGG, POLICY_LOSSES
 from otbrl.engine.dims import STRATEGIES
 from otbrl.engine.optim import OptimConfig
+from otbrl.engine.spec import MicroBatchConfig
 from otbrl.errors import ConfigError
 from otbrl.models.config import LoraConfig
 from otbrl.settings import PRECISIONS, TRISTATE, refuse_unset, setting
@@ -32,7 +34,7 @@ class ModelConfig:
 
 
 @dataclass
-class ActorConfig(OptimConfig):
+class ActorConfig(MicroBatchConfig, OptimConfig):
     # prompts per optimizer step (x rollout.n sequences); None = the whole step batch
     ppo_mini_batch_size: int | None = None
     # ppo (clipped token ratio) | gspo (clipped sequence ratio, its token form; its paper clips
@@ -82,7 +84,7 @@ class ActorConfig(OptimConfig):
 
 
 @dataclass
-class CriticConfig(OptimConfig):
+class CriticConfig(MicroBatchConfig, OptimConfig):
     """The value model of PPO with GAE: ``AutoModelForTokenClassification(num_labels=1)``
     initialised from ``model_path`` (the policy's weights by default), trained with the clipped
     value loss on the actor's mini-batches, under the actor's engine."""

@@ -64,12 +64,12 @@ def optimizer_gb(optimizer: torch.optim.Optimizer | None) -> float:
 
 def state_memory(engines: Iterable) -> dict[str, float]:
     """``memory/params_gb`` (every model of ``engines``, a model two engines share counted
-    once) and ``memory/optimizer_gb`` (their optimizers' state), this process's shards under
-    FSDP2 / TP."""
+    once) and ``memory/optimizer_gb`` (the trainable ones' optimizer state), this process's
+    shards under FSDP2 / TP."""
     engines = list(engines)
     return {
         "memory/params_gb": tensors_gb(p for e in engines for p in e.model.parameters()),
-        "memory/optimizer_gb": sum(optimizer_gb(e.optimizer) for e in engines),
+        "memory/optimizer_gb": sum(optimizer_gb(getattr(e, "optimizer", None)) for e in engines),
     }
 
 

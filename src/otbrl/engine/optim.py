@@ -1,4 +1,5 @@
-"""An engine's training settings: the AdamW optimizer, its warmup and the update's loops.
+"""A trainable engine's training settings: the AdamW optimizer, its warmup and the update's
+loops (how many rows one forward takes is the engine's ``MicroBatchConfig``, frozen or not).
 
 Pure Python (no torch): the CLI's ``actor`` and ``critic`` groups are ``OptimConfig``s with
 their own keys added (``otbrl.engine.config``), so these keys are declared once.
@@ -15,8 +16,9 @@ from otbrl.settings import setting
 
 @dataclass
 class OptimConfig:
-    """What ``Engine.update`` needs besides the batch and the loss; the engine checks each
-    field's type and range (``otbrl.settings.check_settings``: ``ConfigError`` naming it)."""
+    """What ``TrainableEngine.update`` needs besides the batch, the loss and the micro-batches;
+    the engine checks each field's type and range (``otbrl.settings.check_settings``:
+    ``ConfigError`` naming it)."""
 
     # AdamW learning rate (1e-6: verl's and TRL's default for full fine-tuning; the built-in
     # model's preset: 3e-4)
@@ -27,13 +29,6 @@ class OptimConfig:
     weight_decay: float = setting(0.0, ge=0)
     # passes over each step's batch
     ppo_epochs: int = setting(1, gt=0)
-    # at most this many sequences per forward/backward (the last micro-batch may be smaller;
-    # gradients are accumulated exactly, as if the mini-batch ran at once)
-    micro_batch_size: int = setting(8, gt=0)
-    # at most this many tokens per forward/backward instead (rows packed by length, the same
-    # number of micro-batches on every rank; with model.use_remove_padding=true real tokens
-    # count, else rows x the micro-batch's own width); None: micro_batch_size rows
-    max_tokens_per_micro_batch: int | None = setting(None, gt=0, null="micro_batch_size rows")
     # global gradient-norm clip; 0 = none
     grad_clip: float = setting(1.0, ge=0)
 

@@ -1,7 +1,8 @@
 """How an engine's model and optimizer map to checkpoint state, and back, in any layout.
 
-``Engine``'s checkpoint methods call these functions; ``otbrl.store.checkpoint`` owns the files
-(formats, integrity, atomic directories) and never touches a model or an optimizer itself. The
+``EngineState`` adapts a trainable engine to what ``otbrl.store.checkpoint`` asks for, over these
+functions; the store owns the files (formats, integrity, atomic directories) and never touches a
+model or an optimizer itself. The
 pairs follow ``torch.distributed.checkpoint``'s Stateful pattern: the engine hands out its
 state in its own layout (a sharded tensor as a DTensor that reports its global shape), the
 checkpoint reads saved tensors into it (``dcp.load``), and the engine takes it back.
@@ -31,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from otbrl.models.lora import adapter_config as peft_config
 from otbrl.models.lora import model_names
 from otbrl.models.tied import tied_aliases
+from otbrl.models.weights import full_tensors, state_tensors
 
 # key -> (this rank's chunk, the chunk's offset in the global tensor, one entry a dim)
 Chunks = dict[str, tuple[Tensor, list[int]]]
@@ -151,3 +153,82 @@ def _slot_order(key: str) -> tuple:
     name, _, slot = key[len("state.") :].rpartition(".")
     rank = _ADAMW_SLOTS.index(slot) if slot in _ADAMW_SLOTS else len(_ADAMW_SLOTS)
     return name, rank, slot
+
+
+class EngineState:
+    """A trainable engine as ``otbrl.store.checkpoint`` saves and restores it: an adapter over
+    the engine's public parts (``model``, ``optimizer``, ``world``, ``state_dict``), so the
+    engine itself holds no checkpoint code and the store never touches a model.
+
+    ``save_checkpoint(..., engines={"policy": EngineState(policy)})``.
+    """
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    @property
+    def world(self):
+        """Where the engine's process sits (the checkpoint's collectives and file names)."""
+        return self.engine.world
+
+    @property
+    def lora(self) -> dict | None:
+        """The model's LoRA settings, or None: a LoRA model is stored as its adapter."""
+        return self.engine.lora
+
+    def model_configs(self) -> list:
+        """The HF configs saved beside the weights (each has ``save_pretrained(directory)``):
+        the model's, and its generation config when the model generates."""
+        model = self.engine.model
+        generation = getattr(model, "generation_config", None)
+        generates = generation is not None and model.can_generate()
+        return [model.config] + ([generation] if generates else [])
+
+    def weights(self) -> dict[str, Tensor]:
+        """``weights`` of the model: its state in its own layout, tied aliases left out."""
+        return weights(self.engine.model)
+
+    def load_weights(self, state: Mapping[str, Tensor]) -> None:
+        """Take back ``weights()``' tensors once read into."""
+        load_weights(self.engine.model, state)
+
+    def tied_aliases(self) -> dict[str, str]:
+        """``{alias: kept name}`` of the model's tied weights (``otbrl.models.tied``)."""
+        return tied_aliases(self.engine.model)
+
+    def state_tensors(self, names: Iterable[str] | None = None):
+        """``otbrl.models.weights.state_tensors`` of the model (collective)."""
+        return state_tensors(self.engine.model, names)
+
+    def adapter_tensors(self) -> dict[str, Tensor]:
+        """A LoRA model's adapter tensors in PEFT's names (collective)."""
+        return dict(full_tensors(self.engine.model, adapter_only=True))
+
+    def adapter_config(self) -> dict:
+        """PEFT's ``adapter_config.json`` of a LoRA model."""
+        return adapter_config(self.engine.model)
+
+    def load_adapter(self, tensors: Mapping[str, Tensor], *, source: str = "the adapter") -> None:
+        """Full adapter tensors in PEFT's names -> the LoRA parameters, in the model's layout."""
+        load_adapter(self.engine.model, tensors, source)
+
+    def optimizer_shard(self) -> tuple[Chunks, list]:
+        """``optimizer_shard`` of the engine's AdamW (collective)."""
+        engine = self.engine
+        return optimizer_shard(engine.model, engine.optimizer, engine.world.is_main)
+
+    def optimizer_template(self, keys: Iterable[str], *, source: str = "keys") -> dict:
+        """Zero tensors in the model's layout for saved optimizer ``keys``, to read into."""
+        return optimizer_template(self.engine.model, keys, source)
+
+    def load_optimizer(self, state: Mapping[str, Tensor], param_groups: list) -> None:
+        """Take back ``optimizer_template``'s tensors once read into, with the param groups."""
+        load_optimizer(self.engine.model, self.engine.optimizer, state, param_groups)
+
+    def state_dict(self) -> dict:
+        """The engine's own small state (scheduler, shuffling generator)."""
+        return self.engine.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` returned."""
+        self.engine.load_state_dict(state)

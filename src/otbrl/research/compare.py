@@ -74,7 +74,7 @@ def parse_arms(text: str) -> list[tuple[str, int]]:
 def arm_estimator_overrides(name: str) -> list[str]:
     """Config overrides that select arm estimator ``name`` (an alias also sets its options)."""
     from otbrl.algos import ESTIMATOR_ALIASES
-    from otbrl.run.spec import ESTIMATOR_OPTION_KEYS
+    from otbrl.run.needs import ESTIMATOR_OPTION_KEYS
 
     estimator, options = ESTIMATOR_ALIASES.get(name, (name, {}))
     return [f"algorithm.adv_estimator={estimator}"] + [
@@ -221,12 +221,12 @@ def run_compare(
     base_label = check_base(base, arm_list)
     out = Path(out_dir)
     base_cfg = load_config(config_file, overrides)  # with the built-in model's and task's presets
-    plan_run(base_cfg)
+    base_plan = plan_run(base_cfg)
     # every arm starts from the base's resolved settings: pointing model.path at the shared
     # warm start must not drop the built-in model's preset
     base = to_dict(base_cfg)
     # one warm start shared by every arm and seed: seeds vary the RL sampling, not the start
-    start_path = model_path(base_cfg)
+    start_path = model_path(base_plan.spec.model)
     start = time.perf_counter()
     plan = []
     for name, n in arm_list:

@@ -304,9 +304,9 @@ def run_variance(
     labels = [s.label for s in specs]
     start = time.perf_counter()
     seed_everything(seed)
-    path = model_path(cfg)
+    path = model_path(spec.model)
     tokenizer, train_rows, tools = plan.tokenizer, plan.train_rows, plan.tools
-    model = load_policy(cfg, path, tokenizer)
+    model = load_policy(spec, path, tokenizer)
     if len(train_rows) < prompts:
         raise ValueError(f"prompts: expected <= {len(train_rows)} (the data size), got {prompts}")
     order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(seed))
@@ -314,15 +314,15 @@ def run_variance(
     # the trainer's sampler: the agent loop over the HF backend when tools are configured
     backend = HFRollout(model, tokenizer)
     sampler = build_sampler(
-        cfg, tools, backend, tokenizer, eos_token_ids(model, tokenizer), str(path)
+        spec, tools, backend, tokenizer, eos_token_ids(model, tokenizer), str(path)
     )
     probe = GradientProbe(
         model,
         tokenizer,
         params=spec.sampling,
         options=dict(spec.estimator_options),
-        loss_fn=policy_loss(cfg, regularizers=False),
-        scoring=scoring(cfg, plan),  # the trainer's (no pool: one process)
+        loss_fn=policy_loss(spec, regularizers=False),
+        scoring=scoring(plan),  # the trainer's (no pool: one process)
         method=method,
         sampler=sampler,
     )

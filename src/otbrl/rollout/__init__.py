@@ -1,7 +1,8 @@
 """otbrl.rollout (floor 3): the protocol (``protocol``: ``SamplingParams``, ``Completion``,
 ``Sampler`` / ``RolloutBackend``), batch building and decoding (``batch``), three backends (``hf``:
 in-process HF sampler; ``vllm``: in-process vLLM; ``server``: vLLM OpenAI servers) with weight
-sync, and the agent loop (``agent``: multi-turn tool use) over any of them. The two vLLM
+sync (``sync``: what a backend is sent after an update), and the agent loop (``agent``:
+multi-turn tool use) over any of them. The two vLLM
 backends share ``vllm_common``; the server backend's jobs beside orchestration live in
 ``server_process`` (processes), ``server_client`` (HTTP), ``weight_buckets`` (weight files, read
 by the servers' ``server_worker``) and ``partial`` (versions per token).
@@ -45,6 +46,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "ServerError",
             "ServerRollout",
         ),
+        "sync": ("sync_from",),
         "vllm": ("VLLMRollout",),
         "vllm_common": (
             "INSTALL_HINT",

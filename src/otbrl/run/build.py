@@ -1,9 +1,11 @@
-"""Build a run from its ``Plan``: the model path (the warm start), the rollout backend and the
-sampler over it, the engines (policy, critic, reference), the losses and the data stream.
+"""Build a run from its ``Plan``: the policy's model (after the warm start), the rollout backend
+and the sampler over it, the batch source, the engines (policy, critic, reference, teacher),
+the losses and the scoring.
 
-Nothing here validates configuration (``otbrl.run.plan`` did, before any model loaded) and
-nothing here runs a step (``otbrl.run.trainer`` does): each builder turns settings the plan
-accepted into one object, and ``build_run`` composes them in the order a run needs.
+Nothing here validates configuration or decides anything (``otbrl.run.spec.resolve`` did,
+before any model loaded: every builder reads the ``RunSpec`` and the plan, never the raw
+config) and nothing here runs a step (``otbrl.run.trainer`` does): each builder turns what the
+spec decided into one object, and ``build_run`` composes them in the order a run needs.
 """
 
 from __future__ import annotations
@@ -14,20 +16,18 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from torch import nn
+
 from otbrl.algos import loss_terms
-from otbrl.config import Config, ConfigError
+from otbrl.config import ConfigError
 from otbrl.data import PromptDataset
 from otbrl.engine import parallel
-from otbrl.engine.engine import Engine
-from otbrl.engine.optim import OptimConfig
+from otbrl.engine.frozen import FrozenEngine
 from otbrl.engine.precision import get_precision
+from otbrl.engine.trainable import TrainableEngine
 from otbrl.engine.world import World
-from otbrl.models import (
-    eos_token_ids,
-    load_model,
-    load_value_model,
-    resolve_model_dir,
-)
+from otbrl.models import eos_token_ids, load_model, load_value_model, resolve_model_dir
 from otbrl.models.lora import adapter_config, add_lora, unload_lora
 from otbrl.rewards.pool import RewardPool
 from otbrl.rewards.reward_model import RewardModel
@@ -39,88 +39,65 @@ from otbrl.rollout import (
     VLLMRollout,
     make_agent,
 )
+from otbrl.run.evaluate import Validator
 from otbrl.run.plan import Plan
 from otbrl.run.sampling import Scoring
 from otbrl.run.seeds import step_seed
 from otbrl.run.sft import ensure_warm_start
+from otbrl.run.sources import AsyncSource, BatchSource, DynamicSampling, Rounds, SyncSource
+from otbrl.run.spec import EnginePlan, ModelSpec, RunSpec
 
 
-def warm_start(cfg: Config) -> Path:
-    """The built-in model after its cached supervised warm start (``otbrl sft``)."""
-    return ensure_warm_start(cfg.sft.cache_dir, cfg.sft, task=cfg.data.task, seed=cfg.trainer.seed)
+def model_path(model: ModelSpec) -> Path:
+    """The policy's weights as a local directory: ``model.path`` (a hub id resolved in the
+    local HF cache), or the built-in model after its cached supervised warm start (``otbrl
+    sft``) when it is ``builtin``."""
+    w = model.warm_start
+    if w is not None:
+        return ensure_warm_start(w.cache_dir, w.settings, task=w.task, seed=w.seed)
+    return resolve_model_dir(model.path)
 
 
-def model_path(cfg: Config) -> Path:
-    """``model.path`` as a local directory (a hub id resolved in the local HF cache), or the
-    warm-started built-in model when it is ``builtin``."""
-    return warm_start(cfg) if cfg.model.path == "builtin" else resolve_model_dir(cfg.model.path)
-
-
-def weights_dtype(precision: str, *, frozen: bool) -> str:
-    """The dtype a model's weights load in under ``precision``: its storage (float32 master
-    weights for bf16-mixed), except frozen weights under bf16-mixed, which need no master copy
-    and stay bf16."""
-    p = get_precision(precision)
-    return "bfloat16" if frozen and p.mixed else p.storage_name
-
-
-def policy_dtype(cfg: Config) -> str:
-    """The dtype the policy's weights load in (``weights_dtype``): a LoRA model's base is frozen
-    (its adapters are the float32 master weights)."""
-    return weights_dtype(cfg.model.precision, frozen=bool(cfg.model.lora.rank))
-
-
-def load_policy(cfg: Config, path: Path, tokenizer):
-    """The policy at ``path`` in ``policy_dtype(cfg)``, its generation config from the run's
+def load_policy(spec: RunSpec, path: Path, tokenizer) -> nn.Module:
+    """The policy at ``path`` in ``spec.model.dtype``, its generation config from the run's
     ``tokenizer`` (``Plan.tokenizer``: loaded once, by the plan), with the LoRA adapters of
-    ``model.lora`` injected (rank > 0)."""
-    model = load_model(path, tokenizer, dtype=policy_dtype(cfg))
-    if cfg.model.lora.rank:
-        adapters = get_precision(cfg.model.precision).storage  # float32 under bf16-mixed
-        add_lora(model, cfg.model.lora, adapter_dtype=adapters, seed=cfg.trainer.seed)
+    ``spec.model.lora`` injected (seeded by the run's seed)."""
+    m = spec.model
+    model = load_model(path, tokenizer, dtype=m.dtype)
+    if m.lora is not None:
+        add_lora(model, m.lora, adapter_dtype=getattr(torch, m.adapter_dtype), seed=spec.seed)
     return model
 
 
-def policy_loss(cfg: Config, *, regularizers: bool = True) -> loss_terms.Loss:
-    """The actor's loss from the ``actor`` group. ``regularizers=False`` leaves out the entropy
+def policy_loss(spec: RunSpec, *, regularizers: bool = True) -> loss_terms.Loss:
+    """The actor's loss (``spec.policy_loss``). ``regularizers=False`` leaves out the entropy
     and KL terms: the policy-gradient part alone, which ``otbrl variance`` measures — built here
     too, so the two cannot disagree (aggregation, clipping, horizon)."""
-    a = cfg.actor
-    return loss_terms.build_loss(
-        policy_loss=a.policy_loss,
-        loss_agg_mode=a.loss_agg_mode,
-        horizon=cfg.rollout.max_new_tokens,
-        clip_ratio_low=a.clip_ratio_low,
-        clip_ratio_high=a.clip_ratio_high,
-        clip_ratio_c=a.clip_ratio_c,
-        entropy_coeff=a.entropy_coeff if regularizers else 0.0,
-        kl_loss_coef=a.kl_loss_coef if a.use_kl_loss and regularizers else 0.0,
-        kl_loss_type=a.kl_loss_type,
-    )
+    options = dict(spec.policy_loss)
+    if not regularizers:
+        options.update(entropy_coeff=0.0, kl_loss_coef=0.0)
+    return loss_terms.build_loss(**options)
 
 
-def critic_loss(cfg: Config) -> loss_terms.Loss:
-    """The critic's clipped value loss."""
-    return loss_terms.build_value_loss(
-        cliprange_value=cfg.critic.cliprange_value,
-        loss_agg_mode=cfg.actor.loss_agg_mode,
-        horizon=cfg.rollout.max_new_tokens,
-    )
+def critic_loss(spec: RunSpec) -> loss_terms.Loss | None:
+    """The critic's clipped value loss (``spec.critic_loss``), or None without a critic."""
+    if spec.critic_loss is None:
+        return None
+    return loss_terms.build_value_loss(**spec.critic_loss)
 
 
-def scoring(
-    cfg: Config, plan: Plan, reward_model: RewardModel | None = None, *, pool: bool = False
-) -> Scoring:
+def scoring(plan: Plan, reward_model: RewardModel | None = None, *, pool: bool = False) -> Scoring:
     """How the run scores responses: the plan's reward function, ``reward.*`` and the loaded
-    ``reward_model`` (``build_run`` loads it when the plan needs one). ``pool``: with
+    ``reward_model`` (``build_run`` loads it when the spec needs one). ``pool``: with
     ``reward.workers`` > 0, start the worker processes (the trainer does; ``close()`` them
     through ``Scoring.pool``)."""
-    workers = RewardPool(cfg.reward) if pool and cfg.reward.workers > 0 else None
-    return Scoring(plan.reward_fn, cfg.reward, pool=workers, reward_model=reward_model)
+    settings = plan.spec.reward
+    workers = RewardPool(settings) if pool and settings.workers > 0 else None
+    return Scoring(plan.reward_fn, settings, pool=workers, reward_model=reward_model)
 
 
 def build_backend(
-    cfg: Config, model, tokenizer, world: World, model_dir: Path, context: int
+    spec: RunSpec, model, tokenizer, world: World, model_dir: Path, context: int
 ) -> RolloutBackend:
     """The rollout backend of ``rollout.name`` for this process.
 
@@ -136,228 +113,218 @@ def build_backend(
             f"{model.config.vocab_size}: they do not belong together",
             "model.path",
         )
-    compute = get_precision(cfg.model.precision)
-    autocast = compute.compute if compute.mixed else None
-    if cfg.rollout.name == "hf":
+    r = spec.rollout
+    seed = step_seed(spec.seed, 0, world.dp_rank)
+    if r.name == "hf":
+        autocast = None if spec.rollout_autocast is None else getattr(torch, spec.rollout_autocast)
         if world.mesh is None:
             return HFRollout(model, tokenizer, autocast=autocast)
         # a plain copy (adapters merged): the sync streams plain HF names
         copy_ = unload_lora(copy.deepcopy(model)).eval().requires_grad_(False).to(world.device)
         return HFRollout(copy_, tokenizer, owns_copy=True, autocast=autocast)
-    v = cfg.rollout.vllm
-    if cfg.rollout.mode == "server":
-        server = cfg.rollout.server
+    if r.mode == "server":
         # several data-parallel ranks: each its share of the urls (or servers of its own) and
         # its own bucket directory
-        shared = server.weights_dir
+        shared = r.server.weights_dir
         server = dataclasses.replace(
-            server,
-            urls=list(server.urls)[world.dp_rank :: world.dp_size],
-            weights_dir=None if shared is None else str(weights_subdir(cfg, shared, world)),
+            r.server,
+            urls=list(r.server.urls)[world.dp_rank :: world.dp_size],
+            weights_dir=None if shared is None else str(weights_subdir(spec, shared, world)),
         )
         return ServerRollout(
             model_dir,
             server,
-            v,
+            r.vllm,
             max_model_len=context,
-            seed=step_seed(cfg.trainer.seed, 0, world.dp_rank),
-            log_dir=Path(cfg.trainer.output_dir) / "servers",
-            partial_rollout=cfg.rollout.partial_rollout,
+            seed=seed,
+            log_dir=Path(spec.trainer.output_dir) / "servers",
+            partial_rollout=r.partial_rollout,
         )
-    serve_adapter = bool(cfg.model.lora.rank) and cfg.model.lora.sync == "adapter"
-    return VLLMRollout(
-        model_dir,
-        v,
-        max_model_len=context,
-        seed=step_seed(cfg.trainer.seed, 0, world.dp_rank),
-        lora=adapter_config(model, str(model_dir)) if serve_adapter else None,
-    )
-
-
-def sync_rollout(backend: RolloutBackend, policy: Engine) -> None:
-    """Stream the policy's weights into ``backend``: its adapters alone when the backend serves
-    them (``model.lora.sync=adapter``), else the plain (LoRA: merged) weights. Collective on
-    several processes."""
-    adapter = bool(getattr(backend, "serves_adapter", False))
-    backend.sync_weights(policy.full_tensors(adapter_only=adapter))
+    lora = adapter_config(model, str(model_dir)) if spec.serve_adapter else None
+    return VLLMRollout(model_dir, r.vllm, max_model_len=context, seed=seed, lora=lora)
 
 
 def build_sampler(
-    cfg: Config, tools, backend: RolloutBackend, tokenizer, eos_ids, model_name: str
+    spec: RunSpec, tools, backend: RolloutBackend, tokenizer, eos_ids, model_name: str
 ) -> Sampler:
     """What the run samples with: the agent loop of ``rollout.multi_turn`` over ``backend``
     when ``tools`` (the plan's) are set (with ``rollout.mode=server`` one loop per sample,
     the colocated engine's loop turn-synchronous), else the backend itself."""
     if not tools:
         return backend
+    r = spec.rollout
     return make_agent(
         backend,
         tokenizer,
         tools,
-        cfg.rollout.multi_turn,
+        r.multi_turn,
         eos_token_ids=eos_ids,
         model=model_name,
-        per_trajectory=cfg.rollout.mode == "server",  # one agent loop per sample
-        max_concurrent_trajectories=cfg.rollout.max_concurrent_trajectories,
+        per_trajectory=r.mode == "server",  # one agent loop per sample
+        max_concurrent_trajectories=r.max_concurrent_trajectories,
     )
 
 
-def weights_subdir(cfg: Config, shared: str, world: World) -> Path:
+def weights_subdir(spec: RunSpec, shared: str, world: World) -> Path:
     """This rank's bucket directory under a shared ``rollout.server.weights_dir``: one per run
     (named by a hash of the run's absolute output directory) and per data-parallel rank, so two
     runs that share the directory never write, or delete, each other's buckets."""
-    run = hashlib.sha256(str(Path(cfg.trainer.output_dir).resolve()).encode()).hexdigest()[:12]
-    return Path(shared) / f"run-{run}" / f"rank-{world.dp_rank}"
+    out = str(Path(spec.trainer.output_dir).resolve())
+    return (
+        Path(shared)
+        / f"run-{hashlib.sha256(out.encode()).hexdigest()[:12]}"
+        / (f"rank-{world.dp_rank}")
+    )
 
 
-def build_reward_model(cfg: Config, world: World) -> RewardModel:
+def build_reward_model(spec: RunSpec, world: World) -> RewardModel:
     """The frozen reward model of ``reward.model.path`` on this rank's device. On several
     processes its parameters are FSDP2-sharded over the data-parallel ranks, as the
     reference's are (every rank scores its own rows, the same number of forwards); with
     tensor parallelism each rank keeps a full copy (its TP plan is the causal LM's)."""
+    settings = spec.reward.model
     model = RewardModel(
-        cfg.reward.model.path,
-        dtype=get_precision(cfg.model.precision).storage_name,
+        settings.path,
+        dtype=spec.reward_model_dtype,
         device=world.device,
-        micro_batch_size=cfg.reward.model.micro_batch_size,
+        micro_batch_size=settings.micro_batch_size,
     )
     mesh = world.mesh
     if mesh is not None and mesh["tp"].size() == 1:
-        policy = get_precision(cfg.model.precision).fsdp_policy()
+        policy = get_precision(spec.engines["policy"].spec.precision).fsdp_policy()
         parallel.apply_fsdp(model.model, parallel.fsdp_mesh(mesh), policy)
     return model
 
 
-def build_teacher(cfg: Config, tokenizer, common: dict) -> Engine:
-    """The frozen teacher of ``algorithm.distill``: an engine of its own (sharded as the
-    reference is), in its own precision — the policy's weights dtype when unset, so that a
-    teacher equal to the policy scores exactly as the policy does — and micro-batches. Loaded
-    with the run's ``tokenizer`` (the preflight checked that the teacher's is the same)."""
-    d = cfg.algorithm.distill
-    if d.precision is None:
-        dtype, precision = policy_dtype(cfg), cfg.model.precision
-    else:
-        dtype, precision = weights_dtype(d.precision, frozen=True), d.precision
-    model = load_model(resolve_model_dir(d.teacher_path), tokenizer, dtype=dtype)
-    micro = d.micro_batch_size or cfg.actor.micro_batch_size
-    options = {**common, "precision": precision}
-    budget = cfg.actor.max_tokens_per_micro_batch
-    return Engine(
-        model,
+def build_source(
+    spec: RunSpec, plan: Plan, sampler: Sampler, backend: RolloutBackend, eos_ids, score, world
+) -> BatchSource:
+    """The batch source of the spec: synchronous rounds, DAPO's dynamic sampling over them, and
+    a producer ahead of training when ``trainer.max_staleness`` > 0 (its rounds agree with no
+    other rank: each rank's servers sample alone)."""
+    dataset = PromptDataset(  # the plan measured every prompt already: no tokenizer here
+        plan.train_rows,
         None,
-        name="teacher",
-        micro_batch_size=micro,
-        max_tokens_per_micro_batch=budget,
-        **options,
+        max_prompt_length=spec.max_prompt_length,
+        batch_size=spec.train_batch_size,
+        seed=spec.data_seed,
+        tools=plan.tools,
+    )
+    rounds = Rounds(
+        sampler=sampler,
+        rollout=backend,
+        tokenizer=plan.tokenizer,
+        dataset=dataset,
+        scoring=score,
+        world=world,
+        params=spec.sampling,
+        stop_token_ids=tuple(eos_ids),
+        seed=spec.seed,
+        quota=spec.train_batch_size // world.dp_size,
+        max_prompt_length=spec.max_prompt_length,
+        overlong=spec.overlong,
+    )
+    staleness = spec.trainer.max_staleness
+    source = SyncSource(rounds)
+    if spec.max_sample_rounds is not None:
+        source = DynamicSampling(rounds, max_rounds=spec.max_sample_rounds, agree=staleness == 0)
+    if staleness > 0:
+        return AsyncSource(
+            source, max_staleness=staleness, stale_samples=spec.rollout.stale_samples
+        )
+    return source
+
+
+def build_engine(
+    plan: EnginePlan, model: nn.Module, name: str, world: World
+) -> FrozenEngine | TrainableEngine:
+    """The engine ``plan`` describes over ``model``: trainable with its optimizer settings,
+    frozen without."""
+    if plan.optim is None:
+        return FrozenEngine(model, plan.spec, world=world, name=name)
+    return TrainableEngine(
+        model,
+        plan.optim,
+        plan.spec,
+        world=world,
+        name=name,
+        mini_batch_size=plan.mini_batch_size,
+        seed=plan.seed,
     )
 
 
 @dataclass
 class RunParts:
     """Everything a run is built from. ``engines``: the trained ones (``policy``, and
-    ``critic`` when the plan needs values), checkpointed together; ``reference``: the frozen
-    reference policy or None; ``teacher``: the frozen distillation teacher or None.
-    ``sampler``: ``backend``, or the agent loop over it. ``reward_model``: the frozen learned
-    reward model (``reward.model.path``) or None."""
+    ``critic`` when the spec needs values), checkpointed together; ``frozen``: the frozen ones
+    the spec needs (``reference``, ``teacher``). ``sampler``: ``backend``, or the agent loop
+    over it; ``source``: where the trainer's batches come from; ``scoring``: how responses are
+    scored (with its worker pool, when ``reward.workers`` > 0); ``validator``: the run's
+    validation on the plan's validation rows."""
 
     tokenizer: object
     eos_ids: list[int]
-    dataset: PromptDataset
     backend: RolloutBackend
     sampler: Sampler
-    engines: dict[str, Engine]
-    reference: Engine | None
-    teacher: Engine | None
+    source: BatchSource
+    engines: dict[str, TrainableEngine]
+    frozen: dict[str, FrozenEngine]
     policy_loss: loss_terms.Loss
     critic_loss: loss_terms.Loss | None
-    reward_model: RewardModel | None = None
+    scoring: Scoring
+    validator: Validator
+
+    def close(self) -> None:
+        """Stop what the parts run, in the order it must go: the source's producer before the
+        servers, the rollout before the process group (a vLLM engine holds groups), the reward
+        workers."""
+        self.source.close()
+        self.backend.close()
+        if self.scoring.pool is not None:
+            self.scoring.pool.close()
 
 
-def build_run(cfg: Config, plan: Plan, world: World, path: Path) -> RunParts:
+def build_run(plan: Plan, world: World, path: Path) -> RunParts:
     """Load the policy from ``path`` and build the parts of the run for this process, in the
     order they must come: the rollout backend before the engine shards the model (an HF backend
-    on several processes copies it), then the engines."""
-    tokenizer = plan.tokenizer
-    model = load_policy(cfg, path, tokenizer)
+    on several processes copies it), then the engines, each loaded as its ``EnginePlan`` says
+    (from ``path`` unless it names another model; the LoRA reference a view of the policy)."""
+    spec, tokenizer = plan.spec, plan.tokenizer
+    model = load_policy(spec, path, tokenizer)
     eos_ids = eos_token_ids(model, tokenizer)
-    dataset = PromptDataset(  # the plan measured every prompt already: no tokenizer here
-        plan.train_rows,
-        None,
-        max_prompt_length=cfg.data.max_prompt_length,
-        batch_size=cfg.data.train_batch_size,
-        seed=cfg.data.seed,
-        tools=plan.tools,
-    )
     backend = build_backend(
-        cfg, model, tokenizer, world, path, plan.longest_prompt + cfg.rollout.max_new_tokens
+        spec, model, tokenizer, world, path, plan.longest_prompt + spec.sampling.max_tokens
     )
-    sampler = build_sampler(cfg, plan.tools, backend, tokenizer, eos_ids, str(path))
-    a = cfg.actor
-    common = {
-        "world": world,
-        "strategy": plan.spec.dims.strategy,
-        "packed": cfg.model.use_remove_padding,
-        "temperature": cfg.rollout.temperature,
-        "seed": cfg.trainer.seed,
-        "precision": cfg.model.precision,
-        "gradient_checkpointing": cfg.model.gradient_checkpointing,
-    }
-    sequences = plan.spec.mini_batch_size * cfg.rollout.n
-    engines = {
-        "policy": Engine(
-            model,
-            OptimConfig.from_group(a),
-            name="policy",
-            fused=a.use_fused_kernels,
-            mini_batch_size=sequences,
-            **common,
-        )
-    }
-    if plan.spec.use_critic:
-        # the critic stays full-parameter (a fresh value head has nothing to adapt from)
-        value_model = load_value_model(
-            cfg.critic.model_path or path, dtype=get_precision(cfg.model.precision).storage_name
-        )
-        engines["critic"] = Engine(
-            value_model,
-            OptimConfig.from_group(cfg.critic),
-            name="critic",
-            value=True,
-            mini_batch_size=sequences,
-            **common,
-        )
-    reference = None
-    if plan.spec.use_reference and cfg.model.lora.rank:
-        # the base model is the policy with its adapters disabled: no second copy
-        reference = engines["policy"].without_adapters(micro_batch_size=a.micro_batch_size)
-    elif plan.spec.use_reference:
-        # the policy's precision, so that KL = 0 before the first update
-        ref_model = load_model(path, tokenizer, dtype=policy_dtype(cfg))
-        reference = Engine(
-            ref_model,
-            None,
-            name="reference",
-            micro_batch_size=a.micro_batch_size,
-            max_tokens_per_micro_batch=a.max_tokens_per_micro_batch,
-            **common,
-        )
-    teacher = build_teacher(cfg, tokenizer, common) if plan.spec.use_teacher else None
-    if cfg.model.lora.adapter_path is not None and cfg.rollout.name == "vllm":
-        # the engine started from the base model: it must sample with the saved adapter
-        sync_rollout(backend, engines["policy"])
-    reward_model = None
-    if plan.spec.use_reward_model:
-        reward_model = build_reward_model(cfg, world)
+    sampler = build_sampler(spec, plan.tools, backend, tokenizer, eos_ids, str(path))
+    engines = {"policy": build_engine(spec.engines["policy"], model, "policy", world)}
+    if "critic" in spec.engines:
+        critic = spec.engines["critic"]
+        value_model = load_value_model(critic.path or path, dtype=critic.dtype)
+        engines["critic"] = build_engine(critic, value_model, "critic", world)
+    frozen: dict[str, FrozenEngine] = {}
+    for name in ("reference", "teacher"):
+        if name not in spec.engines:
+            continue
+        e = spec.engines[name]
+        if e.view:
+            frozen[name] = engines["policy"].without_adapters(name=name, micro=e.spec.micro)
+        else:
+            where = path if e.path is None else resolve_model_dir(e.path)
+            frozen[name] = build_engine(e, load_model(where, tokenizer, dtype=e.dtype), name, world)
+    reward_model = build_reward_model(spec, world) if spec.use_reward_model else None
+    score = scoring(plan, reward_model, pool=True)
     return RunParts(
         tokenizer=tokenizer,
         eos_ids=eos_ids,
-        dataset=dataset,
         backend=backend,
         sampler=sampler,
+        source=build_source(spec, plan, sampler, backend, eos_ids, score, world),
         engines=engines,
-        reference=reference,
-        teacher=teacher,
-        policy_loss=policy_loss(cfg),
-        critic_loss=critic_loss(cfg) if plan.spec.use_critic else None,
-        reward_model=reward_model,
+        frozen=frozen,
+        policy_loss=policy_loss(spec),
+        critic_loss=critic_loss(spec),
+        scoring=score,
+        validator=Validator(
+            sampler, backend, tokenizer, plan.val_rows, spec, world, tuple(eos_ids), score
+        ),
     )

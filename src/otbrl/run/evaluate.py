@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from otbrl.engine.world import World
 from otbrl.rollout import Sampler, SamplingParams
 from otbrl.run.sampling import Scoring, sample_batch
+from otbrl.run.seeds import step_seed
 from otbrl.run.spec import RunSpec
 
 
@@ -157,3 +158,35 @@ def validate(
     if sampler.tools:
         out["val/tool_call_rate"] = called / max(count, 1.0)
     return Validation(out, kept)
+
+
+@dataclasses.dataclass(frozen=True)
+class Validator:
+    """The run's validation bound to what it samples with: ``validate`` of ``rows`` through
+    ``sampler`` (the agent loop when tools are configured) or, ``with_tools=False``, the
+    ``rollout`` backend alone (the same policy answering without its tools), seeded by the
+    step, scored by ``scoring`` without what only shapes the trained reward."""
+
+    sampler: Sampler
+    rollout: Sampler
+    tokenizer: Any
+    rows: Sequence[dict]
+    spec: RunSpec
+    world: World
+    stop_token_ids: Sequence[int]
+    scoring: Scoring
+
+    def __call__(self, step: int, *, with_tools: bool = True, generations: int = 0) -> Validation:
+        """``validate`` at ``step`` (its seed: ``step_seed(spec.seed, step)``), with the first
+        ``generations`` samples kept. Collective."""
+        return validate(
+            self.sampler if with_tools else self.rollout,
+            self.tokenizer,
+            self.rows,
+            self.spec,
+            world=self.world,
+            stop_token_ids=self.stop_token_ids,
+            seed=step_seed(self.spec.seed, step),
+            scoring=self.scoring.for_validation(),
+            generations=generations,
+        )

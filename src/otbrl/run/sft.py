@@ -1,12 +1,12 @@
 """Supervised warm start: teacher-forced cross-entropy on demonstrations, stopped on accuracy.
 
-The demonstrations are a batch of the RL batch's layout and train on the trainer's ``Engine``
-with the ``nll`` loss term (``otbrl.algos.loss_terms.build_sft_loss``): one training loop.
-SFT accuracy on a fresh tiny model jumps abruptly (NOTES: ~0.1 to ~0.8 within ~100 steps), so
-the stopping rule is a greedy validation-accuracy target, not a step count. Greedy evaluation
-costs about as much as ten training steps, so it runs when the (free) sure accuracy of the
-recent training batches (rows whose every token has probability > 1/2) says the target is
-near, plus every ``eval_every`` steps.
+The demonstrations are a batch of the RL batch's layout and train on the trainer's
+``TrainableEngine`` with the ``nll`` loss term (``otbrl.algos.loss_terms.build_sft_loss``): one
+training loop. SFT accuracy on a fresh tiny model jumps abruptly (NOTES: ~0.1 to ~0.8 within
+~100 steps), so the stopping rule is a greedy validation-accuracy target, not a step count.
+Greedy evaluation costs about as much as ten training steps, so it runs when the (free) sure
+accuracy of the recent training batches (rows whose every token has probability > 1/2) says the
+target is near, plus every ``eval_every`` steps.
 ``ensure_warm_start`` wraps build → SFT → save in a cache keyed by the settings, so the demo
 pays for it once.
 """
@@ -33,8 +33,9 @@ import otbrl
 from otbrl.algos.loss_terms import build_sft_loss
 from otbrl.config.schema import SFTConfig
 from otbrl.data import get_task, render_prompts
-from otbrl.engine.engine import Engine
 from otbrl.engine.optim import OptimConfig
+from otbrl.engine.spec import EngineSpec, MicroBatchConfig
+from otbrl.engine.trainable import TrainableEngine
 from otbrl.models import build_tiny_model, eos_token_ids, load_model_and_tokenizer
 from otbrl.rollout import HFRollout, SamplingParams, make_agent
 from otbrl.rollout.agent import Trajectory
@@ -134,8 +135,8 @@ def run_sft(
     tools: dict | None = None,
     max_turns: int = 4,
 ) -> dict:
-    """Teacher-forced SFT on response tokens only, on the trainer's ``Engine`` with the ``nll``
-    loss term; stops at the target accuracy.
+    """Teacher-forced SFT on response tokens only, on the trainer's ``TrainableEngine`` with the
+    ``nll`` loss term; stops at the target accuracy.
 
     Args:
         rows / demonstrations: N prompts (schema rows) and their target response texts.
@@ -190,9 +191,10 @@ def run_sft(
     # the trainer's engine: one optimizer step per batch, no weight decay
     optim = OptimConfig(
         lr=settings.lr, warmup_steps=settings.warmup_steps, weight_decay=0.0, ppo_epochs=1,
-        micro_batch_size=batch_size, grad_clip=settings.grad_clip,
+        grad_clip=settings.grad_clip,
     )  # fmt: skip
-    engine = Engine(model, optim, name="sft", seed=seed)
+    spec = EngineSpec(micro=MicroBatchConfig(micro_batch_size=batch_size))
+    engine = TrainableEngine(model, optim, spec, name="sft", seed=seed)
     loss = build_sft_loss()
     result = {
         "steps": 0,

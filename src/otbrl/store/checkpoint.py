@@ -30,8 +30,9 @@ error naming the file, and ``latest_verified_checkpoint`` falls back to the newe
 that is intact.
 
 This module owns the files; the engines own their state: weights, adapters and optimizer shards
-come from and go back through ``Engine``'s checkpoint methods (``otbrl.engine.state``), read
-with ``dcp.load``. ``otbrl.store.export`` turns a checkpoint into a plain HF directory.
+come from and go back through each trainable engine's checkpoint adapter
+(``otbrl.engine.state.EngineState``), read with ``dcp.load``. ``otbrl.store.export`` turns a
+checkpoint into a plain HF directory.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def _write_hf_model(engine, out: Path, is_main: bool) -> None:
     if engine.lora is not None:
         # the adapter alone, in PEFT's format (the frozen base is not written: it is the model
         # the run started from, adapter_config.json's base_model_name_or_path)
-        tensors = dict(engine.full_tensors(adapter_only=True))  # collective; the adapters only
+        tensors = engine.adapter_tensors()  # collective; the adapters only
         if is_main:
             save_adapter(tensors, engine.adapter_config(), out / ADAPTER_DIR)
         return
@@ -108,11 +109,11 @@ def _write_hf_model(engine, out: Path, is_main: bool) -> None:
 
 
 def _write_optimizer_shard(engine, chunks: Mapping[str, tuple], directory: Path) -> None:
-    """This rank's optimizer chunks (``Engine.optimizer_shard``) -> ``<directory>/shard-<rank+1>
-    -model-00001-of-00001.safetensors``, streamed from the optimizer's own tensors, with the
-    chunks' global offsets in the header (DCP's sharding record, which
-    ``HuggingFaceStorageReader`` reads: any world size loads it back). A rank with nothing to
-    write writes no file."""
+    """This rank's optimizer chunks (``EngineState.optimizer_shard``) ->
+    ``<directory>/shard-<rank+1>-model-00001-of-00001.safetensors``, streamed from the
+    optimizer's own tensors, with the chunks' global offsets in the header (DCP's sharding
+    record, which ``HuggingFaceStorageReader`` reads: any world size loads it back). A rank with
+    nothing to write writes no file."""
     if not chunks:
         return
     directory.mkdir(parents=True, exist_ok=True)
@@ -148,9 +149,9 @@ def save_checkpoint(
 ) -> Path:
     """Write ``<ckpt_root>/step_<step>/`` atomically; collective (every rank calls it).
 
-    ``engines``: name -> ``otbrl.engine.Engine``; ``"policy"`` is stored as the step
-    directory's HF model, any other (``"critic"``) in a subfolder of that name; engines with an
-    optimizer get their optimizer shards under ``state/<name>/``. ``trainer_state`` may nest
+    ``engines``: name -> a trainable engine's ``otbrl.engine.state.EngineState``; ``"policy"``
+    is stored as the step directory's HF model, any other (``"critic"``) in a subfolder of that
+    name; their optimizer shards go under ``state/<name>/``. ``trainer_state`` may nest
     dicts, lists, tuples, JSON scalars, tensors and NumPy arrays; it comes back from
     ``load_checkpoint`` with the same types. ``keep_last=N`` deletes the oldest complete
     checkpoints beyond the newest N afterwards. Temp directories left by a killed save are
@@ -171,9 +172,8 @@ def save_checkpoint(
     optimizers = {}
     for name, engine in engines.items():
         state["engines"][name] = engine.state_dict()
-        shard = engine.optimizer_shard()  # collective: every rank gathers its shards' view
-        if shard is not None:
-            optimizers[name], state["engines"][name]["param_groups"] = shard
+        # collective: every rank gathers its shards' view
+        optimizers[name], state["engines"][name]["param_groups"] = engine.optimizer_shard()
     tensors: dict[str, torch.Tensor] = {}
     # Encode first: a bad trainer_state fails before anything touches the disk.
     state_json = json.dumps(encode_state(state, tensors, "trainer_state"))
@@ -399,7 +399,6 @@ def load_checkpoint(
             raise ValueError(f"checkpoint: {ckpt} holds no {name!r} engine")
         _load_weights(engine, ckpt if name == "policy" else ckpt / name)
         saved = dict(state["engines"][name])
-        if not engine.frozen:
-            _load_optimizer(engine, state_dir / name, saved.pop("param_groups"))
+        _load_optimizer(engine, state_dir / name, saved.pop("param_groups"))
         engine.load_state_dict(saved)
     return state["trainer"]

@@ -26,7 +26,7 @@ from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import add_fused_lm_head
 
-from otbrl.algos import ESTIMATORS, compute_advantage
+from otbrl.algos import ESTIMATORS, compute_advantage, get_estimator
 from otbrl.algos.metrics import otb_metrics
 from otbrl.integrations.trl.batch import gather_padded, group_index, token_level_rewards
 from otbrl.integrations.trl.config import OTBGRPOConfig
@@ -227,9 +227,9 @@ class OTBGRPOTrainer(GRPOTrainer):
 
     def _log_otb(self, mode, name, adv, mask, index, old_lp, spp, isw, extra_forward):
         metrics = self._metrics[mode]
-        tir = name == "tir_optimal_token_baseline"
+        space = get_estimator(name).response_space
         for key, value in otb_metrics(
-            adv, mask, index, old_lp, spp, rollout_is_weights=isw, response_space=tir
+            adv, mask, index, old_lp, spp, rollout_is_weights=isw, response_space=space
         ).items():
             metrics[key].append(float(value))
         metrics["otb/extra_forward"].append(extra_forward)
