@@ -20,22 +20,24 @@ class OptimConfig:
 
     # AdamW learning rate (1e-6: verl's and TRL's default for full fine-tuning; the built-in
     # model's preset: 3e-4)
-    lr: float = setting(1e-6, gt=0)
+    lr: float = setting(1e-6, gt=0, resume="fixed")
     # linear warmup of optimizer steps; a cold AdamW can wreck the policy
-    warmup_steps: int = setting(20, ge=0)
+    warmup_steps: int = setting(20, ge=0, resume="fixed")
     # AdamW weight decay
-    weight_decay: float = setting(0.0, ge=0)
+    weight_decay: float = setting(0.0, ge=0, resume="fixed")
     # passes over each step's batch
-    ppo_epochs: int = setting(1, gt=0)
+    ppo_epochs: int = setting(1, gt=0, resume="fixed")
     # at most this many sequences per forward/backward (the last micro-batch may be smaller;
     # gradients are accumulated exactly, as if the mini-batch ran at once)
-    micro_batch_size: int = setting(8, gt=0)
+    micro_batch_size: int = setting(8, gt=0, resume="may_differ")
     # at most this many tokens per forward/backward instead (rows packed by length, the same
     # number of micro-batches on every rank; with model.use_remove_padding=true real tokens
     # count, else rows x the micro-batch's own width); None: micro_batch_size rows
-    max_tokens_per_micro_batch: int | None = setting(None, gt=0, null="micro_batch_size rows")
+    max_tokens_per_micro_batch: int | None = setting(
+        None, gt=0, null="micro_batch_size rows", resume="may_differ"
+    )
     # global gradient-norm clip; 0 = none
-    grad_clip: float = setting(1.0, ge=0)
+    grad_clip: float = setting(1.0, ge=0, resume="fixed")
 
     @classmethod
     def from_group(cls, group: Any) -> OptimConfig:
