@@ -13,8 +13,10 @@ settings of the component that reads them, composed here (OmegaConf structured d
   (``otbrl.rewards.config``);
 - ``trainer``, ``sft``: ``TrainerConfig``, ``SFTConfig``, the run's own (here).
 
-A field declares its allowed values where it is declared (``otbrl.settings.setting``) and its
-description as its comment; a group's rules across its own fields are its ``check`` method.
+A field declares its allowed values and what it is (may it change on resume, the estimator
+option it sets) where it is declared (``otbrl.settings.setting``; ``otbrl.config.keys`` derives
+the tables) and its description as its comment; a group's rules across its own fields are its
+``check`` method.
 Loading (YAML + dotted overrides) is ``otbrl.config.load``; the checks across groups are
 ``otbrl.config.checks``. Importing this imports no torch: the CLI starts without it.
 """
