@@ -7,6 +7,13 @@ what it allows where it is declared — ``setting(default, choices=..., gt=..., 
 group with rules across its own fields adds a ``check(self, at)`` method. ``check_settings``
 walks a tree of them and raises one ``ConfigError`` naming the dotted key.
 
+What a key *is* is declared on its field too, never in a side table: whether it may change
+when a run is resumed (``resume="may_differ"``: it changes no result — layout, micro-batching,
+logging, saving, timeouts, where work runs; ``resume="fixed"``: changing it would mix two runs'
+steps), the estimator option it sets (``estimator_option="gamma"``), and, from its type, whether
+a bare command-line value is a one-element list (``list[...]``). ``leaf_fields`` walks a tree of
+them; ``otbrl.config.keys`` derives the CLI schema's tables from it.
+
 Every field's description is the comment at the end of its line, or the comment lines right
 above it (``otbrl.config.describe`` reads them from the owner's source for ``--help`` and
 ``--print-config``). These modules import no torch: the CLI starts without it.
@@ -27,6 +34,9 @@ TRISTATE = ("auto", "true", "false")  # a switch that "auto" sets from the rest 
 # by two floors (model.precision in the engine's settings, algorithm.distill.precision in the
 # algorithm's), so it lives below both
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+# setting(resume=...): a key that may change when a run is resumed (it changes no result), or one
+# fixed for the run's life (changing it would mix two runs' steps)
+RESUME_CLASSES = ("may_differ", "fixed")
 
 
 def setting(
@@ -39,12 +49,20 @@ def setting(
     lt: float | None = None,
     le: float | None = None,
     null: str | None = None,
+    resume: str | None = None,
+    estimator_option: str | None = None,
 ) -> Any:
     """A dataclass field with its allowed values: ``choices`` (a closed set, declared by the
     component that acts on it; for a list, each entry), a range (``gt`` / ``ge`` / ``lt`` /
-    ``le``; ``None`` is allowed when ``null`` says what it means)."""
+    ``le``; ``None`` is allowed when ``null`` says what it means). ``resume``: ``"may_differ"``
+    (the key may change when a run is resumed: it changes no result) or ``"fixed"``; every key
+    of the CLI's schema declares it (``tests/test_config_keys.py``). ``estimator_option``: the
+    keyword the advantage estimators take this key's value as (``"gamma"``)."""
+    if resume is not None and resume not in RESUME_CLASSES:
+        raise ValueError(f"resume: expected one of {list(RESUME_CLASSES)}, got {resume!r}")
     meta = {"choices": tuple(choices) if choices is not None else None, "null": null}
     meta |= {"gt": gt, "ge": ge, "lt": lt, "le": le}
+    meta |= {"resume": resume, "estimator_option": estimator_option}
     return field(default=default, default_factory=default_factory, metadata=meta)  # type: ignore[call-overload]
 
 
@@ -79,6 +97,11 @@ def _in_range(value: float, meta: Mapping[str, Any]) -> bool:
 def type_name(f: Field) -> str:
     """A field's declared type as written (``"int"``, ``"str | None"``, ``"list[str]"``)."""
     return f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+
+
+def is_list(f: Field) -> bool:
+    """The field holds a list (``list[str]``): a bare command-line value is one entry."""
+    return type_name(f).replace(" ", "").split("[", 1)[0] in ("list", "List")
 
 
 def check_field(f: Field, value: Any, key: str) -> None:
@@ -137,16 +160,26 @@ def refuse_unset(
             )
 
 
-def choice_fields(cls: type, at: str = "") -> dict[str, tuple[str, ...]]:
-    """``{dotted key: allowed values}`` for every field of ``cls``'s tree with a closed set."""
-    out: dict[str, tuple[str, ...]] = {}
+def leaf_fields(cls: type, at: str = "") -> dict[str, Field]:
+    """``{dotted key: its field}`` for every leaf field of ``cls``'s tree (a group's own fields
+    and its nested groups' in declaration order); what each key declares is ``.metadata``."""
+    out: dict[str, Field] = {}
     for f in fields(cls):
         child = _child_type(f)
         if child is not None:
-            out |= choice_fields(child, f"{at}{f.name}.")
-        elif f.metadata.get("choices") is not None:
-            out[f"{at}{f.name}"] = f.metadata["choices"]
+            out |= leaf_fields(child, f"{at}{f.name}.")
+        else:
+            out[f"{at}{f.name}"] = f
     return out
+
+
+def choice_fields(cls: type, at: str = "") -> dict[str, tuple[str, ...]]:
+    """``{dotted key: allowed values}`` for every field of ``cls``'s tree with a closed set."""
+    return {
+        key: f.metadata["choices"]
+        for key, f in leaf_fields(cls, at).items()
+        if f.metadata.get("choices") is not None
+    }
 
 
 def _child_type(f: Field) -> type | None:

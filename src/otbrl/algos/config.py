@@ -39,9 +39,11 @@ ENERGIES = ("logit_gradient", "uniform")
 @dataclass
 class OTBConfig:
     # baseline of each sample from the other samples of its group only
-    leave_one_out: bool = False
+    leave_one_out: bool = setting(False, resume="fixed", estimator_option="leave_one_out")
     # W_t weights: logit_gradient (1 - 2π + Σπ²) | uniform (a token-count baseline)
-    energy: str = setting("logit_gradient", choices=ENERGIES)
+    energy: str = setting(
+        "logit_gradient", choices=ENERGIES, resume="fixed", estimator_option="energy"
+    )
 
 
 @dataclass
@@ -52,15 +54,19 @@ class DistillConfig:
 
     # an HF causal-LM directory (or a hub id in the local HF cache) whose tokenizer is the
     # policy's; None: no distillation
-    teacher_path: str | None = None
+    teacher_path: str | None = setting(None, resume="fixed")
     # weight of the per-token signal coef · (log π_teacher − log π_student) in the rewards
-    coef: float = setting(1.0, gt=0)
+    coef: float = setting(1.0, gt=0, resume="fixed")
     # false: pure distillation, the task's reward is still scored and logged but not trained on
-    task_reward: bool = True
+    task_reward: bool = setting(True, resume="fixed")
     # the teacher engine's precision; None: the policy's (then teacher = policy gives 0 exactly)
-    precision: str | None = setting(None, choices=PRECISIONS, null="model.precision")
+    precision: str | None = setting(
+        None, choices=PRECISIONS, null="model.precision", resume="fixed"
+    )
     # sequences per teacher forward; None: actor.micro_batch_size
-    micro_batch_size: int | None = setting(None, gt=0, null="actor.micro_batch_size")
+    micro_batch_size: int | None = setting(
+        None, gt=0, null="actor.micro_batch_size", resume="may_differ"
+    )
 
     def check(self, at: str) -> None:
         """Its keys only with a teacher."""
@@ -72,39 +78,41 @@ class DistillConfig:
 @dataclass
 class AlgorithmConfig:
     # optimal_token_baseline | tir_optimal_token_baseline | grpo | rloo | gae | ...
-    adv_estimator: str = "optimal_token_baseline"
+    adv_estimator: str = setting("optimal_token_baseline", resume="fixed")
     # discount (gae)
-    gamma: float = setting(1.0, ge=0, le=1)
+    gamma: float = setting(1.0, ge=0, le=1, resume="fixed", estimator_option="gamma")
     # GAE lambda
-    lam: float = setting(1.0, ge=0, le=1)
+    lam: float = setting(1.0, ge=0, le=1, resume="fixed", estimator_option="lam")
     # GRPO: divide by the group's reward std (false: Dr. GRPO)
-    norm_adv_by_std_in_grpo: bool = True
+    norm_adv_by_std_in_grpo: bool = setting(
+        True, resume="fixed", estimator_option="norm_adv_by_std_in_grpo"
+    )
     # OTB: no baseline where a group has no samples left
-    handle_zero_tail: bool = True
+    handle_zero_tail: bool = setting(True, resume="fixed", estimator_option="handle_zero_tail")
     # subtract kl_coef · KL(policy || reference) from the token rewards
-    use_kl_in_reward: bool = False
+    use_kl_in_reward: bool = setting(False, resume="fixed")
     # weight of the in-reward KL
-    kl_coef: float = setting(0.001, ge=0)
+    kl_coef: float = setting(0.001, ge=0, resume="fixed")
     # correction for sampling with a rollout engine whose log-probs differ from the trainer's:
     # "none" | "token_tis" (w = min(exp(old − rollout), C)) | "seq_mis" (drop sequences whose
     # ratio exp(Σ(old − rollout)) leaves [1/C, C]); C = rollout_is_cap
-    rollout_correction: str = setting("none", choices=CORRECTIONS)
+    rollout_correction: str = setting("none", choices=CORRECTIONS, resume="fixed")
     # C of rollout_correction and off_policy (>= 1)
-    rollout_is_cap: float = setting(2.0, ge=1)
+    rollout_is_cap: float = setting(2.0, ge=1, resume="fixed")
     # the objective for samples drawn by an older policy (trainer.max_staleness > 0):
     # "none" (PPO ratio against the trainer's log-probs, no behaviour weight) | "tis"
     # (× min(π_prox/π_behave, C): rollout_correction=token_tis) | "decoupled" (AReaL: PPO ratio
     # against π_prox, × π_prox/π_behave where ≤ C, else 0); π_prox = the trainer's log-probs at
     # the start of the update, π_behave = the rollout's; OTB's W takes the weights squared
-    off_policy: str = setting("none", choices=OFF_POLICY)
+    off_policy: str = setting("none", choices=OFF_POLICY, resume="fixed")
     # DAPO's dynamic sampling: drop each group whose trained rewards are all equal (it carries no
     # signal for a group-relative estimator) and sample more prompts until the step holds
     # data.train_batch_size groups with signal, or max_sample_rounds rounds were sampled
-    dynamic_sampling: bool = False
+    dynamic_sampling: bool = setting(False, resume="fixed")
     # rounds of data.train_batch_size prompts one step may sample under dynamic_sampling; a step
     # still short after them fills up with groups without signal, none of whose tokens is
     # trained (dynamic_sampling/filled_frac)
-    max_sample_rounds: int = setting(10, ge=1)
+    max_sample_rounds: int = setting(10, ge=1, resume="fixed")
     otb: OTBConfig = field(default_factory=OTBConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
 

@@ -127,7 +127,8 @@ def keys_help() -> str:
 def reference_markdown() -> str:
     """Every key of the schema as Markdown for the documentation site: one section per group
     (``data``, ``rollout.vllm``, ...), one table row per key with its type, schema default,
-    allowed values and description — all read from the declarations, none written by hand."""
+    allowed values, whether it may change when a run is resumed, and description — all read
+    from the declarations, none written by hand."""
     from otbrl.settings import range_text, type_name
 
     comments = key_comments()
@@ -152,6 +153,8 @@ def reference_markdown() -> str:
             value_cell = f"`{cell(type_name(f))}` = `{cell(_scalar(value))}`"
             if allowed:
                 value_cell += "<br>" + cell("; ".join(allowed))
+            if f.metadata.get("resume") == "may_differ":
+                value_cell += "<br>may change on resume"
             rows.append(f"| `{key}` | {value_cell} | {cell(comments.get(key, ''))} |")
         doc = inspect.getdoc(cls) or ""
         # a dataclass without a docstring gets its signature as one: not a description

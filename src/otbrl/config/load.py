@@ -14,12 +14,10 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from otbrl.config.checks import check_config
+from otbrl.config.keys import LIST_KEYS
 from otbrl.config.presets import DEFAULT_TASK, presets_for
 from otbrl.config.schema import Config, ConfigError, all_keys
 from otbrl.settings import TRISTATE, choice_fields
-
-_LIST_KEYS = ("data.train_files", "data.val_files", "trainer.logger", "rollout.multi_turn.tools")
-
 
 # keys an earlier version had -> what replaces them (said instead of "unknown key")
 REMOVED_KEYS = {
@@ -192,7 +190,7 @@ def _user_layers(config_file: str | Path | None, overrides: list[str]) -> list:
             )
             key = RENAMED_KEYS[key]
             item = f"{key}={value}"
-        if key in _LIST_KEYS and not value.startswith("["):
+        if key in LIST_KEYS and not value.startswith("["):
             item = f"{key}=[{value}]"  # CLI shorthand: data.train_files=a.parquet
         try:
             dot = OmegaConf.from_dotlist([item])

@@ -13,8 +13,10 @@ settings of the component that reads them, composed here (OmegaConf structured d
   (``otbrl.rewards.config``);
 - ``trainer``, ``sft``: ``TrainerConfig``, ``SFTConfig``, the run's own (here).
 
-A field declares its allowed values where it is declared (``otbrl.settings.setting``) and its
-description as its comment; a group's rules across its own fields are its ``check`` method.
+A field declares its allowed values and what it is (may it change on resume, the estimator
+option it sets) where it is declared (``otbrl.settings.setting``; ``otbrl.config.keys`` derives
+the tables) and its description as its comment; a group's rules across its own fields are its
+``check`` method.
 Loading (YAML + dotted overrides) is ``otbrl.config.load``; the checks across groups are
 ``otbrl.config.checks``. Importing this imports no torch: the CLI starts without it.
 """
@@ -70,42 +72,45 @@ __all__ = [
 @dataclass
 class TrainerConfig:
     # RL steps (each: sample, score, update)
-    total_steps: int = setting(800, gt=0)
-    val_every: int = setting(50, ge=0)  # 0 = no validation
+    total_steps: int = setting(800, gt=0, resume="may_differ")
+    val_every: int = setting(50, ge=0, resume="may_differ")  # 0 = no validation
     # steps between checkpoints (and one at the end); 0 = none
-    save_every: int = setting(50, ge=0)
+    save_every: int = setting(50, ge=0, resume="may_differ")
     # delete older checkpoints beyond the newest N (the disk this takes is printed at start);
     # 0 = keep all
-    keep_last_checkpoints: int = setting(2, ge=0)
+    keep_last_checkpoints: int = setting(2, ge=0, resume="may_differ")
     # the run directory: metrics, summary, plots, checkpoints
-    output_dir: str = "runs/default"
+    output_dir: str = setting("runs/default", resume="may_differ")
     # console | jsonl | tensorboard | wandb
-    logger: list[str] = setting(default_factory=lambda: ["console", "jsonl"], choices=LOGGERS)
+    logger: list[str] = setting(
+        default_factory=lambda: ["console", "jsonl"], choices=LOGGERS, resume="may_differ"
+    )
     # seeds sampling, dropout and the warm start
-    seed: int = 0
-    resume: str = "auto"  # "auto" | "never" | path to a checkpoint
+    seed: int = setting(0, resume="fixed")
+    resume: str = setting("auto", resume="may_differ")  # "auto" | "never" | path to a checkpoint
     # with resume=never: move an existing run in output_dir aside (to <output_dir>.old-<time>)
     # instead of refusing to start; nothing is deleted
-    overwrite: bool = False
+    overwrite: bool = setting(False, resume="may_differ")
     # greedy validation (false: sample at val_temperature)
-    val_greedy: bool = True
-    val_temperature: float = setting(1.0, gt=0)  # used when val_greedy is false
-    val_batch_size: int = setting(64, gt=0)  # prompts per validation generate call
+    val_greedy: bool = setting(True, resume="fixed")
+    val_temperature: float = setting(1.0, gt=0, resume="fixed")  # used when val_greedy is false
+    # prompts per validation generate call
+    val_batch_size: int = setting(64, gt=0, resume="may_differ")
     # at each validation, the first N validation samples (prompt, response or transcript,
     # reward) go to generations.jsonl (and TensorBoard / W&B tables); 0 = none
-    log_generations: int = setting(4, ge=0)
+    log_generations: int = setting(4, ge=0, resume="may_differ")
     # stop early (after a final validation and checkpoint) once fit() has run this long;
     # 0 = no limit. The demo uses it to keep its 10-minute promise on a slower machine.
-    max_wall_seconds: float = setting(0.0, ge=0)
+    max_wall_seconds: float = setting(0.0, ge=0, resume="may_differ")
     # abort when more optimizer steps than this were skipped in a row (non-finite gradients):
     # a run that only skips learns nothing
-    max_skipped_steps: int = setting(5, ge=0)
+    max_skipped_steps: int = setting(5, ge=0, resume="may_differ")
     # how long a rank waits for the others in a collective, e.g. while rank 0 alone writes a
     # checkpoint's full model (a dead peer usually fails sooner: its sockets close)
-    dist_timeout_s: float = setting(1800.0, gt=0)
+    dist_timeout_s: float = setting(1800.0, gt=0, resume="may_differ")
     # asynchronous RL (rollout.mode=server): the producer samples and scores up to k batches
     # ahead of the update, so a sample's weights may be up to k updates old; 0 = synchronous
-    max_staleness: int = setting(0, ge=0)
+    max_staleness: int = setting(0, ge=0, resume="fixed")
 
     def check(self, at: str) -> None:
         """``overwrite`` starts a new run; ``resume`` is a mode or an existing checkpoint."""
@@ -130,22 +135,22 @@ class SFTConfig:
 
     # the built-in model's warm start: learning rate (3e-3 sat on the edge of stability:
     # seeds that never learned on AMD EPYC hosts; 1e-3 reached 0.3 in 370-870 steps, 3 seeds)
-    lr: float = setting(1e-3, gt=0)
+    lr: float = setting(1e-3, gt=0, resume="fixed")
     # warm start: linear warmup of the learning rate over this many steps (0 for arithmetic:
     # with 20 steps and clip 1.0 its warm start came sooner but RL then gained nothing, 3 seeds)
-    warmup_steps: int = setting(0, ge=0)
+    warmup_steps: int = setting(0, ge=0, resume="fixed")
     # warm start: global gradient-norm clip; 0 = none
-    grad_clip: float = setting(0.0, ge=0)
+    grad_clip: float = setting(0.0, ge=0, resume="fixed")
     # warm start: demonstrations per step
-    batch_size: int = setting(64, gt=0)
+    batch_size: int = setting(64, gt=0, resume="fixed")
     # warm start: the most steps
-    max_steps: int = setting(2000, gt=0)
+    max_steps: int = setting(2000, gt=0, resume="fixed")
     # warm start: stop at this greedy validation accuracy
-    target_accuracy: float = setting(0.3, ge=0, le=1)
+    target_accuracy: float = setting(0.3, ge=0, le=1, resume="fixed")
     # warm start: steps between accuracy checks
-    eval_every: int = setting(25, gt=0)
+    eval_every: int = setting(25, gt=0, resume="fixed")
     # warm-started models are cached here, keyed by their settings
-    cache_dir: str = ".cache/otbrl"
+    cache_dir: str = setting(".cache/otbrl", resume="may_differ")
 
 
 @dataclass

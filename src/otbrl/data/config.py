@@ -3,7 +3,7 @@ No torch or pandas: the CLI's schema composes ``DataConfig`` and starts without 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from otbrl.settings import setting
 
@@ -13,26 +13,27 @@ OVERLONG_PROMPTS = ("error", "filter", "truncate_left")
 
 @dataclass
 class DataConfig:
-    train_files: list[str] = field(default_factory=list)  # parquet (verl's row schema)
+    # parquet (verl's row schema)
+    train_files: list[str] = setting(default_factory=list, resume="fixed")
     # parquet validation rows (same schema); empty: none, or the task's
-    val_files: list[str] = field(default_factory=list)
+    val_files: list[str] = setting(default_factory=list, resume="fixed")
     # a built-in task ("arithmetic" | "digit_sum" | "tool_arithmetic" | "chain_sum") as the
     # data when no files are given (it brings its preset, otbrl.config.presets); None: the
     # built-in model's "arithmetic", and for a user's model no fallback (data.train_files is
     # required)
-    task: str | None = None
-    train_batch_size: int = setting(32, gt=0)  # prompts per RL step
+    task: str | None = setting(None, resume="fixed")
+    train_batch_size: int = setting(32, gt=0, resume="fixed")  # prompts per RL step
     # validation prompts: a seeded sample of this many rows of data.val_files; None: all of
     # them (the built-in task: 500)
-    val_size: int | None = setting(None, ge=1, null="all validation rows")
-    max_prompt_length: int = setting(512, gt=0)  # tokens, chat template included
+    val_size: int | None = setting(None, ge=1, null="all validation rows", resume="fixed")
+    max_prompt_length: int = setting(512, gt=0, resume="fixed")  # tokens, chat template included
     # tokens per response (multi-turn: observations included)
-    max_response_length: int = setting(512, gt=0)
+    max_response_length: int = setting(512, gt=0, resume="fixed")
     # a prompt longer than max_prompt_length: "error" (at start, naming the row) | "filter"
     # (dropped, counted, reported) | "truncate_left" (its first tokens cut)
-    overlong_prompts: str = setting("error", choices=OVERLONG_PROMPTS)
+    overlong_prompts: str = setting("error", choices=OVERLONG_PROMPTS, resume="fixed")
     # render prompts with the tokenizer's chat template; false: the messages' text as written
     # (base models without a template)
-    apply_chat_template: bool = True
+    apply_chat_template: bool = setting(True, resume="fixed")
     # seeds the shuffling of the training rows and the validation sample
-    seed: int = 0
+    seed: int = setting(0, resume="fixed")

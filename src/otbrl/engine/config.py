@@ -21,53 +21,55 @@ from otbrl.settings import PRECISIONS, TRISTATE, refuse_unset, setting
 class ModelConfig:
     # a local HF model directory, a hub id in the local HF cache, or "builtin" (the tiny
     # model, warm-started by SFT on its task)
-    path: str = "builtin"
+    path: str = setting("builtin", resume="fixed")
     # 32-true (fp32 weights, state and compute) | bf16-mixed (fp32 master weights and AdamW
     # state, bf16 forward/backward, fp32 gradient reduction) | bf16-true (bf16 weights and
     # state); 32-true by default: measured faster on CPUs without bf16 instructions (docs/memory.md)
-    precision: str = setting("32-true", choices=PRECISIONS)
+    precision: str = setting("32-true", choices=PRECISIONS, resume="fixed")
     # recompute each decoder block's activations in the backward instead of keeping them
     # (less memory, one more forward); off by default: it did not pay at the demo's size
-    gradient_checkpointing: bool = False
-    use_remove_padding: bool = False  # packed [1, nnz] forward instead of padded [B, L]
+    gradient_checkpointing: bool = setting(False, resume="may_differ")
+    # packed [1, nnz] forward instead of padded [B, L]
+    use_remove_padding: bool = setting(False, resume="may_differ")
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
 class ActorConfig(MicroBatchConfig, OptimConfig):
     # prompts per optimizer step (x rollout.n sequences); None = the whole step batch
-    ppo_mini_batch_size: int | None = None
+    ppo_mini_batch_size: int | None = setting(None, resume="fixed")
     # ppo (clipped token ratio) | gspo (clipped sequence ratio, its token form; its paper clips
     # at 1 - 3e-4 / 1 + 4e-4) | cispo (a clipped, stop-gradient weight on every token's
     # log-likelihood; its paper sets no lower bound: clip_ratio_low near 1)
-    policy_loss: str = setting("ppo", choices=POLICY_LOSSES)
+    policy_loss: str = setting("ppo", choices=POLICY_LOSSES, resume="fixed")
     # the clip: the ratio's lower bound is 1 - this
-    clip_ratio_low: float = setting(0.2, ge=0, lt=1)
+    clip_ratio_low: float = setting(0.2, ge=0, lt=1, resume="fixed")
     # the clip: the ratio's upper bound is 1 + this (DAPO's clip-higher: > low)
-    clip_ratio_high: float = setting(0.2, ge=0)
-    clip_ratio_c: float = setting(3.0, gt=1)  # PPO's dual-clip bound for negative advantages
+    clip_ratio_high: float = setting(0.2, ge=0, resume="fixed")
+    # PPO's dual-clip bound for negative advantages
+    clip_ratio_c: float = setting(3.0, gt=1, resume="fixed")
     # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (gspo:
     # seq-mean-token-mean, cispo: token-mean, the averages their papers define)
-    loss_agg_mode: str = setting("token-mean", choices=LOSS_AGG_MODES)
+    loss_agg_mode: str = setting("token-mean", choices=LOSS_AGG_MODES, resume="fixed")
     # entropy bonus weight in the policy loss; 0 = off
-    entropy_coeff: float = setting(0.0, ge=0)
+    entropy_coeff: float = setting(0.0, ge=0, resume="fixed")
     # add a KL-to-reference term to the loss (builds a frozen reference)
-    use_kl_loss: bool = False
+    use_kl_loss: bool = setting(False, resume="fixed")
     # weight of the KL loss term
-    kl_loss_coef: float = setting(0.001, ge=0)
+    kl_loss_coef: float = setting(0.001, ge=0, resume="fixed")
     # KL estimator: k1 | k2 | k3 (= low_var_kl) | abs, '+' for straight-through
-    kl_loss_type: str = setting("low_var_kl", choices=sorted(KL_KINDS))
+    kl_loss_type: str = setting("low_var_kl", choices=sorted(KL_KINDS), resume="fixed")
     # fuse the lm_head with the token statistics (no [T, V] logits kept)
-    use_fused_kernels: bool = False
+    use_fused_kernels: bool = setting(False, resume="may_differ")
     # "auto" | "true" | "false" (YAML booleans accepted)
-    calculate_sum_pi_squared: str = setting("auto", choices=TRISTATE)
+    calculate_sum_pi_squared: str = setting("auto", choices=TRISTATE, resume="may_differ")
     # how the engine is laid out over processes (formerly actor.engine): "auto": one process,
     # or FSDP2 when torchrun starts several; "single" | "fsdp" | "tp"
-    strategy: str = setting("auto", choices=STRATEGIES)
+    strategy: str = setting("auto", choices=STRATEGIES, resume="may_differ")
     # strategy=tp: ranks sharing one model's heads and vocabulary
-    tensor_parallel_size: int = setting(1, gt=0)
+    tensor_parallel_size: int = setting(1, gt=0, resume="may_differ")
     # ranks splitting each packed sequence
-    ulysses_sequence_parallel_size: int = setting(1, gt=0)
+    ulysses_sequence_parallel_size: int = setting(1, gt=0, resume="may_differ")
 
     def check(self, at: str) -> None:
         """GSPO and CISPO take the aggregation their papers define and no dual clip."""
@@ -90,11 +92,11 @@ class CriticConfig(MicroBatchConfig, OptimConfig):
     value loss on the actor's mini-batches, under the actor's engine."""
 
     # the critic's learning rate (verl's default; the built-in model's: 1e-3)
-    lr: float = setting(1e-5, gt=0)
+    lr: float = setting(1e-5, gt=0, resume="fixed")
     # linear warmup of the critic's optimizer steps
-    warmup_steps: int = setting(0, ge=0)
+    warmup_steps: int = setting(0, ge=0, resume="fixed")
     # "auto" (on when the estimator needs values) | "true" | "false"
-    enable: str = setting("auto", choices=TRISTATE)
-    model_path: str | None = None  # None: the policy's model
+    enable: str = setting("auto", choices=TRISTATE, resume="fixed")
+    model_path: str | None = setting(None, resume="fixed")  # None: the policy's model
     # None: no value clipping
-    cliprange_value: float | None = setting(0.5, gt=0, null="no clipping")
+    cliprange_value: float | None = setting(0.5, gt=0, null="no clipping", resume="fixed")

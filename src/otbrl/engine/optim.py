@@ -22,15 +22,15 @@ class OptimConfig:
 
     # AdamW learning rate (1e-6: verl's and TRL's default for full fine-tuning; the built-in
     # model's preset: 3e-4)
-    lr: float = setting(1e-6, gt=0)
+    lr: float = setting(1e-6, gt=0, resume="fixed")
     # linear warmup of optimizer steps; a cold AdamW can wreck the policy
-    warmup_steps: int = setting(20, ge=0)
+    warmup_steps: int = setting(20, ge=0, resume="fixed")
     # AdamW weight decay
-    weight_decay: float = setting(0.0, ge=0)
+    weight_decay: float = setting(0.0, ge=0, resume="fixed")
     # passes over each step's batch
-    ppo_epochs: int = setting(1, gt=0)
+    ppo_epochs: int = setting(1, gt=0, resume="fixed")
     # global gradient-norm clip; 0 = none
-    grad_clip: float = setting(1.0, ge=0)
+    grad_clip: float = setting(1.0, ge=0, resume="fixed")
 
     @classmethod
     def from_group(cls, group: Any) -> OptimConfig:

@@ -24,11 +24,13 @@ class MicroBatchConfig:
 
     # at most this many sequences per forward/backward (the last micro-batch may be smaller;
     # gradients are accumulated exactly, as if the mini-batch ran at once)
-    micro_batch_size: int = setting(8, gt=0)
+    micro_batch_size: int = setting(8, gt=0, resume="may_differ")
     # at most this many tokens per forward/backward instead (rows packed by length, the same
     # number of micro-batches on every rank; with model.use_remove_padding=true real tokens
     # count, else rows x the micro-batch's own width); None: micro_batch_size rows
-    max_tokens_per_micro_batch: int | None = setting(None, gt=0, null="micro_batch_size rows")
+    max_tokens_per_micro_batch: int | None = setting(
+        None, gt=0, null="micro_batch_size rows", resume="may_differ"
+    )
 
     @classmethod
     def from_group(cls, group: Any) -> MicroBatchConfig:

@@ -22,17 +22,19 @@ class LoraConfig:
     """LoRA adapters through ``peft`` (``model.lora.rank`` > 0): only they are trained, the
     reference policy is the same model with its adapters disabled."""
 
-    rank: int = setting(0, ge=0)  # adapter rank r; 0 = off (full fine-tuning)
-    alpha: float = setting(32.0, gt=0)  # the adapter's output is scaled by alpha / rank
-    dropout: float = setting(0.0, ge=0, lt=1)  # dropout on the adapter's input while training
+    rank: int = setting(0, ge=0, resume="fixed")  # adapter rank r; 0 = off (full fine-tuning)
+    # the adapter's output is scaled by alpha / rank
+    alpha: float = setting(32.0, gt=0, resume="fixed")
+    # dropout on the adapter's input while training
+    dropout: float = setting(0.0, ge=0, lt=1, resume="fixed")
     # "all-linear" (every linear layer of the decoder blocks, not the lm_head) or a list of
     # module names, e.g. [q_proj, v_proj]
-    target_modules: Any = "all-linear"
+    target_modules: Any = setting("all-linear", resume="fixed")
     # a saved PEFT adapter directory to start from (adapter_config.json); None: fresh adapters
-    adapter_path: str | None = None
+    adapter_path: str | None = setting(None, resume="fixed")
     # how vLLM gets the trained adapters: "merged" (W0 + B·A pushed as plain weights through
     # reload_weights) | "adapter" (the adapter alone, served by vLLM's LoRA support)
-    sync: str = setting("merged", choices=LORA_SYNCS)
+    sync: str = setting("merged", choices=LORA_SYNCS, resume="fixed")
 
     def check(self, at: str) -> None:
         """Its keys only with ``rank`` > 0, the target modules named, the adapter saved."""

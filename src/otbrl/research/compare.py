@@ -74,7 +74,7 @@ def parse_arms(text: str) -> list[tuple[str, int]]:
 def arm_estimator_overrides(name: str) -> list[str]:
     """Config overrides that select arm estimator ``name`` (an alias also sets its options)."""
     from otbrl.algos import ESTIMATOR_ALIASES
-    from otbrl.run.needs import ESTIMATOR_OPTION_KEYS
+    from otbrl.config.keys import ESTIMATOR_OPTION_KEYS
 
     estimator, options = ESTIMATOR_ALIASES.get(name, (name, {}))
     return [f"algorithm.adv_estimator={estimator}"] + [

@@ -21,9 +21,9 @@ class OverlongBufferConfig:
     (``rollout.max_new_tokens``) cost linearly up to ``penalty`` (0 = off)."""
 
     # tokens before the budget's end where the penalty ramps up; 0 = off
-    len: int = setting(0, ge=0)
+    len: int = setting(0, ge=0, resume="fixed")
     # the penalty at the budget's end (the reward loses up to this much)
-    penalty: float = setting(1.0, ge=0)
+    penalty: float = setting(1.0, ge=0, resume="fixed")
 
     def check(self, at: str) -> None:
         """``penalty`` only with shaping on."""
@@ -38,9 +38,10 @@ class RewardModelConfig:
     ``AutoModelForSequenceClassification`` directory with one label; the trained reward is the
     rule reward + ``weight`` × its score."""
 
-    path: str | None = None  # None: no reward model
-    weight: float = 1.0  # the trained reward is the rule reward + weight x the model's score
-    micro_batch_size: int = setting(16, gt=0)  # conversations per forward
+    path: str | None = setting(None, resume="fixed")  # None: no reward model
+    # the trained reward is the rule reward + weight x the model's score
+    weight: float = setting(1.0, resume="fixed")
+    micro_batch_size: int = setting(16, gt=0, resume="may_differ")  # conversations per forward
 
     def check(self, at: str) -> None:
         """Its keys only with a model."""
@@ -52,20 +53,20 @@ class RewardModelConfig:
 @dataclass
 class RewardConfig:
     # built-in name or "path/to/file.py:fn"; None -> by data_source
-    function: str | None = None
-    on_error: str = setting("raise", choices=ON_ERROR)  # "raise" | "zero"
+    function: str | None = setting(None, resume="fixed")
+    on_error: str = setting("raise", choices=ON_ERROR, resume="fixed")  # "raise" | "zero"
     # a call that runs longer is an error, handled by on_error (a hung verifier would otherwise
     # stall the run forever); 0 = no limit
-    timeout_s: float = setting(60.0, ge=0)
+    timeout_s: float = setting(60.0, ge=0, resume="fixed")
     # how the MATH sources (lighteval/MATH, MATH-500) are checked: "verl" (string
     # normalisation, verl's default) | "math_verify" (the math-verify package)
-    math_backend: str = setting("verl", choices=MATH_BACKENDS)
+    math_backend: str = setting("verl", choices=MATH_BACKENDS, resume="fixed")
     # score in this many worker processes while the policy computes its statistics (0: in
     # the trainer's process, after sampling)
-    workers: int = setting(0, ge=0)
+    workers: int = setting(0, ge=0, resume="may_differ")
     # reward.function takes lists (data_sources, solution_strs, ground_truths, extra_infos)
     # and returns one result per sample: one call per batch (per worker chunk)
-    batched: bool = False
+    batched: bool = setting(False, resume="fixed")
     code: CodeRewardConfig = field(default_factory=CodeRewardConfig)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     model: RewardModelConfig = field(default_factory=RewardModelConfig)

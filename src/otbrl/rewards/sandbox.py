@@ -77,14 +77,15 @@ class CodeRewardConfig:
     """The sandbox model-written code runs in (``codecontests``, ``apps``, ``codeforces``,
     ``taco`` rows; ``otbrl.rewards.sandbox``): limits of one run of one solution."""
 
-    cpu_s: float = setting(10.0, gt=0)  # CPU seconds
-    wall_s: float = setting(10.0, gt=0)  # seconds per test input (the whole run: one more)
-    memory_mb: int = setting(1024, gt=0)  # address space
+    cpu_s: float = setting(10.0, gt=0, resume="fixed")  # CPU seconds
+    # seconds per test input (the whole run: one more)
+    wall_s: float = setting(10.0, gt=0, resume="fixed")
+    memory_mb: int = setting(1024, gt=0, resume="fixed")  # address space
     # sandboxed runs at once in this process
-    max_workers: int = setting(4, gt=0, le=UIDS_PER_PROCESS)
+    max_workers: int = setting(4, gt=0, le=UIDS_PER_PROCESS, resume="may_differ")
     # run model code without namespaces where the OS cannot make them (as this user, with
     # only a time limit); false: such a run is refused, before any model loads
-    allow_unsandboxed: bool = False
+    allow_unsandboxed: bool = setting(False, resume="may_differ")
 
 
 @dataclass

@@ -25,26 +25,29 @@ class VLLMConfig:
     """The in-process vLLM engine (``rollout.name=vllm``); one per data-parallel rank."""
 
     # engine dtype; float32 matches an fp32 trainer's log-probs to 1e-5
-    dtype: str = setting("float32", choices=DTYPE_NAMES)
-    enforce_eager: bool = True  # no CUDA graphs / compilation: faster start
+    dtype: str = setting("float32", choices=DTYPE_NAMES, resume="fixed")
+    # no CUDA graphs / compilation: faster start
+    enforce_eager: bool = setting(True, resume="may_differ")
     # GPU only: the share of GPU memory vLLM may take
-    gpu_memory_utilization: float = setting(0.5, gt=0, le=1)
-    kv_cache_gib: float = setting(1.0, gt=0)  # CPU only: KV-cache size
-    enable_sleep_mode: bool = False  # GPU only: free weights and KV cache while training
+    gpu_memory_utilization: float = setting(0.5, gt=0, le=1, resume="may_differ")
+    kv_cache_gib: float = setting(1.0, gt=0, resume="may_differ")  # CPU only: KV-cache size
+    # GPU only: free weights and KV cache while training
+    enable_sleep_mode: bool = setting(False, resume="may_differ")
 
 
 @dataclass
 class MultiTurnConfig:
     """Multi-turn tool use (``otbrl.rollout.agent``): on when ``tools`` is not empty."""
 
-    tools: list[str] = field(default_factory=list)  # built-in names or "path/to/file.py:fn"
+    # built-in names or "path/to/file.py:fn"
+    tools: list[str] = setting(default_factory=list, resume="fixed")
     # "auto" | "hermes" | "compact" (auto: compact for the built-in model)
-    format: str = setting("auto", choices=FORMATS)
-    max_turns: int = setting(4, gt=0)  # model turns per sample
+    format: str = setting("auto", choices=FORMATS, resume="fixed")
+    max_turns: int = setting(4, gt=0, resume="fixed")  # model turns per sample
     # each tool result is cut to this many tokens
-    max_tool_response_tokens: int = setting(64, gt=0)
+    max_tool_response_tokens: int = setting(64, gt=0, resume="fixed")
     # a call running longer returns an error observation
-    tool_timeout_s: float = setting(5.0, gt=0)
+    tool_timeout_s: float = setting(5.0, gt=0, resume="fixed")
 
     def check(self, at: str) -> None:
         """Its keys only with tools to call."""
@@ -60,27 +63,28 @@ class ServerConfig:
 
     # servers the user started (e.g. on other hosts: see docs/rollout.md's launch recipes); empty:
     # otbrl starts num_servers on 127.0.0.1 and stops them at the end
-    urls: list[str] = field(default_factory=list)
-    num_servers: int = setting(1, gt=0)  # servers otbrl starts when urls is empty
+    urls: list[str] = setting(default_factory=list, resume="may_differ")
+    # servers otbrl starts when urls is empty
+    num_servers: int = setting(1, gt=0, resume="may_differ")
     # the name the servers serve the policy under (--served-model-name); urls are checked
-    served_model_name: str = "policy"
+    served_model_name: str = setting("policy", resume="may_differ")
     # a started server must answer within this
-    startup_timeout_s: float = setting(300.0, gt=0)
+    startup_timeout_s: float = setting(300.0, gt=0, resume="may_differ")
     # the longest one HTTP request may take
-    request_timeout_s: float = setting(300.0, gt=0)
+    request_timeout_s: float = setting(300.0, gt=0, resume="may_differ")
     # restarts of a started server that died before the run fails
-    max_restarts: int = setting(2, ge=0)
+    max_restarts: int = setting(2, ge=0, resume="may_differ")
     # where the trainer writes weight buckets (with weight_transport=file every server must see
     # it); null: a fresh directory in /dev/shm, removed at the end
-    weights_dir: str | None = None
+    weights_dir: str | None = setting(None, resume="may_differ")
     # how the servers get each update's buckets: "file" (read from weights_dir) | "http"
     # (fetched from the trainer, with a per-run token: no shared file system) | "auto" (http
     # for servers of urls without a weights_dir, else file)
-    weight_transport: str = setting("auto", choices=WEIGHT_TRANSPORTS)
+    weight_transport: str = setting("auto", choices=WEIGHT_TRANSPORTS, resume="may_differ")
     # the trainer's address as the servers reach it (weight_transport=http; it listens there)
-    weights_host: str = "127.0.0.1"
+    weights_host: str = setting("127.0.0.1", resume="may_differ")
     # one weight bucket: the trainer holds one at a time
-    bucket_mb: float = setting(64.0, gt=0)
+    bucket_mb: float = setting(64.0, gt=0, resume="may_differ")
 
     def check(self, at: str) -> None:
         """Each url an http(s) url, or ``http+unix://`` and a percent-encoded socket path."""
@@ -98,28 +102,28 @@ class ServerConfig:
 @dataclass
 class RolloutConfig:
     # "hf" (the training model's own sampler) | "vllm"
-    name: str = setting("hf", choices=ROLLOUT_NAMES)
+    name: str = setting("hf", choices=ROLLOUT_NAMES, resume="fixed")
     # "colocated": the engine of rollout.name in the trainer's process | "server": vLLM
     # OpenAI servers (rollout.server; needs rollout.name=vllm)
-    mode: str = setting("colocated", choices=ROLLOUT_MODES)
+    mode: str = setting("colocated", choices=ROLLOUT_MODES, resume="fixed")
     # trainer.max_staleness > 0: a batch sampled by weights older than current − k is
     # "drop"ped (and counted) or the producer "wait"s before sampling ahead that far
-    stale_samples: str = setting("wait", choices=STALE_SAMPLES)
+    stale_samples: str = setting("wait", choices=STALE_SAMPLES, resume="fixed")
     # trainer.max_staleness > 0: a weight update keeps the requests in flight (vLLM's
     # /pause?mode=keep; they go on with the new weights, each token's version recorded)
     # instead of waiting for them to finish
-    partial_rollout: bool = False
+    partial_rollout: bool = setting(False, resume="fixed")
     # rollout.mode=server with tools: the most samples whose agent loops (one per sample) are
     # in flight at once — the load on the tools and the servers
-    max_concurrent_trajectories: int = setting(64, gt=0)
-    n: int = setting(8, gt=0)  # responses per prompt
+    max_concurrent_trajectories: int = setting(64, gt=0, resume="may_differ")
+    n: int = setting(8, gt=0, resume="fixed")  # responses per prompt
     # sampling temperature (the trainer's log-probs use the same one)
-    temperature: float = setting(1.0, gt=0)
+    temperature: float = setting(1.0, gt=0, resume="fixed")
     # nucleus sampling; 1.0 = off
-    top_p: float = setting(1.0, gt=0, le=1)
-    top_k: int = setting(0, ge=0)  # 0 = off
+    top_p: float = setting(1.0, gt=0, le=1, resume="fixed")
+    top_k: int = setting(0, ge=0, resume="fixed")  # 0 = off
     # the response budget: model and (multi-turn) observation tokens together
-    max_new_tokens: int = setting("${data.max_response_length}", gt=0)
+    max_new_tokens: int = setting("${data.max_response_length}", gt=0, resume="fixed")
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)

@@ -14,16 +14,7 @@ from dataclasses import dataclass
 from otbrl.algos import rollout_correction
 from otbrl.algos.advantages import ESTIMATORS, get_estimator
 from otbrl.config import Config, ConfigError
-
-# estimator option -> the config key that sets it
-ESTIMATOR_OPTION_KEYS = {
-    "gamma": "algorithm.gamma",
-    "lam": "algorithm.lam",
-    "norm_adv_by_std_in_grpo": "algorithm.norm_adv_by_std_in_grpo",
-    "handle_zero_tail": "algorithm.handle_zero_tail",
-    "leave_one_out": "algorithm.otb.leave_one_out",
-    "energy": "algorithm.otb.energy",
-}
+from otbrl.config.keys import ESTIMATOR_OPTION_KEYS  # option -> the key that sets it
 
 
 @dataclass(frozen=True)

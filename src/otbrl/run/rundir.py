@@ -40,6 +40,7 @@ from typing import Any, TextIO
 
 import otbrl
 from otbrl.config import Config, ConfigError, to_dict, upgrade_saved
+from otbrl.config.keys import RESUME_MAY_DIFFER  # each key declares it: setting(resume=...)
 from otbrl.store import checkpoint
 from otbrl.store.files import (
     GENERATIONS_FILE,
@@ -53,42 +54,6 @@ from otbrl.user_code import file_sha256, spec_file
 MANIFEST = "run.json"
 LOCK = "run.lock"
 CHECKPOINTS = "checkpoints"
-# Keys that may change when a run is resumed: how long it runs, how it logs and saves, how long
-# ranks wait, and the layout keys that by design change no result (a checkpoint resumes on any
-# parallel strategy and world size; micro-batches accumulate exactly; packed equals padded).
-# Anything else (estimator, lr, data, model, seed, ...) would mix two runs' steps.
-RESUME_MAY_DIFFER = frozenset(
-    {
-        "actor.strategy",
-        "actor.tensor_parallel_size",
-        "actor.ulysses_sequence_parallel_size",
-        "actor.use_fused_kernels",
-        "actor.micro_batch_size",
-        "critic.micro_batch_size",
-        "model.use_remove_padding",
-        "trainer.val_batch_size",
-        "trainer.total_steps",
-        "trainer.logger",
-        "trainer.val_every",
-        "trainer.save_every",
-        "trainer.keep_last_checkpoints",
-        "trainer.max_wall_seconds",
-        "trainer.max_skipped_steps",
-        "trainer.resume",
-        "trainer.overwrite",
-        "trainer.output_dir",
-        "trainer.dist_timeout_s",
-        # the vLLM engine's memory and compilation settings change no sample
-        "rollout.vllm.enforce_eager",
-        "rollout.vllm.gpu_memory_utilization",
-        "rollout.vllm.kv_cache_gib",
-        "rollout.vllm.enable_sleep_mode",
-        # where and how many at once rewards are scored changes no score
-        "reward.workers",
-        "reward.code.max_workers",
-        "reward.model.micro_batch_size",
-    }
-)
 # What otbrl writes into a run directory (named in messages).
 _RUN_ENTRIES = (MANIFEST, METRICS_FILE, SUMMARY_FILE, GENERATIONS_FILE, CHECKPOINTS, "config.yaml")
 
