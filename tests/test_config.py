@@ -163,7 +163,7 @@ def test_a_renamed_key_still_loads_under_its_old_name(tmp_path):
     loads from the command line, a config file, a saved configuration and a resumed run's
     manifest, with a FutureWarning naming the new one; both names at once are refused."""
     from otbrl.config import upgrade_saved
-    from otbrl.run.rundir import config_differences
+    from otbrl.config.resume import config_differences
 
     with pytest.warns(FutureWarning, match=r"'actor\.engine' is now 'actor\.strategy'"):
         assert load_config(None, ["actor.engine=fsdp"]).actor.strategy == "fsdp"

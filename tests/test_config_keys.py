@@ -58,9 +58,9 @@ def test_a_field_declares_what_it_is():
 
 
 def test_the_run_reads_the_derived_tables():
-    from otbrl.run import needs, rundir
+    from otbrl.run import needs, plan
 
-    assert rundir.RESUME_MAY_DIFFER is RESUME_MAY_DIFFER
+    assert plan.RESUME_MAY_DIFFER is RESUME_MAY_DIFFER
     assert needs.ESTIMATOR_OPTION_KEYS is ESTIMATOR_OPTION_KEYS
 
 
@@ -95,7 +95,7 @@ def test_resume_classes_follow_what_a_key_changes():
 
 
 def test_resuming_with_another_micro_batching_is_one_run():
-    from otbrl.run.rundir import config_differences
+    from otbrl.config.resume import config_differences
 
     saved = to_dict(load_config(None, []))
     changed = [

@@ -11,9 +11,11 @@ import pytest
 
 from ckpt_utils import flip_byte, truncate
 from otbrl.config import ConfigError, load_config
-from otbrl.run.rundir import RESUME_MAY_DIFFER, claim_run_dir, config_sha256
+from otbrl.config.keys import RESUME_MAY_DIFFER
+from otbrl.run.plan import claim_run_dir
 from otbrl.run.trainer import Trainer
 from otbrl.store.checkpoint import list_checkpoints, verify_checkpoint
+from otbrl.store.rundir import config_sha256
 from run_utils import refused, stable_metrics
 
 # tiny models: threads cost more than they give, and stay exact
@@ -120,7 +122,7 @@ def test_a_legacy_run_without_manifest_is_compared_with_its_config_yaml(setup, t
 HOLDER = """
 import sys, time
 from otbrl.config import load_config
-from otbrl.run.rundir import claim_run_dir
+from otbrl.run.plan import claim_run_dir
 run = claim_run_dir(load_config(None, [f"trainer.output_dir={sys.argv[1]}"]))
 print("ready", flush=True)
 time.sleep(600)

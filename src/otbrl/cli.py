@@ -136,7 +136,7 @@ def _config(args: argparse.Namespace, extra: list[str] | None = None, *, train: 
 
 def _train(args: argparse.Namespace) -> int:
     cfg, plan = _config(args)
-    from otbrl.run.rundir import claim_run_dir
+    from otbrl.run.plan import claim_run_dir
     from otbrl.run.trainer import Trainer
 
     run = claim_run_dir(cfg)  # still before any model loads
@@ -147,7 +147,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     cfg, plan = _config(args, DEMO_PRESET)
-    from otbrl.run.rundir import claim_run_dir
+    from otbrl.run.plan import claim_run_dir
     from otbrl.run.trainer import Trainer
 
     start = time.perf_counter()

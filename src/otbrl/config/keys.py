@@ -3,7 +3,7 @@
 
 - ``RESUME_MAY_DIFFER``: the keys that may change when a run is resumed (``resume="may_differ"``:
   layout, micro-batching, logging, saving, timeouts, where work runs — they change no result);
-  any other difference would mix two runs' steps (``otbrl.run.rundir`` refuses it);
+  any other difference would mix two runs' steps (``otbrl.store.rundir`` refuses it);
 - ``ESTIMATOR_OPTION_KEYS``: estimator option -> the key that sets it
   (``estimator_option="gamma"``; ``otbrl.run.spec.estimator_options`` hands them over);
 - ``LIST_KEYS``: the keys typed ``list[...]``, whose bare command-line value is a one-element

@@ -132,7 +132,7 @@ def _finished(run: _Run) -> bool:
     import yaml
 
     from otbrl.config import to_dict, upgrade_saved
-    from otbrl.run.rundir import flat_config
+    from otbrl.config.resume import flat_config
 
     if not (run.run_dir / "summary.json").is_file():
         return False

@@ -45,10 +45,10 @@ from otbrl.report.metrics_log import MetricsLogger
 from otbrl.report.plots import plot_run
 from otbrl.run.announce import interrupted_line, say, startup_lines
 from otbrl.run.build import build_run, model_path
-from otbrl.run.plan import Plan, plan_run
-from otbrl.run.rundir import RunDir, claim_run_dir
+from otbrl.run.plan import Plan, claim_run_dir, plan_run
 from otbrl.run.seeds import seed_everything
 from otbrl.store import checkpoint
+from otbrl.store.rundir import RunDir
 
 # the timing key of each engine's statistics forward
 TIMING = {"policy": "old_stats", "reference": "ref", "teacher": "teacher", "critic": "values"}

@@ -14,7 +14,7 @@ import os
 import secrets
 from pathlib import Path
 
-# the run directory's log files (written by otbrl.report, named by otbrl.run.rundir)
+# the run directory's log files (written by otbrl.report, named by otbrl.store.rundir)
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 GENERATIONS_FILE = "generations.jsonl"

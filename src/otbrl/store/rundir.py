@@ -1,7 +1,8 @@
 """A run directory belongs to one run: a manifest, a lock, and the checkpoint to resume from.
 
-``claim_run_dir(cfg)`` runs before any model loads (the CLI calls it right after
-``plan_run``; ``Trainer`` calls it when not handed one) and, on rank 0:
+``claim_run_dir(path, identity, resume=..., overwrite=...)`` runs before any model loads (the run
+layer's ``otbrl.run.plan.claim_run_dir(cfg)`` calls it right after ``plan_run`` with the run's
+``RunIdentity``: no configuration is read here) and, on rank 0:
 
 1. checks ``trainer.output_dir`` (not a file, creatable, writable);
 2. takes an exclusive ``flock`` on ``<output_dir>/run.lock`` for the run's life and writes its
@@ -11,7 +12,8 @@
    directory that holds a run is refused unless ``trainer.overwrite=true``, which moves the old
    contents to ``<output_dir>.old-<time>`` (never deletes them). ``resume=auto`` or a path on a
    directory that holds a run compares the configuration with the one the run was started
-   with: a difference outside ``RESUME_MAY_DIFFER`` is a ``ConfigError`` naming the keys;
+   with (``identity.differences``): a difference outside ``identity.may_differ`` is a
+   ``ConfigError`` naming the keys;
 4. picks the checkpoint to resume from: ``auto`` takes the newest one whose files match their
    manifest, says on stderr which newer ones were damaged and moves those to
    ``checkpoints/corrupt-step_<k>``; an explicit path that does not verify is a
@@ -21,7 +23,8 @@
    changed keys, damaged checkpoints passed over).
 
 Other ranks of a ``torchrun`` job touch nothing: rank 0 decides, and the trainer broadcasts its
-checkpoint choice once the process group exists.
+checkpoint choice once the process group exists. Messages name the keys a user sets
+(``trainer.output_dir``, ``trainer.resume``, ``trainer.overwrite``).
 """
 
 from __future__ import annotations
@@ -34,13 +37,13 @@ import shutil
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 import otbrl
-from otbrl.config import Config, ConfigError, to_dict, upgrade_saved
-from otbrl.config.keys import RESUME_MAY_DIFFER  # each key declares it: setting(resume=...)
+from otbrl.errors import ConfigError
 from otbrl.store import checkpoint
 from otbrl.store.files import (
     GENERATIONS_FILE,
@@ -49,7 +52,6 @@ from otbrl.store.files import (
     atomic_write_text,
     lock_file,
 )
-from otbrl.user_code import file_sha256, spec_file
 
 MANIFEST = "run.json"
 LOCK = "run.lock"
@@ -80,61 +82,61 @@ class RunDir:
             self._lock_fd = None
 
 
-def flat_config(config: dict, prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists stay values)."""
-    out: dict[str, Any] = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            out.update(flat_config(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def config_sha256(config: dict) -> str:
     """SHA-256 of a resolved config's canonical JSON (key order does not matter)."""
     text = json.dumps(config, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def config_differences(saved: dict, current: dict) -> dict[str, tuple[Any, Any]]:
-    """``{dotted key: (saved value, current value)}`` where two resolved configs differ. A key
-    one of them lacks (another otbrl version) counts as the schema's default; a key an earlier
-    version named otherwise is compared under its name now (``upgrade_saved``)."""
-    defaults = flat_config(to_dict(Config()))
-    a, b = flat_config(upgrade_saved(saved)), flat_config(current)
-    out = {}
-    for key in sorted(set(a) | set(b)):
-        x, y = a.get(key, defaults.get(key)), b.get(key, defaults.get(key))
-        if x != y:
-            out[key] = (x, y)
-    return out
+@dataclass(frozen=True)
+class RunIdentity:
+    """What a run directory checks a starting run against: its resolved ``config`` (plain
+    values, written to the manifest), ``differences(saved, current)`` -> ``{dotted key: (saved
+    value, current value)}`` between a saved configuration and this one, the keys that
+    ``may_differ`` when a run is resumed (any other difference is refused), and ``user_files``:
+    path -> SHA-256 of each user code file the run executes (kept with each start)."""
+
+    config: dict
+    differences: Callable[[dict, dict], dict[str, tuple[Any, Any]]]
+    may_differ: frozenset[str]
+    user_files: dict[str, str] = field(default_factory=dict)
 
 
-def claim_run_dir(cfg: Config, *, rank: int | None = None, stream: TextIO | None = None) -> RunDir:
-    """Claim ``cfg.trainer.output_dir`` for this run (see the module docstring); raises
-    ``ConfigError`` naming the key for every problem the user must fix. ``rank`` defaults to
-    torchrun's ``RANK``; notes (damaged checkpoints, changed keys) go to ``stream`` (stderr)."""
+def claim_run_dir(
+    path: str | Path,
+    identity: RunIdentity,
+    *,
+    resume: str = "auto",
+    overwrite: bool = False,
+    rank: int | None = None,
+    stream: TextIO | None = None,
+) -> RunDir:
+    """Claim the run directory ``path`` (``trainer.output_dir``) for the run of ``identity``
+    (see the module docstring); ``resume``: ``"auto"``, ``"never"`` or a checkpoint path
+    (``trainer.resume``); ``overwrite``: with ``resume="never"``, move a run found there aside.
+    Raises ``ConfigError`` naming the key for every problem the user must fix. ``rank``
+    defaults to torchrun's ``RANK``; notes (damaged checkpoints, changed keys) go to
+    ``stream`` (stderr)."""
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
-    path = Path(cfg.trainer.output_dir)
+    path = Path(path)
     if rank != 0:
         return RunDir(path)
     stream = stream or sys.stderr
     _prepare(path)
     run = RunDir(path, _lock_fd=_lock(path))
     try:
-        current = to_dict(cfg)
+        current = identity.config
         saved = _saved_config(path)
         entry: dict[str, Any] = {
             "started_at": _now(),
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "otbrl_version": otbrl.__version__,
-            "user_files": user_file_hashes(cfg),
+            "user_files": dict(identity.user_files),
         }
-        if cfg.trainer.resume == "never":
+        if resume == "never":
             if saved is not None:
-                if not cfg.trainer.overwrite:
+                if not overwrite:
                     raise ConfigError(
                         f"'trainer.resume' is never but trainer.output_dir '{path}' holds a run "
                         f"({_describe(path)}): use a new trainer.output_dir, "
@@ -147,7 +149,7 @@ def claim_run_dir(cfg: Config, *, rank: int | None = None, stream: TextIO | None
                 entry["previous_run_moved_to"] = str(moved)
                 saved = None
         elif saved is not None:
-            changed = _check_same_run(path, saved, current)
+            changed = _check_same_run(path, saved, current, identity)
             if changed:
                 entry["changed"] = {k: list(v) for k, v in changed.items()}
                 text = ", ".join(f"{k} {x!r} -> {y!r}" for k, (x, y) in changed.items())
@@ -158,7 +160,7 @@ def claim_run_dir(cfg: Config, *, rank: int | None = None, stream: TextIO | None
                     "SHA-256 differs; run.json keeps both)",
                     file=stream,
                 )
-        run.resume_from = _resume_from(cfg, path, entry, stream)
+        run.resume_from = _resume_from(resume, path, entry, stream)
         if run.resume_from is not None:
             entry["resumed_from"] = str(run.resume_from)
             step = checkpoint.checkpoint_step(run.resume_from)
@@ -282,10 +284,12 @@ def _describe(path: Path) -> str:
     return text + (f"; checkpoints up to {steps[-1].name}" if steps else "")
 
 
-def _check_same_run(path: Path, saved: dict, current: dict) -> dict[str, tuple]:
+def _check_same_run(
+    path: Path, saved: dict, current: dict, identity: RunIdentity
+) -> dict[str, tuple]:
     """The allowed differences; a ``ConfigError`` naming every other one."""
-    diff = config_differences(saved, current)
-    refused = {k: v for k, v in diff.items() if k not in RESUME_MAY_DIFFER}
+    diff = identity.differences(saved, current)
+    refused = {k: v for k, v in diff.items() if k not in identity.may_differ}
     if refused:
         shown = [f"{k} ({x!r} in the run, {y!r} now)" for k, (x, y) in list(refused.items())[:8]]
         more = f" and {len(refused) - 8} more" if len(refused) > 8 else ""
@@ -351,8 +355,7 @@ def _keep_later_branch(path: Path, start: Path, entry: dict, stream: TextIO) -> 
     )
 
 
-def _resume_from(cfg: Config, path: Path, entry: dict, stream: TextIO) -> Path | None:
-    resume = cfg.trainer.resume
+def _resume_from(resume: str, path: Path, entry: dict, stream: TextIO) -> Path | None:
     if resume == "never":
         return None
     if resume != "auto":
@@ -379,14 +382,6 @@ def _resume_from(cfg: Config, path: Path, entry: dict, stream: TextIO) -> Path |
         into = f"from {found}" if found else "from step 0 (no intact checkpoint left)"
         print(f"otbrl: warning: resuming {into}", file=stream)
     return found
-
-
-def user_file_hashes(cfg: Config) -> dict[str, str]:
-    """SHA-256 of each user code file the run executes (``reward.function`` and
-    ``rollout.multi_turn.tools`` given as ``file.py:fn``), by resolved path: what ran, kept
-    with the run (the config names a path, whose content may change between starts)."""
-    files = (spec_file(spec) for spec in [cfg.reward.function, *cfg.rollout.multi_turn.tools])
-    return {str(file): file_sha256(file) for file in files if file is not None and file.is_file()}
 
 
 def _edited_user_files(path: Path, hashes: dict[str, str]) -> list[str]:
