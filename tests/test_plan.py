@@ -75,17 +75,17 @@ def test_the_plan_asks_each_engine_for_what_its_sources_list():
     stats = plan.spec.batch_stats("policy", {"log_probs": 1, "entropy": 2, "sum_pi_squared": 3})
     assert stats == {"old_log_probs": 1, "entropy": 2, "sum_pi_squared": 3}
     grpo = plan_run(load_config(None, ["algorithm.adv_estimator=grpo"]))
-    assert grpo.spec.outputs("policy") == {"log_probs", "entropy"} and not grpo.spec.use_reference
+    assert grpo.spec.outputs("policy") == {"log_probs", "entropy"} and not grpo.spec.uses("reference")
     # critic.enable=true with GRPO: the critic is trained, so its values are a need
     critic = plan_run(load_config(None, ["critic.enable=true"]))
-    assert critic.spec.use_critic and critic.spec.outputs("critic") == {"values"}
+    assert critic.spec.uses("critic") and critic.spec.outputs("critic") == {"values"}
     heads = {"policy": "policy", "reference": "policy", "teacher": "policy", "critic": "value"}
     for src in SOURCES.values():  # every source names an output its engine's head can compute
         if src.engine in heads:
             assert src.output in HEAD_OUTPUTS[heads[src.engine]], src
     assert {s.engine for s in SOURCES.values()} == {"policy", "reference", "teacher", "critic",
                                                     "reward_model"}  # fmt: skip
-    assert not critic.spec.use_reward_model and critic.spec.outputs("reward_model") == frozenset()
+    assert not critic.spec.uses("reward_model") and critic.spec.outputs("reward_model") == frozenset()
 
 
 def test_eval_reads_each_data_file_once(tmp_path, monkeypatch, capsys):

@@ -89,7 +89,7 @@ def test_trained_reward_adds_the_weighted_score(rm_dir):
 def test_the_plan_checks_the_directory_before_loading(rm_dir, tiny_run, tmp_path):
     overrides = tiny_run(tmp_path / "run")
     plan = plan_run(load_config(None, [*overrides, f"reward.model.path={rm_dir}"]))
-    assert plan.spec.use_reward_model and "rm_scores" in plan.spec.needs
+    assert plan.spec.uses("reward_model") and "rm_scores" in plan.spec.needs
     assert plan.spec.outputs("reward_model") == {"scores"}
     two = tmp_path / "two_labels"
     two.mkdir()

@@ -11,6 +11,8 @@ equal to the policy gives exactly 0). Rewards are data: no gradient flows.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from torch import Tensor
 
 from otbrl.algos.loss_math import kl_in_reward
@@ -18,39 +20,36 @@ from otbrl.algos.reductions import masked_mean
 
 
 def token_level_rewards(
-    token_level_scores: Tensor,
-    response_mask: Tensor,
-    old_log_probs: Tensor | None = None,
+    batch: Mapping[str, Tensor],
     *,
-    ref_log_probs: Tensor | None = None,
-    kl_coef: float | None = None,
-    teacher_log_probs: Tensor | None = None,
-    distill_coef: float | None = None,
-    task_reward: bool = True,
+    kl_coef: float | None,
+    distill_coef: float | None,
+    task_reward: bool,
 ) -> tuple[Tensor, dict[str, float]]:
-    """The token rewards [B, L] and their metrics, from the scores [B, L] (the scalar reward on
-    each row's last trained token). ``kl_coef`` (None: off) subtracts β·KL to
-    ``ref_log_probs``; ``distill_coef`` (None: no teacher) adds c·(``teacher_log_probs`` −
-    ``old_log_probs``), and without ``task_reward`` the scores are left out (the teacher's
-    signal alone). Every log-prob is [B, L]; ``old_log_probs`` is needed by either term.
+    """The token rewards [B, L] and their metrics, from ``batch``'s ``token_level_scores`` [B, L]
+    (the scalar reward on each row's last trained token) and ``response_mask``. ``kl_coef``
+    (None: off) subtracts β·KL of ``old_log_probs`` to ``ref_log_probs``; ``distill_coef``
+    (None: no teacher) adds c·(``teacher_log_probs`` − ``old_log_probs``), and without
+    ``task_reward`` the scores are left out (the teacher's signal alone). Every log-prob is
+    [B, L], read from ``batch`` only when its term is on.
 
     Metrics: ``train/kl_in_reward`` (the mean KL) with ``kl_coef``; ``distill/reverse_kl``
     and ``distill/teacher_log_prob`` (means over trained tokens) with ``distill_coef``.
     """
     metrics: dict[str, float] = {}
-    rewards = token_level_scores
+    rewards, mask = batch["token_level_scores"], batch["response_mask"]
     if distill_coef is not None and not task_reward:
         rewards = rewards.new_zeros(rewards.shape)  # still scored: reward/* is logged
     if kl_coef is not None:
         rewards, kl = kl_in_reward(
-            rewards, old_log_probs, ref_log_probs, response_mask, coef=kl_coef
+            rewards, batch["old_log_probs"], batch["ref_log_probs"], mask, coef=kl_coef
         )
         metrics["train/kl_in_reward"] = float(kl)
     if distill_coef is not None:
+        teacher = batch["teacher_log_probs"]
         rewards, reverse_kl = kl_in_reward(
-            rewards, old_log_probs, teacher_log_probs, response_mask, coef=distill_coef
+            rewards, batch["old_log_probs"], teacher, mask, coef=distill_coef
         )
         metrics["distill/reverse_kl"] = float(reverse_kl)
-        teacher = masked_mean(teacher_log_probs, response_mask)
-        metrics["distill/teacher_log_prob"] = float(teacher)
+        metrics["distill/teacher_log_prob"] = float(masked_mean(teacher, mask))
     return rewards, metrics

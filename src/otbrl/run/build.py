@@ -311,7 +311,7 @@ def build_run(plan: Plan, world: World, path: Path) -> RunParts:
         else:
             where = path if e.path is None else resolve_model_dir(e.path)
             frozen[name] = build_engine(e, load_model(where, tokenizer, dtype=e.dtype), name, world)
-    reward_model = build_reward_model(spec, world) if spec.use_reward_model else None
+    reward_model = build_reward_model(spec, world) if spec.uses("reward_model") else None
     score = scoring(plan, reward_model, pool=True)
     return RunParts(
         tokenizer=tokenizer,

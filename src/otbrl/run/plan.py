@@ -190,7 +190,7 @@ def preflight(cfg: Config, spec: RunSpec, *, train: bool = True) -> Plan:
     check_context(cfg, max(longest, longest_val))
     check_token_budgets(cfg, max(longest, longest_val) + cfg.rollout.max_new_tokens)
     notes = [*notes, *sandbox_notes, *check_model_settings(cfg, spec.dims)]
-    if train and spec.use_teacher:  # otbrl eval of a distilled run needs no teacher
+    if train and spec.uses("teacher"):  # otbrl eval of a distilled run needs no teacher
         context = max(longest, longest_val) + cfg.rollout.max_new_tokens
         notes += check_teacher(cfg, tokenizer, context, spec.dims)
     if train and len(train_rows) < cfg.data.train_batch_size:

@@ -148,25 +148,10 @@ class RunSpec:
     trainer: TrainerConfig
     record: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
-    @property
-    def use_reference(self) -> bool:
-        """A frozen reference policy is built (a KL loss or KL reward needs its log-probs)."""
-        return "ref_log_probs" in self.needs
-
-    @property
-    def use_teacher(self) -> bool:
-        """A frozen distillation teacher is built (``algorithm.distill.teacher_path``)."""
-        return "teacher_log_probs" in self.needs
-
-    @property
-    def use_reward_model(self) -> bool:
-        """A learned reward model is loaded (``reward.model.path``)."""
-        return "rm_scores" in self.needs
-
-    @property
-    def use_critic(self) -> bool:
-        """A critic is built and trained (its values are needed)."""
-        return "values" in self.needs
+    def uses(self, engine: str) -> bool:
+        """Whether the run has ``engine`` (``policy``, ``critic``, ``reference``, ``teacher``:
+        ``engines`` holds each one the needs call for) or a ``reward_model`` (its scores)."""
+        return engine in self.engines or any(SOURCES[k].engine == engine for k in self.needs)
 
     @property
     def response_space(self) -> bool:

@@ -139,12 +139,8 @@ class Trainer:
         teacher is set: ``token_level_rewards``), then the registry's estimator."""
         spec = self.spec
         batch["token_level_rewards"], metrics = token_level_rewards(
-            batch["token_level_scores"],
-            batch["response_mask"],
-            batch["old_log_probs"],
-            ref_log_probs=batch.get("ref_log_probs"),
+            batch,
             kl_coef=spec.kl_in_reward_coef,
-            teacher_log_probs=batch.get("teacher_log_probs"),
             distill_coef=spec.distill_coef,
             task_reward=spec.distill_task_reward,
         )
