@@ -241,9 +241,10 @@ def _train_until_target(
     """The SFT loop: each step trains ``settings.batch_size`` rows of ``data`` (the
     demonstration batch, N rows: prompts [N, Lp], responses [N, Lr], ...) drawn with
     replacement (a ``seed``-ed generator); ``evaluate()`` (None: never) runs every
-    ``eval_every`` steps, at the last step, and when the mean sure accuracy of the last
-    ``trigger_window`` steps reaches the target; it stops at the first evaluation that does.
-    Returns ``run_sft``'s result without ``seconds``."""
+    ``eval_every`` steps, at the last step, and (at most every ``trigger_window`` steps) when
+    the mean sure accuracy of the last ``trigger_window`` steps reaches the target; the loop
+    stops at the first evaluation that reaches it. Returns ``run_sft``'s result without
+    ``seconds``."""
     target_accuracy = settings.target_accuracy if evaluate else None
     max_steps, eval_every, batch_size = settings.max_steps, settings.eval_every, settings.batch_size
     n = data["input_ids"].shape[0]
