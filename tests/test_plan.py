@@ -75,7 +75,8 @@ def test_the_plan_asks_each_engine_for_what_its_sources_list():
     stats = plan.spec.batch_stats("policy", {"log_probs": 1, "entropy": 2, "sum_pi_squared": 3})
     assert stats == {"old_log_probs": 1, "entropy": 2, "sum_pi_squared": 3}
     grpo = plan_run(load_config(None, ["algorithm.adv_estimator=grpo"]))
-    assert grpo.spec.outputs("policy") == {"log_probs", "entropy"} and not grpo.spec.uses("reference")
+    assert grpo.spec.outputs("policy") == {"log_probs", "entropy"}
+    assert not grpo.spec.uses("reference")
     # critic.enable=true with GRPO: the critic is trained, so its values are a need
     critic = plan_run(load_config(None, ["critic.enable=true"]))
     assert critic.spec.uses("critic") and critic.spec.outputs("critic") == {"values"}
@@ -85,7 +86,8 @@ def test_the_plan_asks_each_engine_for_what_its_sources_list():
             assert src.output in HEAD_OUTPUTS[heads[src.engine]], src
     assert {s.engine for s in SOURCES.values()} == {"policy", "reference", "teacher", "critic",
                                                     "reward_model"}  # fmt: skip
-    assert not critic.spec.uses("reward_model") and critic.spec.outputs("reward_model") == frozenset()
+    assert not critic.spec.uses("reward_model")
+    assert critic.spec.outputs("reward_model") == frozenset()
 
 
 def test_eval_reads_each_data_file_once(tmp_path, monkeypatch, capsys):

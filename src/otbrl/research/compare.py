@@ -11,18 +11,11 @@ consumed until the validation accuracy first reaches the target, final validatio
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
-from otbrl.children import die_with_parent
 from otbrl.research.compare_report import (
     markdown_table,
     plot_compare,
@@ -30,6 +23,7 @@ from otbrl.research.compare_report import (
     summarize,
     tokens_ratio,
 )
+from otbrl.research.compare_runs import ArmRun, train_runs
 
 ARMS = "optimal_token_baseline:4,grpo:4,grpo:16,optimal_token_baseline:16"
 # the default preset (docs/when-does-otb-help.md): 800 steps at n = 4, 200 at n = 16
@@ -93,19 +87,6 @@ def arm_steps(budget_responses: int, prompts: int, n: int) -> int:
     return max(1, budget_responses // (prompts * n))
 
 
-@dataclass
-class _Run:
-    """One arm × seed training run of the comparison."""
-
-    label: str
-    seed: int
-    steps: int
-    responses_per_step: int
-    run_dir: Path
-    cfg: object  # the validated otbrl.config.Config
-    overrides: list[str]  # what turns the base config into this run
-
-
 def _run_overrides(name, n, seed, *, start_path, prompts, updates_per_step, steps, run_dir):
     """The overrides that turn the base config into one arm × seed run."""
     return [
@@ -123,61 +104,6 @@ def _run_overrides(name, n, seed, *, start_path, prompts, updates_per_step, step
         # config is refused by the run directory's manifest check
         "trainer.resume=auto",
     ]
-
-
-def _finished(run: _Run) -> bool:
-    """True when ``run`` already finished with exactly the planned configuration; a finished
-    run whose saved ``config.yaml`` differs is a ``ValueError`` naming the first difference
-    (reusing it would mix settings in one table)."""
-    import yaml
-
-    from otbrl.config import to_dict, upgrade_saved
-    from otbrl.config.resume import flat_config
-
-    if not (run.run_dir / "summary.json").is_file():
-        return False
-    saved = flat_config(upgrade_saved(yaml.safe_load((run.run_dir / "config.yaml").read_text())))
-    planned = flat_config(to_dict(run.cfg))
-    for key in sorted(set(saved) | set(planned)):
-        if saved.get(key) != planned.get(key):
-            raise ValueError(
-                f"{run.run_dir} finished with {key}={saved.get(key)!r}, but this comparison "
-                f"sets {planned.get(key)!r}: delete that run or use another --out-dir"
-            )
-    return True
-
-
-def _train_subprocess(cfg, run_dir: Path, threads: int, children: set) -> str | None:
-    """``otbrl train`` of the resolved ``cfg`` (every key in a YAML file beside the run) in a
-    child process with ``threads`` torch threads; output to ``run_dir/train.log``; the child's
-    ``Popen`` is in ``children`` while it runs (an interrupted comparison stops them). Returns
-    None on success, else a one-line reason."""
-    import yaml
-
-    from otbrl.config import to_dict
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    planned = run_dir.parent / f"{run_dir.name}.planned.yaml"
-    planned.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    command = [sys.executable, "-m", "otbrl", "train", "--config", str(planned)]
-    with open(run_dir / "train.log", "w") as log:
-        # SIGTERM when compare dies: the run stops cleanly and resumes on the next compare
-        child = subprocess.Popen(
-            command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            preexec_fn=die_with_parent(signal.SIGTERM),
-        )
-        children.add(child)
-        try:
-            code = child.wait()
-        finally:
-            children.discard(child)
-    if code == 0 and (run_dir / "summary.json").is_file():
-        return None
-    return f"exit code {code}; see {run_dir / 'train.log'}"
 
 
 def run_compare(
@@ -212,9 +138,6 @@ def run_compare(
     from otbrl.config import load_config, to_dict
     from otbrl.run.build import model_path
     from otbrl.run.plan import plan_run
-    from otbrl.run.trainer import Trainer
-    from otbrl.store.files import atomic_write_text
-    from otbrl.store.plain import json_safe
 
     arm_list = parse_arms(arms)
     check_settings(seeds, budget_responses, prompts, updates_per_step, jobs)
@@ -228,6 +151,49 @@ def run_compare(
     # one warm start shared by every arm and seed: seeds vary the RL sampling, not the start
     start_path = model_path(base_plan.spec.model)
     start = time.perf_counter()
+    plan = _plan_runs(
+        arm_list,
+        seeds,
+        base=base,
+        out=out,
+        start_path=start_path,
+        budget_responses=budget_responses,
+        prompts=prompts,
+        updates_per_step=updates_per_step,
+    )
+    train_runs(plan, jobs, echo)
+    measured = _measure(plan, target, base_label)
+    summary, ratios = measured["summary"], measured["tokens_ratio"]
+    table = markdown_table(summary, target, ratios, base_label, measured["tokens_ratio_stay"])
+    seconds = time.perf_counter() - start
+    result = {
+        "arms": arms,
+        "seeds": seeds,
+        "budget_responses": budget_responses,
+        "prompts_per_step": prompts,
+        "updates_per_step": updates_per_step,
+        "target": target,
+        "model": str(start_path),
+        "overrides": overrides,
+        "jobs": jobs,
+        "seconds": seconds,
+        **measured,
+    }
+    _write_outputs(out, result, table, measured["curves"], target)
+    echo(table)
+    echo(f"wrote {out}/summary.json, compare.md, compare.png; {seconds:.0f} s")
+    return result
+
+
+def _plan_runs(
+    arm_list, seeds, *, base, out, start_path, budget_responses, prompts, updates_per_step
+) -> list[ArmRun]:
+    """One ``ArmRun`` per arm × seed (``out/<estimator>-n<n>/seed<s>``), its config loaded on
+    ``base`` (the base run's resolved settings) and planned: a wrong arm config fails here,
+    before anything trains."""
+    from otbrl.config import load_config
+    from otbrl.run.plan import plan_run
+
     plan = []
     for name, n in arm_list:
         steps = arm_steps(budget_responses, prompts, n)
@@ -246,86 +212,40 @@ def run_compare(
             # fail before training anything if one arm's config is wrong
             cfg = load_config(None, run, base=base)
             plan_run(cfg)
-            plan.append(_Run(arm_label(name, n), seed, steps, prompts * n, run_dir, cfg, run))
-    todo = [run for run in plan if not _finished(run)]
-    done = 0
+            plan.append(ArmRun(arm_label(name, n), seed, steps, prompts * n, run_dir, cfg, run))
+    return plan
 
-    def report(item, seconds):
-        nonlocal done
-        done += 1
-        echo(
-            f"[{done}/{len(todo)}] {item.label} seed {item.seed}: {item.steps} steps, "
-            f"{seconds:.0f} s"
-        )
 
-    failures = []
-    if jobs == 1:
-        for item in todo:
-            t0 = time.perf_counter()
-            Trainer(item.cfg).fit()
-            report(item, time.perf_counter() - t0)
-    else:
-        threads = max(1, (os.cpu_count() or 1) // jobs)
-        children: set = set()
-        stopping = False
-
-        def train(item):
-            if stopping:  # interrupted: the runs not started stay unstarted
-                return item, "not started", 0.0
-            t0 = time.perf_counter()
-            error = _train_subprocess(item.cfg, item.run_dir, threads, children)
-            return item, error, time.perf_counter() - t0
-
-        with ThreadPoolExecutor(jobs) as pool:
-            try:
-                for item, error, seconds in pool.map(train, todo):
-                    if error:
-                        failures.append(f"{item.label} seed {item.seed}: {error}")
-                    report(item, seconds)
-            except BaseException:
-                # Ctrl-C / SIGTERM reach this (main) thread: pass them on to the runs, which
-                # stop at their newest checkpoint, and wait for them before leaving
-                stopping = True
-                for child in list(children):
-                    with contextlib.suppress(ProcessLookupError):
-                        child.send_signal(signal.SIGTERM)
-                raise
-    if failures:
-        raise RuntimeError("otbrl compare: runs failed:\n" + "\n".join(failures))
+def _measure(plan: list[ArmRun], target: float, base_label: str | None) -> dict:
+    """What the runs measured, read from their ``metrics.jsonl``: ``summary`` (per arm, over
+    seeds), ``base``, ``tokens_ratio`` and ``tokens_ratio_stay`` (to target, and to stay
+    there, relative to the base arm; None without one) and ``curves`` (per arm, one per seed)."""
     curves: dict[str, list[dict]] = {}
     for run in plan:
         curves.setdefault(run.label, []).append(run_curves(run.run_dir, run.responses_per_step))
-    summary = summarize(curves, target)
-    ratios = tokens_ratio(curves, base_label, target) if base_label else None
-    stay_ratios = tokens_ratio(curves, base_label, target, stay=True) if base_label else None
-    table = markdown_table(summary, target, ratios, base_label, stay_ratios)
-    seconds = time.perf_counter() - start
-    result = {
-        "arms": arms,
-        "seeds": seeds,
-        "budget_responses": budget_responses,
-        "prompts_per_step": prompts,
-        "updates_per_step": updates_per_step,
-        "target": target,
-        "model": str(start_path),
-        "overrides": overrides,
-        "jobs": jobs,
-        "seconds": seconds,
-        "summary": summary,
+    return {
+        "summary": summarize(curves, target),
         "base": base_label,
-        "tokens_ratio": ratios,
-        "tokens_ratio_stay": stay_ratios,
+        "tokens_ratio": tokens_ratio(curves, base_label, target) if base_label else None,
+        "tokens_ratio_stay": (
+            tokens_ratio(curves, base_label, target, stay=True) if base_label else None
+        ),
         "curves": curves,
     }
+
+
+def _write_outputs(out: Path, result: dict, table: str, curves: dict, target: float) -> None:
+    """``summary.json`` (``result``) and ``compare.md`` (``table``), written atomically, and
+    ``compare.png`` (the curves overlaid) into ``out``."""
+    from otbrl.store.files import atomic_write_text
+    from otbrl.store.plain import json_safe
+
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(
         out / "summary.json", json.dumps(json_safe(result), indent=2, default=str) + "\n"
     )
     atomic_write_text(out / "compare.md", table + "\n")
     plot_compare(curves, target, out / "compare.png")
-    echo(table)
-    echo(f"wrote {out}/summary.json, compare.md, compare.png; {seconds:.0f} s")
-    return result
 
 
 def check_settings(seeds, budget_responses, prompts, updates_per_step, jobs) -> None:

@@ -251,22 +251,8 @@ def variance_summary(
     intervals are NaN. ``num_bootstrap=0`` gives point estimates only (no
     Gram matrix needed) and omits the intervals.
     """
+    _check_summary_args(moments, names, base, num_bootstrap, confidence)
     num_est, k = moments.norm_sq.shape
-    if list(names) != [str(n) for n in names] or len(names) != num_est:
-        raise ValueError(f"names: expected {num_est} estimator names (strings), got {names!r}")
-    if len(set(names)) != len(names):
-        raise ValueError(f"names: expected distinct names, got {names!r}")
-    if base is not None and base not in names:
-        raise ValueError(f"base: expected one of {list(names)}, got {base!r}")
-    if k < 2:
-        raise ValueError(f"moments: expected >= 2 repeats, got {k}")
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence: expected a value in (0, 1), got {confidence!r}")
-    if num_bootstrap < 0 or (num_bootstrap > 0 and moments.gram is None):
-        raise ValueError(
-            f"num_bootstrap: expected 0 without a Gram matrix or >= 0 with one, got {num_bootstrap}"
-        )
-
     point = _statistics(moments, None)
     stats = list(point)
     b = None if base is None else names.index(base)
@@ -286,11 +272,7 @@ def variance_summary(
     point_rows = flatten(point)[:, 0].tolist()
     ci_rows = None
     if num_bootstrap > 0:
-        gen = torch.Generator().manual_seed(seed)
-        idx = torch.randint(k, (num_bootstrap, k), generator=gen)
-        weights = torch.zeros(num_bootstrap, k, dtype=torch.float64)
-        weights.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.float64))
-        boot = flatten(_statistics(moments, weights))
+        boot = flatten(_statistics(moments, _bootstrap_weights(k, num_bootstrap, seed)))
         jack = flatten(_statistics(moments, 1 - torch.eye(k, dtype=torch.float64)))
         ci_rows = bca_intervals(flatten(point)[:, 0], boot, jack, confidence).tolist()
 
@@ -309,3 +291,33 @@ def variance_summary(
             if ci_rows is not None:
                 out[key][name][ci_key] = ci_rows[i]
     return out
+
+
+def _check_summary_args(moments, names, base, num_bootstrap, confidence) -> None:
+    """``variance_summary``'s arguments against the moments' E estimators and K repeats
+    (``ValueError`` naming the argument)."""
+    num_est, k = moments.norm_sq.shape
+    if list(names) != [str(n) for n in names] or len(names) != num_est:
+        raise ValueError(f"names: expected {num_est} estimator names (strings), got {names!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"names: expected distinct names, got {names!r}")
+    if base is not None and base not in names:
+        raise ValueError(f"base: expected one of {list(names)}, got {base!r}")
+    if k < 2:
+        raise ValueError(f"moments: expected >= 2 repeats, got {k}")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence: expected a value in (0, 1), got {confidence!r}")
+    if num_bootstrap < 0 or (num_bootstrap > 0 and moments.gram is None):
+        raise ValueError(
+            f"num_bootstrap: expected 0 without a Gram matrix or >= 0 with one, got {num_bootstrap}"
+        )
+
+
+def _bootstrap_weights(k: int, num_bootstrap: int, seed: int) -> Tensor:
+    """[num_bootstrap, K] float64 repeat weights: how often each of the K repeats is drawn in
+    each resample (K draws with replacement, a ``seed``-ed generator; a row sums to K)."""
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(k, (num_bootstrap, k), generator=gen)
+    weights = torch.zeros(num_bootstrap, k, dtype=torch.float64)
+    weights.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.float64))
+    return weights

@@ -274,7 +274,6 @@ def check_variance_args(
 
 
 def run_variance(
-    cfg,
     plan,
     *,
     estimators: str = DEFAULT_ESTIMATORS,
@@ -292,57 +291,26 @@ def run_variance(
 ) -> dict:
     """``otbrl variance``: measure, print the table, write ``out`` (JSON) and a PNG beside it.
 
-    ``cfg``: a validated ``Config`` (model, loss aggregation) and ``plan`` its ``Plan``
-    (``otbrl.run.plan.plan_run``: the trainer's sampling parameters and estimator options, its
+    ``plan``: the run's ``Plan`` (``otbrl.run.plan.plan_run``: the trainer's decisions in
+    ``plan.spec`` — its model, sampling parameters, estimator options and loss —, its
     tokenizer, data rows, tools and reward), so the probe samples and scores as the trainer
     would. Returns the result dict written to ``out``.
     """
-    from pathlib import Path
-
     specs = check_variance_args(estimators, ns, repeats, prompts, reference_samples, base)
-    spec = plan.spec  # the trainer's decisions: how it samples, its estimator options
     labels = [s.label for s in specs]
     start = time.perf_counter()
     seed_everything(seed)
-    path = model_path(spec.model)
-    tokenizer, train_rows, tools = plan.tokenizer, plan.train_rows, plan.tools
-    model = load_policy(spec, path, tokenizer)
-    if len(train_rows) < prompts:
-        raise ValueError(f"prompts: expected <= {len(train_rows)} (the data size), got {prompts}")
-    order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(seed))
-    rows = [train_rows[i] for i in order[:prompts].tolist()]
-    # the trainer's sampler: the agent loop over the HF backend when tools are configured
-    backend = HFRollout(model, tokenizer)
-    sampler = build_sampler(
-        spec, tools, backend, tokenizer, eos_token_ids(model, tokenizer), str(path)
-    )
-    probe = GradientProbe(
-        model,
-        tokenizer,
-        params=spec.sampling,
-        options=dict(spec.estimator_options),
-        loss_fn=policy_loss(spec, regularizers=False),
-        scoring=scoring(plan),  # the trainer's (no pool: one process)
-        method=method,
-        sampler=sampler,
-    )
+    path = model_path(plan.spec.model)
+    model = load_policy(plan.spec, path, plan.tokenizer)
+    rows = _probe_rows(plan.train_rows, prompts, seed)
+    probe = _probe(plan, model, path, method)
     sketch = choose_sketch_dim(len(specs), repeats, probe.num_params, sketch_dim)
     echo(
         f"otbrl variance: {path}, {probe.num_params} parameters, {prompts} prompts, "
         f"K={repeats}, n={ns}, estimators={labels}, Gram "
         f"{'exact' if sketch is None else f'CountSketch D={sketch}'}"
     )
-    ref_start = time.perf_counter()
-    chunk = min(reference_samples, 64)
-    reference = probe.reference(rows, reference_samples, chunk, seed=seed + 99_991)
-    if not torch.isfinite(reference).all() or reference.norm() == 0:
-        raise ValueError(
-            "reference: the RLOO reference gradient is zero or not finite (every sampled group "
-            "had equal rewards?); use a stronger policy, more --reference-samples or a reward "
-            "that varies"
-        )
-    ref_seconds = time.perf_counter() - ref_start
-    echo(f"reference: RLOO, {reference_samples} samples/prompt, {ref_seconds:.0f} s")
+    reference = _reference_gradient(probe, rows, reference_samples, seed, echo)
     results = {}
     for n in ns:
         results[str(n)] = measure(
@@ -372,6 +340,63 @@ def run_variance(
         "seconds": time.perf_counter() - start,
     }
     echo(format_table(result))
+    _write_outputs(result, out, echo)
+    return result
+
+
+def _probe_rows(train_rows: list[dict], prompts: int, seed: int) -> list[dict]:
+    """``prompts`` training rows drawn without replacement (a ``seed``-ed permutation)."""
+    if len(train_rows) < prompts:
+        raise ValueError(f"prompts: expected <= {len(train_rows)} (the data size), got {prompts}")
+    order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(seed))
+    return [train_rows[i] for i in order[:prompts].tolist()]
+
+
+def _probe(plan, model, path, method: str) -> GradientProbe:
+    """The gradient probe of ``model``, sampling, scoring and building the loss as the trainer
+    would: its sampling parameters and estimator options (``plan.spec``), its sampler, its
+    policy loss without regularizers, its reward scoring."""
+    spec, tokenizer = plan.spec, plan.tokenizer
+    # the trainer's sampler: the agent loop over the HF backend when tools are configured
+    backend = HFRollout(model, tokenizer)
+    sampler = build_sampler(
+        spec, plan.tools, backend, tokenizer, eos_token_ids(model, tokenizer), str(path)
+    )
+    return GradientProbe(
+        model,
+        tokenizer,
+        params=spec.sampling,
+        options=dict(spec.estimator_options),
+        loss_fn=policy_loss(spec, regularizers=False),
+        scoring=scoring(plan),  # the trainer's (no pool: one process)
+        method=method,
+        sampler=sampler,
+    )
+
+
+def _reference_gradient(probe, rows, reference_samples: int, seed: int, echo) -> torch.Tensor:
+    """The RLOO reference gradient [P] float64 (P: the probe's parameters) from
+    ``reference_samples`` samples per row (sampled 64 at a time at most); ``ValueError`` when
+    it is zero or not finite (the variances would be measured around nothing)."""
+    ref_start = time.perf_counter()
+    chunk = min(reference_samples, 64)
+    reference = probe.reference(rows, reference_samples, chunk, seed=seed + 99_991)
+    if not torch.isfinite(reference).all() or reference.norm() == 0:
+        raise ValueError(
+            "reference: the RLOO reference gradient is zero or not finite (every sampled group "
+            "had equal rewards?); use a stronger policy, more --reference-samples or a reward "
+            "that varies"
+        )
+    ref_seconds = time.perf_counter() - ref_start
+    echo(f"reference: RLOO, {reference_samples} samples/prompt, {ref_seconds:.0f} s")
+    return reference
+
+
+def _write_outputs(result: dict, out: str, echo) -> None:
+    """``result`` as JSON to ``out``, its markdown tables (``.md``) and plot (``.png``)
+    beside it."""
+    from pathlib import Path
+
     out_path = Path(out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_path, json.dumps(json_safe(result), indent=2) + "\n")
@@ -382,4 +407,3 @@ def run_variance(
         f"wrote {out_path}, {png} and the markdown tables {out_path.with_suffix('.md')}; "
         f"total {result['seconds']:.0f} s"
     )
-    return result

@@ -141,14 +141,7 @@ def score_each(
         "any of these": the sample gets the best score over its items (and that item's
         entries); a batched function gets the ground truths as they are.
     """
-    if on_error not in ON_ERROR:
-        raise ValueError(f"on_error: expected one of {list(ON_ERROR)}, got {on_error!r}")
-    if timeout_s is not None and not (isinstance(timeout_s, int | float) and timeout_s >= 0):
-        raise ValueError(f"timeout_s: expected None or seconds >= 0, got {timeout_s!r}")
-    if len(responses) != len(rows):
-        raise ValueError(
-            f"rows: expected {len(responses)} rows (one per response), got {len(rows)}"
-        )
+    _check_score_args(responses, rows, on_error, timeout_s)
     if isinstance(function, str):
         function = resolve_reward_function(function)
     if batched:
@@ -164,6 +157,24 @@ def score_each(
         ]
     else:
         functions = [function] * len(rows)
+    return _score_one_by_one(functions, responses, rows, on_error, timeout_s, offset)
+
+
+def _check_score_args(responses, rows, on_error, timeout_s) -> None:
+    """``score_each``'s arguments (``ValueError`` naming the argument)."""
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_error: expected one of {list(ON_ERROR)}, got {on_error!r}")
+    if timeout_s is not None and not (isinstance(timeout_s, int | float) and timeout_s >= 0):
+        raise ValueError(f"timeout_s: expected None or seconds >= 0, got {timeout_s!r}")
+    if len(responses) != len(rows):
+        raise ValueError(
+            f"rows: expected {len(responses)} rows (one per response), got {len(rows)}"
+        )
+
+
+def _score_one_by_one(functions, responses, rows, on_error, timeout_s, offset) -> Outcome:
+    """One call per sample (``functions[i]`` scores sample i), each under the deadline; a
+    failure is that sample's alone (``on_error``)."""
     scores: list[float] = []
     entries: list[dict[str, float]] = []
     errors = timeouts = 0

@@ -82,32 +82,11 @@ def completions_to_batch(
             f"{describe(completions)}"
         )
     check_int("pad_id", pad_id, 0)
-    flat: list[Completion] = []
-    counts = []
-    for i, group in enumerate(completions):
-        if not isinstance(group, Sequence) or not group:
-            raise ValueError(f"completions[{i}]: expected a non-empty list of Completion")
-        for j, c in enumerate(group):
-            _check_completion(c, f"completions[{i}][{j}]")
-        flat.extend(group)
-        counts.append(len(group))
+    flat, counts = _flat_completions(completions)
     device = prompt_ids.device
-    lengths = [len(c.token_ids) for c in flat]
-    width = max(lengths)
-    # Built on the host in one go (a per-row device copy costs a launch each on a GPU).
-    responses = torch.full((len(flat), width), pad_id, dtype=torch.long)
-    logprobs = torch.zeros((len(flat), width), dtype=torch.float32)
-    for r, c in enumerate(flat):
-        responses[r, : lengths[r]] = torch.tensor(c.token_ids, dtype=torch.long)
-        logprobs[r, : lengths[r]] = torch.tensor(c.logprobs, dtype=torch.float32)
-    response_mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).float()
-    attention = response_mask
+    responses, logprobs, lengths = _right_padded(flat, pad_id)
     multi_turn = any(getattr(c, "mask", None) is not None for c in flat)
-    if multi_turn:
-        attention = response_mask.clone()
-        for r, c in enumerate(flat):
-            if getattr(c, "mask", None) is not None:
-                response_mask[r, : lengths[r]] = torch.tensor(c.mask, dtype=torch.float32)
+    response_mask, attention = _response_masks(flat, lengths, multi_turn)
     truncated = torch.tensor([c.finish_reason == "length" for c in flat], dtype=torch.bool)
     repeats = torch.tensor(counts, device=device)
     prompts = prompt_ids.repeat_interleave(repeats, dim=0)
@@ -125,20 +104,78 @@ def completions_to_batch(
         "uid": torch.arange(len(counts), device=device).repeat_interleave(repeats),
         "truncated": truncated.to(device),
     }
-    if flat and all(c.token_versions is not None for c in flat):
-        versions = torch.zeros((len(flat), width), dtype=torch.int64)
-        for r, c in enumerate(flat):
-            versions[r, : lengths[r]] = torch.tensor(c.token_versions, dtype=torch.int64)
-            versions[r, lengths[r] :] = max(c.token_versions)
-        batch["policy_version"] = versions.to(device)
-    elif flat and all(c.version is not None for c in flat):
-        versions = [int(c.version) for c in flat]
-        batch["policy_version"] = torch.tensor(versions, dtype=torch.int64, device=device)
+    versions = _policy_versions(flat, lengths, device)
+    if versions is not None:
+        batch["policy_version"] = versions
     if multi_turn:
         for key, default in (("num_turns", 1), ("tool_calls", 0), ("tool_errors", 0)):
             values = [int(getattr(c, key, default)) for c in flat]
             batch[key] = torch.tensor(values, dtype=torch.int64, device=device)
     return batch
+
+
+def _flat_completions(
+    completions: Sequence[Sequence[Completion]],
+) -> tuple[list[Completion], list[int]]:
+    """Every prompt's completions checked and laid end to end (B of them), with each prompt's
+    count (its group size)."""
+    flat: list[Completion] = []
+    counts = []
+    for i, group in enumerate(completions):
+        if not isinstance(group, Sequence) or not group:
+            raise ValueError(f"completions[{i}]: expected a non-empty list of Completion")
+        for j, c in enumerate(group):
+            _check_completion(c, f"completions[{i}][{j}]")
+        flat.extend(group)
+        counts.append(len(group))
+    return flat, counts
+
+
+def _right_padded(flat: list[Completion], pad_id: int) -> tuple[Tensor, Tensor, list[int]]:
+    """``(responses [B, Lr] long, logprobs [B, Lr] float32, lengths)`` on the host: each
+    completion's tokens and log-probs from column 0, then ``pad_id`` / 0; Lr = the longest."""
+    lengths = [len(c.token_ids) for c in flat]
+    width = max(lengths)
+    # Built on the host in one go (a per-row device copy costs a launch each on a GPU).
+    responses = torch.full((len(flat), width), pad_id, dtype=torch.long)
+    logprobs = torch.zeros((len(flat), width), dtype=torch.float32)
+    for r, c in enumerate(flat):
+        responses[r, : lengths[r]] = torch.tensor(c.token_ids, dtype=torch.long)
+        logprobs[r, : lengths[r]] = torch.tensor(c.logprobs, dtype=torch.float32)
+    return responses, logprobs, lengths
+
+
+def _response_masks(
+    flat: list[Completion], lengths: list[int], multi_turn: bool
+) -> tuple[Tensor, Tensor]:
+    """``(response_mask, attention)``, both [B, Lr] float32 on the host: 1 on every completion
+    token, 0 on padding. A multi-turn row's response mask is its own ``mask`` (0 on observation
+    tokens) while its attention stays 1 there; otherwise both are the same tensor."""
+    width = max(lengths)
+    response_mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).float()
+    attention = response_mask
+    if multi_turn:
+        attention = response_mask.clone()
+        for r, c in enumerate(flat):
+            if getattr(c, "mask", None) is not None:
+                response_mask[r, : lengths[r]] = torch.tensor(c.mask, dtype=torch.float32)
+    return response_mask, attention
+
+
+def _policy_versions(flat: list[Completion], lengths: list[int], device) -> Tensor | None:
+    """The weights version that sampled each row, int64 on ``device``: [B, Lr] when every
+    completion carries ``token_versions`` (padding holds the row's newest), [B] when every one
+    carries a ``version``, else None."""
+    if flat and all(c.token_versions is not None for c in flat):
+        versions = torch.zeros((len(flat), max(lengths)), dtype=torch.int64)
+        for r, c in enumerate(flat):
+            versions[r, : lengths[r]] = torch.tensor(c.token_versions, dtype=torch.int64)
+            versions[r, lengths[r] :] = max(c.token_versions)
+        return versions.to(device)
+    if flat and all(c.version is not None for c in flat):
+        versions = [int(c.version) for c in flat]
+        return torch.tensor(versions, dtype=torch.int64, device=device)
+    return None
 
 
 def _check_completion(c: Completion, where: str) -> None:

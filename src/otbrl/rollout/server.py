@@ -51,8 +51,12 @@ from torch import Tensor
 from otbrl.rollout.config import ServerConfig, VLLMConfig
 from otbrl.rollout.partial import InFlight, InFlightRequests, new_request_id
 from otbrl.rollout.protocol import Completion, SamplingParams, check_generate_args, make_completion
-from otbrl.rollout.server_auth import TOKEN_ENV
-from otbrl.rollout.server_client import ServerError, check_server_url
+from otbrl.rollout.server_client import (
+    ServerError,
+    check_server_url,
+    user_server_token,
+    warn_open_servers,
+)
 from otbrl.rollout.server_process import WORKER_EXTENSION, Server, free_port, start_servers
 from otbrl.rollout.vllm_common import (
     check_cpu_head_dim,
@@ -63,7 +67,12 @@ from otbrl.rollout.vllm_common import (
     request_seeds,
     sampling_fields,
 )
-from otbrl.rollout.weight_buckets import WeightServer, scratch_dir, write_buckets
+from otbrl.rollout.weight_buckets import (
+    WeightServer,
+    scratch_dir,
+    weight_transport,
+    write_buckets,
+)
 from otbrl.settings import check_settings
 
 # what callers (plan, cli, tests) import from here; the helpers live in the modules above
@@ -79,35 +88,6 @@ __all__ = [
 ]
 
 SERVED_NAME = ServerConfig().served_model_name
-
-
-def user_server_token() -> str | None:
-    """The secret a user's servers (``rollout.server.urls``) were started with: from the
-    environment (``OTBRL_SERVER_TOKEN``), never the config, which the run directory keeps."""
-    return os.environ.get(TOKEN_ENV) or None
-
-
-def warn_open_servers(urls: Sequence[str]) -> None:
-    """Say that user-started servers without a secret take commands from anyone: their dev
-    routes load weights and write files for whoever reaches the port."""
-    print(
-        f"otbrl: warning: rollout.server.urls {list(urls)} are used without a secret "
-        f"({TOKEN_ENV} is not set): anyone who reaches them can load other weights into the "
-        "policy's server or pause it. Start each with --middleware "
-        f"otbrl.rollout.server_auth.require_token and {TOKEN_ENV}=<secret> in its environment "
-        "and the trainer's (docs/rollout.md, Launch recipes).",
-        file=sys.stderr,
-        flush=True,
-    )
-
-
-def weight_transport(settings: ServerConfig) -> str:
-    """``rollout.server.weight_transport`` resolved: ``auto`` is ``http`` for servers the user
-    started (``urls``: maybe on other hosts, which cannot see the trainer's ``/dev/shm``) when
-    no shared ``weights_dir`` is given, else ``file``."""
-    if settings.weight_transport != "auto":
-        return settings.weight_transport
-    return "http" if settings.urls and settings.weights_dir is None else "file"
 
 
 class ServerRollout:

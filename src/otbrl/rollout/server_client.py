@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import secrets
 import socket
+import sys
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from otbrl.rollout.server_auth import IDENTITY_PATH, bearer, proof
+from otbrl.rollout.server_auth import IDENTITY_PATH, TOKEN_ENV, bearer, proof
 
 
 class ServerError(RuntimeError):
@@ -142,3 +144,23 @@ def check_server_url(
             check_identity(url, token, timeout_s=timeout_s)
         except ServerError as err:
             raise ServerError(f"'{key}': {err}") from None
+
+
+def user_server_token() -> str | None:
+    """The secret a user's servers (``rollout.server.urls``) were started with: from the
+    environment (``OTBRL_SERVER_TOKEN``), never the config, which the run directory keeps."""
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def warn_open_servers(urls: Sequence[str]) -> None:
+    """Say that user-started servers without a secret take commands from anyone: their dev
+    routes load weights and write files for whoever reaches the port."""
+    print(
+        f"otbrl: warning: rollout.server.urls {list(urls)} are used without a secret "
+        f"({TOKEN_ENV} is not set): anyone who reaches them can load other weights into the "
+        "policy's server or pause it. Start each with --middleware "
+        f"otbrl.rollout.server_auth.require_token and {TOKEN_ENV}=<secret> in its environment "
+        "and the trainer's (docs/rollout.md, Launch recipes).",
+        file=sys.stderr,
+        flush=True,
+    )

@@ -108,13 +108,7 @@ class VLLMRollout:
         if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
             raise ValueError(f"max_model_len: expected an int ≥ 2 or None, got {max_model_len!r}")
         check_vllm_installed()
-        if any(engine.llm is not None for engine in _LIVE_ENGINES):
-            # vLLM keeps its parallel groups in process globals: closing one of two engines
-            # breaks the other ("pipeline model parallel group is not initialized").
-            raise RuntimeError(
-                "VLLMRollout: another engine is alive in this process; close() it first "
-                "(one in-process engine per process / data-parallel rank)"
-            )
+        _refuse_a_second_engine()
         # The engine must live in this process (weights are synced by reference), and its start-up
         # warnings would drown the trainer's console (see quiet_vllm).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -128,52 +122,16 @@ class VLLMRollout:
             raise ValueError(
                 "rollout.vllm.enable_sleep_mode: vLLM's CPU backend has no sleep mode (GPU only)"
             )
-        kwargs = dict(
-            model=str(model_dir),
-            skip_tokenizer_init=True,
-            dtype=settings.dtype,
-            enforce_eager=settings.enforce_eager,
+        kwargs = _engine_kwargs(
+            model_dir,
+            settings,
             seed=seed,
             max_model_len=max_model_len,
-            enable_sleep_mode=settings.enable_sleep_mode,
-            logprobs_mode="processed_logprobs",
-            use_tqdm_on_load=False,  # a bar per start for one safetensors file
+            lora=lora,
+            on_cpu=self.on_cpu,
         )
-        if self.on_cpu:
-            kwargs["kv_cache_memory_bytes"] = int(settings.kv_cache_gib * 2**30)
-            # Every request carries its own seeded generator. With chunked prefill, a request
-            # whose prompt is only partly prefilled in a step samples a token that vLLM then
-            # discards and "rewinds" with Generator.set_offset, which CPU generators lack
-            # ("CPU Generator does not use offset": every batch with more prompt tokens than
-            # one step's budget crashed, e.g. 32 x 8 samples of 200-token prompts). Whole
-            # prefills only: nothing is sampled and discarded, so nothing needs rewinding, and
-            # each seeded stream stays independent of how the batch was split into steps.
-            kwargs["enable_chunked_prefill"] = False
-            kwargs["max_num_batched_tokens"] = max(
-                CPU_STEP_TOKENS, max_model_len or model_context(model_dir)
-            )
-        else:
-            kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
-        if lora is not None:
-            # vLLM allocates adapter slots of one of its supported ranks, at least the adapter's
-            ranks = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-            rank = int(lora["r"])
-            kwargs.update(
-                enable_lora=True,
-                max_loras=1,
-                max_lora_rank=next((r for r in ranks if r >= rank), rank),
-            )
         kwargs.update(engine_kwargs)
-        set_num_threads = torch.set_num_threads
-        # Under torchrun the trainer's process group exists already: vLLM then builds its own
-        # (size-1) groups on top of it, a collective, so every rank builds its engine at the same
-        # point of the program. Remember who owns the default group for close().
-        caller_owns_dist = torch.distributed.is_available() and torch.distributed.is_initialized()
-        with _saved_rng_state(), _quiet(_STARTUP_NOISE):
-            try:
-                self.llm = vllm.LLM(**kwargs)
-            finally:
-                torch.set_num_threads = set_num_threads
+        self.llm, caller_owns_dist = _start_engine(vllm, kwargs)
         # Runs on close(), when this object is collected, or at exit — before vLLM's own
         # finalizer (finalizers run newest first), which it detaches.
         self._finalizer = weakref.finalize(self, _shutdown, self.llm, caller_owns_dist)
@@ -321,6 +279,78 @@ class VLLMRollout:
             raise RuntimeError(f"{what}: the vLLM engine was closed")
         if self._asleep:
             raise RuntimeError(f"{what}: the vLLM engine is asleep; call wake_up() first")
+
+
+def _refuse_a_second_engine() -> None:
+    """``RuntimeError`` when another ``VLLMRollout`` of this process is still open."""
+    if any(engine.llm is not None for engine in _LIVE_ENGINES):
+        # vLLM keeps its parallel groups in process globals: closing one of two engines
+        # breaks the other ("pipeline model parallel group is not initialized").
+        raise RuntimeError(
+            "VLLMRollout: another engine is alive in this process; close() it first "
+            "(one in-process engine per process / data-parallel rank)"
+        )
+
+
+def _engine_kwargs(
+    model_dir: Path, settings: VLLMConfig, *, seed: int, max_model_len, lora, on_cpu: bool
+) -> dict:
+    """``vllm.LLM``'s arguments for the settings: token ids in and out, processed log-probs,
+    the CPU KV cache and whole prefills on CPU, the GPU memory share on GPU, adapter slots for
+    a LoRA policy (before the caller's own ``engine_kwargs``)."""
+    kwargs = dict(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        dtype=settings.dtype,
+        enforce_eager=settings.enforce_eager,
+        seed=seed,
+        max_model_len=max_model_len,
+        enable_sleep_mode=settings.enable_sleep_mode,
+        logprobs_mode="processed_logprobs",
+        use_tqdm_on_load=False,  # a bar per start for one safetensors file
+    )
+    if on_cpu:
+        kwargs["kv_cache_memory_bytes"] = int(settings.kv_cache_gib * 2**30)
+        # Every request carries its own seeded generator. With chunked prefill, a request
+        # whose prompt is only partly prefilled in a step samples a token that vLLM then
+        # discards and "rewinds" with Generator.set_offset, which CPU generators lack
+        # ("CPU Generator does not use offset": every batch with more prompt tokens than
+        # one step's budget crashed, e.g. 32 x 8 samples of 200-token prompts). Whole
+        # prefills only: nothing is sampled and discarded, so nothing needs rewinding, and
+        # each seeded stream stays independent of how the batch was split into steps.
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(
+            CPU_STEP_TOKENS, max_model_len or model_context(model_dir)
+        )
+    else:
+        kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
+    if lora is not None:
+        # vLLM allocates adapter slots of one of its supported ranks, at least the adapter's
+        ranks = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+        rank = int(lora["r"])
+        kwargs.update(
+            enable_lora=True,
+            max_loras=1,
+            max_lora_rank=next((r for r in ranks if r >= rank), rank),
+        )
+    return kwargs
+
+
+def _start_engine(vllm, kwargs: dict):
+    """``(vllm.LLM(**kwargs), caller_owns_dist)``, started inside a saved/restored RNG state
+    with ``torch.set_num_threads`` given back; ``caller_owns_dist``: the default process group
+    existed before (``close()`` keeps it)."""
+    set_num_threads = torch.set_num_threads
+    # Under torchrun the trainer's process group exists already: vLLM then builds its own
+    # (size-1) groups on top of it, a collective, so every rank builds its engine at the same
+    # point of the program. Remember who owns the default group for close().
+    caller_owns_dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+    with _saved_rng_state(), _quiet(_STARTUP_NOISE):
+        try:
+            llm = vllm.LLM(**kwargs)
+        finally:
+            torch.set_num_threads = set_num_threads
+    return llm, caller_owns_dist
 
 
 def _shutdown(llm, caller_owns_dist: bool) -> None:

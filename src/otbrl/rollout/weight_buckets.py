@@ -20,8 +20,12 @@ import urllib.request
 from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from otbrl.rollout.server_auth import authorized, bearer
+
+if TYPE_CHECKING:
+    from otbrl.rollout.config import ServerConfig
 
 BUCKET_GLOB = "bucket-*.safetensors"
 
@@ -178,3 +182,12 @@ class WeightServer:
         if self._thread.is_alive():
             self._httpd.shutdown()
             self._httpd.server_close()
+
+
+def weight_transport(settings: ServerConfig) -> str:
+    """``rollout.server.weight_transport`` resolved: ``auto`` is ``http`` for servers the user
+    started (``urls``: maybe on other hosts, which cannot see the trainer's ``/dev/shm``) when
+    no shared ``weights_dir`` is given, else ``file``."""
+    if settings.weight_transport != "auto":
+        return settings.weight_transport
+    return "http" if settings.urls and settings.weights_dir is None else "file"

@@ -171,31 +171,86 @@ def run_sft(
     check_settings(settings, "sft.")
     if not isinstance(trigger_window, int) or trigger_window < 1:
         raise ValueError(f"trigger_window: expected an int ≥ 1, got {trigger_window!r}")
-    target_accuracy = settings.target_accuracy if eval_rows else None
-    max_steps, eval_every, batch_size = settings.max_steps, settings.eval_every, settings.batch_size
     stops = eos_token_ids(model, tokenizer)
-    agent = None
-    if tools:
-        agent = make_agent(
-            HFRollout(model, tokenizer),
-            tokenizer,
-            tools,
-            MultiTurnConfig(max_turns=max_turns),
-            eos_token_ids=stops,
-        )
+    agent = _tool_agent(model, tokenizer, tools, max_turns, stops) if tools else None
     data = demonstration_batch(
         rows, demonstrations, tokenizer, turns=agent.turns if agent else None
     )
-    n = data["input_ids"].shape[0]
-    generator = torch.Generator().manual_seed(seed)
-    # the trainer's engine: one optimizer step per batch, no weight decay
+    engine = _sft_engine(model, settings, seed)
+    loss = build_sft_loss()
+    evaluate = None
+    if eval_rows:
+        evaluate = _greedy_evaluation(model, tokenizer, agent, eval_rows, max_new_tokens, stops)
+    start_time = time.perf_counter()
+    was_training = model.training
+    result = _train_until_target(
+        engine, loss, data, settings, evaluate, seed=seed, trigger_window=trigger_window,
+        progress=progress,
+    )  # fmt: skip
+    model.train(was_training)
+    result["seconds"] = time.perf_counter() - start_time
+    return result
+
+
+def _tool_agent(model, tokenizer, tools: dict, max_turns: int, stops):
+    """The agent loop over the model (``HFRollout``) with ``tools``: its ``turns`` encode
+    multi-turn demonstrations as the loop builds responses, and it answers greedy evaluation."""
+    return make_agent(
+        HFRollout(model, tokenizer),
+        tokenizer,
+        tools,
+        MultiTurnConfig(max_turns=max_turns),
+        eos_token_ids=stops,
+    )
+
+
+def _sft_engine(model: PreTrainedModel, settings: SFTConfig, seed: int) -> TrainableEngine:
+    """The trainer's engine on ``model``: one optimizer step per batch, no weight decay."""
     optim = OptimConfig(
         lr=settings.lr, warmup_steps=settings.warmup_steps, weight_decay=0.0, ppo_epochs=1,
         grad_clip=settings.grad_clip,
     )  # fmt: skip
-    spec = EngineSpec(micro=MicroBatchConfig(micro_batch_size=batch_size))
-    engine = TrainableEngine(model, optim, spec, name="sft", seed=seed)
-    loss = build_sft_loss()
+    spec = EngineSpec(micro=MicroBatchConfig(micro_batch_size=settings.batch_size))
+    return TrainableEngine(model, optim, spec, name="sft", seed=seed)
+
+
+def _greedy_evaluation(model, tokenizer, agent, eval_rows, max_new_tokens: int, stops):
+    """A call answering the greedy accuracy on ``eval_rows`` (responses of at most
+    ``max_new_tokens``), sampled by ``agent`` for a tool task, else by the model itself."""
+
+    def evaluate() -> float:
+        return evaluate_accuracy(
+            agent or HFRollout(model, tokenizer),
+            tokenizer,
+            eval_rows,
+            SamplingParams(max_tokens=max_new_tokens, stop_token_ids=tuple(stops), greedy=True),
+        )
+
+    return evaluate
+
+
+def _train_until_target(
+    engine: TrainableEngine,
+    loss,
+    data: dict,
+    settings: SFTConfig,
+    evaluate,
+    *,
+    seed,
+    trigger_window,
+    progress,
+) -> dict:
+    """The SFT loop: each step trains ``settings.batch_size`` rows of ``data`` (the
+    demonstration batch, N rows: prompts [N, Lp], responses [N, Lr], ...) drawn with
+    replacement (a ``seed``-ed generator); ``evaluate()`` (None: never) runs every
+    ``eval_every`` steps, at the last step, and (at most every ``trigger_window`` steps) when
+    the mean sure accuracy of the last ``trigger_window`` steps reaches the target; the loop
+    stops at the first evaluation that reaches it. Returns ``run_sft``'s result without
+    ``seconds``."""
+    target_accuracy = settings.target_accuracy if evaluate else None
+    max_steps, eval_every, batch_size = settings.max_steps, settings.eval_every, settings.batch_size
+    n = data["input_ids"].shape[0]
+    generator = torch.Generator().manual_seed(seed)
     result = {
         "steps": 0,
         "accuracy": None,
@@ -205,17 +260,7 @@ def run_sft(
         "evaluations": [],
     }
     last_eval = 0
-    start_time = time.perf_counter()
-    was_training = model.training
-    bar = tqdm(
-        total=max_steps,
-        desc="warm start (SFT)",
-        unit="step",
-        dynamic_ncols=True,
-        file=sys.stderr,
-        disable=not progress,
-        mininterval=0.5 if sys.stderr.isatty() else 10.0,
-    )
+    bar = _progress_bar(max_steps, progress)
     for step in range(1, max_steps + 1):
         idx = torch.randint(n, (batch_size,), generator=generator)
         metrics = engine.update(_rows(data, idx), loss)
@@ -229,14 +274,9 @@ def run_sft(
             and sum(recent) / trigger_window >= target_accuracy
             and step - last_eval >= trigger_window
         )
-        if eval_rows and (step % eval_every == 0 or step == max_steps or triggered):
+        if evaluate and (step % eval_every == 0 or step == max_steps or triggered):
             last_eval = step
-            accuracy = evaluate_accuracy(
-                agent or HFRollout(model, tokenizer),
-                tokenizer,
-                eval_rows,
-                SamplingParams(max_tokens=max_new_tokens, stop_token_ids=tuple(stops), greedy=True),
-            )
+            accuracy = evaluate()
             result["accuracy"] = accuracy
             result["evaluations"].append([step, accuracy])
             bar.set_postfix(loss=f"{result['losses'][-1]:.3f}", greedy_acc=f"{accuracy:.3f}")
@@ -245,9 +285,20 @@ def run_sft(
                 break
         bar.update(1)
     bar.close()
-    model.train(was_training)
-    result["seconds"] = time.perf_counter() - start_time
     return result
+
+
+def _progress_bar(max_steps: int, progress: bool) -> tqdm:
+    """The warm start's bar on stderr (off unless ``progress``): loss and greedy accuracy."""
+    return tqdm(
+        total=max_steps,
+        desc="warm start (SFT)",
+        unit="step",
+        dynamic_ncols=True,
+        file=sys.stderr,
+        disable=not progress,
+        mininterval=0.5 if sys.stderr.isatty() else 10.0,
+    )
 
 
 def warm_start_key(settings: dict) -> str:

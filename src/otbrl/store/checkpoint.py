@@ -157,23 +157,11 @@ def save_checkpoint(
     checkpoints beyond the newest N afterwards. Temp directories left by a killed save are
     removed. Returns the final path.
     """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step: expected an int >= 0, got {step!r}")
-    if "policy" not in engines:
-        raise ValueError(f"engines: expected a 'policy' engine, got {sorted(engines)}")
-    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
-        raise ValueError(f"keep_last: expected None or an int >= 1, got {keep_last!r}")
-    if trainer_state is not None and not isinstance(trainer_state, Mapping):
-        raise TypeError(f"trainer_state: expected a dict, got {type(trainer_state).__name__}")
+    _check_save_args(step, engines, keep_last, trainer_state)
     world = engines["policy"].world
     root = Path(ckpt_root)
     final, tmp = root / f"step_{step}", root / f"{_TMP_PREFIX}{step}"
-    state: dict[str, Any] = {"trainer": dict(trainer_state or {}), "engines": {}}
-    optimizers = {}
-    for name, engine in engines.items():
-        state["engines"][name] = engine.state_dict()
-        # collective: every rank gathers its shards' view
-        optimizers[name], state["engines"][name]["param_groups"] = engine.optimizer_shard()
+    state, optimizers = _gather_state(engines, trainer_state)
     tensors: dict[str, torch.Tensor] = {}
     # Encode first: a bad trainer_state fails before anything touches the disk.
     state_json = json.dumps(encode_state(state, tensors, "trainer_state"))
@@ -190,40 +178,75 @@ def save_checkpoint(
                 _write_optimizer_shard(engine, optimizers[name], tmp / STATE_DIR / name)
         world.barrier()
         if world.is_main:
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)
-            (tmp / STATE_DIR / "trainer_state.json").write_text(state_json)
-            specs = safetensors_order((k, v.dtype, v.shape) for k, v in tensors.items())
-            write_safetensors(
-                tmp / STATE_DIR / "trainer_state.safetensors",
-                specs,
-                ((k, tensors[k]) for k, _, _ in specs),
-            )
-            if config is not None:
-                import yaml  # a dependency of omegaconf
-
-                (tmp / "config.yaml").write_text(
-                    yaml.safe_dump(to_plain_dict(config), sort_keys=False)
-                )
-            apply_umask(tmp)  # safetensors writes 0600 files
-            meta = {"format": FORMAT_VERSION, "step": step, "world_size": world.size}
-            # hashed after everything else is written, by the rank that publishes: the
-            # manifest covers every rank's shards
-            meta["files"] = file_manifest(tmp, exclude={MARKER})
-            (tmp / MARKER).write_text(json.dumps(meta, indent=1) + "\n")
-            fsync_tree(tmp)
-            if final.exists():  # saving the same step again (e.g. after a resume): swap it out
-                _discard(final, root)
-            os.replace(tmp, final)
-            fsync_dir(root)
-            for old in list_checkpoints(root)[: -keep_last or None] if keep_last else []:
-                _discard(old, root)
+            _write_run_files(tmp, tokenizer, state_json, tensors, config)
+            _publish(tmp, final, root, step=step, world_size=world.size, keep_last=keep_last)
     except BaseException:
         if world.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     world.barrier()
     return final
+
+
+def _check_save_args(step, engines, keep_last, trainer_state) -> None:
+    """``save_checkpoint``'s arguments (``ValueError`` / ``TypeError`` naming the argument)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step: expected an int >= 0, got {step!r}")
+    if "policy" not in engines:
+        raise ValueError(f"engines: expected a 'policy' engine, got {sorted(engines)}")
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"keep_last: expected None or an int >= 1, got {keep_last!r}")
+    if trainer_state is not None and not isinstance(trainer_state, Mapping):
+        raise TypeError(f"trainer_state: expected a dict, got {type(trainer_state).__name__}")
+
+
+def _gather_state(engines: Mapping[str, Any], trainer_state) -> tuple[dict, dict]:
+    """``(state, optimizers)``: the state to encode (``{"trainer", "engines": {name: the
+    engine's state_dict, with its optimizer's param_groups}}``) and this rank's optimizer
+    chunks per engine. Collective."""
+    state: dict[str, Any] = {"trainer": dict(trainer_state or {}), "engines": {}}
+    optimizers = {}
+    for name, engine in engines.items():
+        state["engines"][name] = engine.state_dict()
+        # collective: every rank gathers its shards' view
+        optimizers[name], state["engines"][name]["param_groups"] = engine.optimizer_shard()
+    return state, optimizers
+
+
+def _write_run_files(tmp: Path, tokenizer, state_json: str, tensors: dict, config) -> None:
+    """The main rank's files beside the weights: the tokenizer, ``state/trainer_state.json``
+    and its tensors (``.safetensors``), ``config.yaml``; then the umask's permissions."""
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    (tmp / STATE_DIR / "trainer_state.json").write_text(state_json)
+    specs = safetensors_order((k, v.dtype, v.shape) for k, v in tensors.items())
+    write_safetensors(
+        tmp / STATE_DIR / "trainer_state.safetensors",
+        specs,
+        ((k, tensors[k]) for k, _, _ in specs),
+    )
+    if config is not None:
+        import yaml  # a dependency of omegaconf
+
+        (tmp / "config.yaml").write_text(yaml.safe_dump(to_plain_dict(config), sort_keys=False))
+    apply_umask(tmp)  # safetensors writes 0600 files
+
+
+def _publish(tmp: Path, final: Path, root: Path, *, step, world_size, keep_last) -> None:
+    """Seal ``tmp`` (the marker with every file's size and hash, all fsynced) and rename it to
+    ``final``; then drop the checkpoints older than the newest ``keep_last``. Main rank only."""
+    meta = {"format": FORMAT_VERSION, "step": step, "world_size": world_size}
+    # hashed after everything else is written, by the rank that publishes: the
+    # manifest covers every rank's shards
+    meta["files"] = file_manifest(tmp, exclude={MARKER})
+    (tmp / MARKER).write_text(json.dumps(meta, indent=1) + "\n")
+    fsync_tree(tmp)
+    if final.exists():  # saving the same step again (e.g. after a resume): swap it out
+        _discard(final, root)
+    os.replace(tmp, final)
+    fsync_dir(root)
+    for old in list_checkpoints(root)[: -keep_last or None] if keep_last else []:
+        _discard(old, root)
 
 
 def _discard(ckpt: Path, root: Path) -> None:
