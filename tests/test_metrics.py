@@ -10,11 +10,10 @@ from otbrl.algos.metrics import (
     masked_summary,
     otb_metrics,
     step_metrics,
-    trajectory_w,
     variance_proxy,
     zero_tail_fraction,
 )
-from otbrl.algos.otb import zero_tail_mask
+from otbrl.algos.otb import token_energy, zero_tail_mask
 
 T = torch.tensor
 
@@ -39,18 +38,20 @@ def test_masked_summary_empty_mask_is_zero_not_nan():
     assert all(v.item() == 0.0 for v in out.values())
 
 
-def test_trajectory_w_hand_worked_and_is_weights():
+def test_trajectory_energy_hand_worked_and_is_weights():
     # π_y = 0.5, Σπ² = 0.5 -> w = 0.5 per token; row 0 has 3 tokens, row 1 has 1.
     m = T([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
     lp, spi = torch.full((2, 3), 0.5).log(), torch.full((2, 3), 0.5)
-    torch.testing.assert_close(trajectory_w(m, lp, spi), T([1.5, 0.5]))
+    torch.testing.assert_close(token_energy(m, lp, spi).sum(-1), T([1.5, 0.5]))
     isw = T([[2.0, 1.0, 1.0], [3.0, 1.0, 1.0]])  # w·isw² -> [0.5·4 + 0.5 + 0.5, 0.5·9]
-    torch.testing.assert_close(trajectory_w(m, lp, spi, rollout_is_weights=isw), T([3.0, 4.5]))
-    torch.testing.assert_close(trajectory_w(m, energy="uniform"), T([3.0, 1.0]))
+    torch.testing.assert_close(
+        token_energy(m, lp, spi, rollout_is_weights=isw).sum(-1), T([3.0, 4.5])
+    )
+    torch.testing.assert_close(token_energy(m, energy="uniform").sum(-1), T([3.0, 1.0]))
     with pytest.raises(ValueError, match="sum_pi_squared"):
-        trajectory_w(m, lp, None)
+        token_energy(m, lp, None).sum(-1)
     with pytest.raises(ValueError, match="energy"):
-        trajectory_w(m, energy="flat")
+        token_energy(m, energy="flat").sum(-1)
 
 
 def test_variance_proxy_hand_worked():

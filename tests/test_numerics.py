@@ -14,7 +14,7 @@ from otbrl.algos.loss_math import (
     value_loss,
 )
 from otbrl.algos.loss_terms import build_loss, build_value_loss
-from otbrl.algos.metrics import masked_summary, otb_metrics, trajectory_w, variance_proxy
+from otbrl.algos.metrics import masked_summary, otb_metrics, variance_proxy
 from otbrl.algos.otb import reward_to_go_and_energy, token_energy
 from otbrl.algos.reductions import masked_mean, masked_sum, masked_var, whiten
 
@@ -217,8 +217,8 @@ def test_metrics_ignore_masked_positions():
     lp, spi, isw = (b[k] for k in ("old_log_probs", "sum_pi_squared", "rollout_is_weights"))
     blp, bspi, bisw, badv = (poison(x, m, j) for j, x in enumerate((lp, spi, isw, adv)))
     torch.testing.assert_close(masked_summary(badv, m, "a"), masked_summary(adv, m, "a"))
-    w = trajectory_w(m, lp, spi, rollout_is_weights=isw)
-    bw = trajectory_w(m, blp, bspi, rollout_is_weights=bisw)
+    w = token_energy(m, lp, spi, rollout_is_weights=isw).sum(-1)
+    bw = token_energy(m, blp, bspi, rollout_is_weights=bisw).sum(-1)
     torch.testing.assert_close(bw, w, rtol=0, atol=0)
     vp = variance_proxy(badv, m, bw, grad_norm=0.3)
     torch.testing.assert_close(vp, variance_proxy(adv, m, w, grad_norm=0.3), rtol=0, atol=0)

@@ -34,29 +34,6 @@ def masked_summary(x: Tensor, response_mask: Tensor, prefix: str) -> dict[str, T
     }
 
 
-def trajectory_w(
-    response_mask: Tensor,
-    old_log_probs: Tensor | None = None,
-    sum_pi_squared: Tensor | None = None,
-    *,
-    rollout_is_weights: Tensor | None = None,
-    energy: str = "logit_gradient",
-) -> Tensor:
-    """W-score per trajectory: W(τ) = Σ_t w_t m_t, ``[B, L]`` -> ``[B]`` float32.
-
-    w_t·m_t is :func:`otbrl.algos.otb.token_energy` (1 − 2·exp(old_log_probs) + sum_pi_squared,
-    or 1 with ``energy="uniform"``, times rollout_is_weights² when given), as in OTB.
-    """
-    w = token_energy(
-        response_mask,
-        old_log_probs,
-        sum_pi_squared,
-        rollout_is_weights=rollout_is_weights,
-        energy=energy,
-    )
-    return w.sum(-1)
-
-
 def variance_proxy(
     advantages: Tensor,
     response_mask: Tensor,
@@ -66,7 +43,8 @@ def variance_proxy(
     """Σπ²-based gradient-variance proxies for one batch of N trajectories.
 
     Total power P = mean_τ(Ā_τ² · max(W(τ), 0)), Ā_τ = the masked-mean advantage of τ (0 for an
-    empty response), W(τ) from :func:`trajectory_w`. Given the norm g of the batch-mean
+    empty response), W(τ) = Σ_t w_t m_t: the row sums of
+    :func:`otbrl.algos.otb.token_energy`, as in OTB. Given the norm g of the batch-mean
     gradient: signal S = g², noise = max(0, (P − S)/(N − 1)) (0 when N = 1).
 
     Shapes: ``advantages``, ``response_mask`` ``[N, L]``, ``w_score`` ``[N]`` -> keys
@@ -119,9 +97,9 @@ def otb_metrics(
     }
     if old_log_probs is None or sum_pi_squared is None:
         return out
-    w = trajectory_w(
+    w = token_energy(
         response_mask, old_log_probs, sum_pi_squared, rollout_is_weights=rollout_is_weights
-    )
+    ).sum(-1)  # W(τ), the trajectory's energy
     rows = torch.ones_like(w)
     out.update(masked_summary(w, rows, "otb/w_score"))
     out.update(variance_proxy(advantages, response_mask, w, grad_norm))

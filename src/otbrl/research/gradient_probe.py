@@ -21,8 +21,8 @@ from torch import Tensor, nn
 from otbrl.algos.advantages import ESTIMATOR_ALIASES, compute_advantage, get_estimator
 from otbrl.algos.loss_math import loss_normalizers
 from otbrl.algos.loss_terms import Loss
-from otbrl.algos.metrics import trajectory_w, variance_proxy
-from otbrl.algos.otb import zero_tail_mask
+from otbrl.algos.metrics import variance_proxy
+from otbrl.algos.otb import token_energy, zero_tail_mask
 from otbrl.engine.layout import Layout, forward_outputs, row_features, scatter_rows
 from otbrl.models import eos_token_ids
 from otbrl.ops import token_stats
@@ -164,7 +164,7 @@ class GradientProbe:
             "old_log_probs": old,
             "sum_pi_squared": stats["sum_pi_squared"],
         }
-        w_score = trajectory_w(mask, old, stats["sum_pi_squared"])
+        w_score = token_energy(mask, old, stats["sum_pi_squared"]).sum(-1)  # W(τ)
         norms = loss_normalizers(mask)
         cotangents, power = [], {}
         for spec in specs:

@@ -9,17 +9,17 @@ read from the logits the sampler already has.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from otbrl.rollout.batch import left_pad
-from otbrl.rollout.protocol import Completion, SamplingParams, check_generate_args
+from otbrl.rollout.protocol import Backend, Completion, SamplingParams
 
 
-class HFRollout:
+class HFRollout(Backend):
     """Generate with a Hugging Face causal LM in this process.
 
     Args:
@@ -37,7 +37,6 @@ class HFRollout:
     """
 
     name = "hf"
-    tools = None  # a backend renders no tools (the agent loop over it does)
 
     def __init__(
         self,
@@ -64,24 +63,12 @@ class HFRollout:
         self.max_model_len = int(positions) if isinstance(positions, int) else None
 
     @torch.no_grad()
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        params: SamplingParams,
-        *,
-        max_tokens: Sequence[int] | None = None,
-        rows: Sequence[Mapping] | None = None,
+    def _sample(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, budgets: list[int]
     ) -> list[list[Completion]]:
-        """``result[i][j]`` = sample j of prompt i; see ``Sampler.generate`` (``rows`` unused: a
-        backend samples from the token ids alone).
-
-        With ``params.seed`` the draw is reproducible and the caller's global RNG is left as it
-        was; without a seed the global torch RNG is used (and advanced).
-        """
-        budgets = check_generate_args(
-            prompts, params, max_tokens, vocab_size=self.vocab_size,
-            max_model_len=self.max_model_len,
-        )  # fmt: skip
+        """Sample the checked call (``Backend.generate``). With ``params.seed`` the draw is
+        reproducible and the caller's global RNG is left as it was; without a seed the global
+        torch RNG is used (and advanced)."""
         device = next(self.model.parameters()).device
         ids, mask = left_pad(prompts, self.pad_id)
         ids, mask = ids.to(device), mask.to(device)
@@ -108,7 +95,7 @@ class HFRollout:
                     tokens, logprobs = shared_prefix_sample(
                         self.model, ids, mask, n, max(budgets), stops, self.pad_id,
                         not params.greedy, sampling,
-                        budgets=rows if max_tokens is not None else None, with_logprobs=True,
+                        budgets=rows, with_logprobs=True,
                     )  # fmt: skip
         finally:
             self.model.train(was_training)

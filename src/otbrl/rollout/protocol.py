@@ -144,6 +144,42 @@ class RolloutBackend(Sampler, Protocol):
         ...
 
 
+class Backend:
+    """What the rollout backends (``HFRollout``, ``VLLMRollout``, ``ServerRollout``) share:
+    ``generate`` checks a call once against the model's vocabulary and context
+    (``check_generate_args``) and hands the per-prompt budgets to the backend's own
+    ``_sample(prompts, params, budgets) -> list[list[Completion]]``. A subclass sets
+    ``vocab_size`` and ``max_model_len`` (None: no context limit)."""
+
+    tools = None  # a backend renders no tools (the agent loop over it does)
+    vocab_size: int
+    max_model_len: int | None = None
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        max_tokens: Sequence[int] | None = None,
+        rows: Sequence[Mapping] | None = None,
+    ) -> list[list[Completion]]:
+        """``result[i][j]`` = sample j of prompt i; see ``Sampler.generate`` (``rows`` unused: a
+        backend samples from the token ids alone). A prompt plus its budget longer than
+        ``max_model_len``, or a token id outside the model's vocabulary, is a ``ValueError``
+        before anything reaches the engine."""
+        budgets = check_generate_args(
+            prompts, params, max_tokens, vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+        )  # fmt: skip
+        return self._sample(prompts, params, budgets)
+
+    def _sample(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, budgets: list[int]
+    ) -> list[list[Completion]]:
+        """The backend's sampling of a checked call: ``budgets`` [P] tokens at most each."""
+        raise NotImplementedError
+
+
 def make_completion(
     token_ids: Sequence[int],
     logprobs: Sequence[float],

@@ -41,7 +41,7 @@ import secrets
 import shutil
 import sys
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -50,7 +50,7 @@ from torch import Tensor
 
 from otbrl.rollout.config import ServerConfig, VLLMConfig
 from otbrl.rollout.partial import InFlight, InFlightRequests, new_request_id
-from otbrl.rollout.protocol import Completion, SamplingParams, check_generate_args, make_completion
+from otbrl.rollout.protocol import Backend, Completion, SamplingParams, make_completion
 from otbrl.rollout.server_client import (
     ServerError,
     check_server_url,
@@ -90,7 +90,7 @@ __all__ = [
 SERVED_NAME = ServerConfig().served_model_name
 
 
-class ServerRollout:
+class ServerRollout(Backend):
     """Rollout through vLLM OpenAI servers (a ``RolloutBackend``).
 
     Args:
@@ -114,7 +114,6 @@ class ServerRollout:
     """
 
     name = "server"
-    tools = None  # a backend renders no tools (the agent loop over it does)
 
     def __init__(
         self,
@@ -209,20 +208,11 @@ class ServerRollout:
         server.restarts += 1
 
     # -- generation ---------------------------------------------------------------------------
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        params: SamplingParams,
-        *,
-        max_tokens: Sequence[int] | None = None,
-        rows: Sequence[Mapping] | None = None,
+    def _sample(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, budgets: list[int]
     ) -> list[list[Completion]]:
-        """``result[i][j]`` = sample j of prompt i (see ``Sampler.generate``; ``rows``
-        unused), each ``Completion.version`` the weight version that sampled it."""
-        budgets = check_generate_args(
-            prompts, params, max_tokens, vocab_size=self.vocab_size,
-            max_model_len=self.max_model_len,
-        )  # fmt: skip
+        """Sample the checked call (``Backend.generate``) on the servers, each
+        ``Completion.version`` the weight version that sampled it."""
         seeds = request_seeds(params, len(prompts), self._draws)
         with self._generating() as version:
             jobs = [

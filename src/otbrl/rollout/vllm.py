@@ -50,7 +50,7 @@ from torch import Tensor
 
 from otbrl.quiet import quiet_vllm
 from otbrl.rollout.config import VLLMConfig
-from otbrl.rollout.protocol import Completion, SamplingParams, check_generate_args, make_completion
+from otbrl.rollout.protocol import Backend, Completion, SamplingParams, make_completion
 from otbrl.rollout.vllm_common import (
     CPU_STEP_TOKENS,
     check_cpu_head_size,
@@ -68,7 +68,7 @@ from otbrl.settings import check_settings
 _LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()
 
 
-class VLLMRollout:
+class VLLMRollout(Backend):
     """One in-process vLLM engine over an HF model directory (config.json + safetensors).
 
     Args:
@@ -90,7 +90,6 @@ class VLLMRollout:
     """
 
     name = "vllm"
-    tools = None  # a backend renders no tools (the agent loop over it does)
 
     def __init__(
         self,
@@ -175,25 +174,11 @@ class VLLMRollout:
             self._adapter_files.cleanup()
             self._adapter_files = None
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        params: SamplingParams,
-        *,
-        max_tokens: Sequence[int] | None = None,
-        rows: Sequence[Mapping] | None = None,
+    def _sample(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, budgets: list[int]
     ) -> list[list[Completion]]:
-        """``result[i][j]`` = sample j of prompt i; see ``Sampler.generate`` (``rows`` unused: a
-        backend samples from the token ids alone).
-
-        A prompt plus its budget longer than ``max_model_len``, or a token id outside the
-        model's vocabulary, is a ``ValueError`` before anything reaches the engine.
-        """
+        """Sample the checked call (``Backend.generate``) in the engine (awake)."""
         self._check_awake("generate")
-        budgets = check_generate_args(
-            prompts, params, max_tokens, vocab_size=self.vocab_size,
-            max_model_len=self.max_model_len,
-        )  # fmt: skip
         seeds = request_seeds(params, len(prompts), self._draws)
         requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
         sampling = [
