@@ -22,7 +22,7 @@ DEMO_PRESET = [
 def train(args: argparse.Namespace) -> int:
     """``otbrl train``: RL training of the configured run."""
     cfg, plan = config_and_plan(args)
-    from otbrl.run.rundir import claim_run_dir
+    from otbrl.run.plan import claim_run_dir
     from otbrl.run.trainer import Trainer
 
     run = claim_run_dir(cfg)  # still before any model loads
@@ -34,7 +34,7 @@ def train(args: argparse.Namespace) -> int:
 def demo(args: argparse.Namespace) -> int:
     """``otbrl demo``: warm start + RL under ``DEMO_PRESET``; prints the accuracy gain."""
     cfg, plan = config_and_plan(args, DEMO_PRESET)
-    from otbrl.run.rundir import claim_run_dir
+    from otbrl.run.plan import claim_run_dir
     from otbrl.run.trainer import Trainer
 
     start = time.perf_counter()
