@@ -109,7 +109,7 @@ def test_a_skipped_sync_shows_in_the_mismatch(model_dir, data, tmp_path, monkeyp
     from otbrl.run.trainer import Trainer
 
     trainer = Trainer(load_config(None, overrides(model_dir, data, tmp_path / "run")))
-    monkeypatch.setattr(trainer, "_sync_rollout_weights", lambda: None)
+    monkeypatch.setattr(trainer.source, "sync_weights", lambda model: None)
     trainer.fit()
     steps = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0]
     assert steps[0]["rollout/logprob_abs_diff_max"] <= 1e-5  # the engine started in sync
