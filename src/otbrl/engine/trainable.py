@@ -69,7 +69,8 @@ class TrainableEngine(FrozenEngine):
         # its own settings, whichever group (the actor's, the critic's) held them
         self.optim = OptimConfig.from_group(optim)
         check_settings(self.optim)
-        dp = (world or World()).dp_size
+        world = world or World()
+        dp = world.dp_size
         if mini_batch_size is not None and (mini_batch_size < 1 or mini_batch_size % dp):
             raise ValueError(
                 f"mini_batch_size: expected a positive multiple of the data-parallel size {dp}, "
