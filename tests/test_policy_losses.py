@@ -196,7 +196,11 @@ def test_every_configurable_policy_loss_is_a_registered_policy_term():
 @pytest.mark.parametrize(
     ("overrides", "key", "fragment"),
     [
-        (["actor.policy_loss=gspo"], "actor.loss_agg_mode", "seq-mean-token-mean"),
+        (
+            ["actor.policy_loss=gspo", "actor.loss_agg_mode=token-mean"],
+            "actor.loss_agg_mode",
+            "seq-mean-token-mean",
+        ),
         (
             ["actor.policy_loss=cispo", "actor.loss_agg_mode=seq-mean-token-mean"],
             "actor.loss_agg_mode",
@@ -210,6 +214,18 @@ def test_undefined_combinations_are_refused_naming_the_key(overrides, key, fragm
     with pytest.raises(ConfigError, match=fragment) as err:
         load_config(None, overrides)
     assert err.value.key == key
+
+
+@pytest.mark.parametrize(
+    ("loss", "agg"),
+    [("ppo", "token-mean"), ("gspo", "seq-mean-token-mean"), ("cispo", "token-mean")],
+)
+def test_the_aggregation_follows_the_policy_loss_unless_set(loss, agg):
+    """``actor.policy_loss=gspo`` alone trains with GSPO's own aggregation (it was refused until
+    ``actor.loss_agg_mode`` was given too); a mode set explicitly is kept (PPO takes any)."""
+    assert load_config(None, [f"actor.policy_loss={loss}"]).actor.loss_agg_mode == agg
+    explicit = load_config(None, ["actor.loss_agg_mode=seq-mean-token-sum"])
+    assert explicit.actor.loss_agg_mode == "seq-mean-token-sum"
 
 
 def test_build_loss_refuses_an_undefined_aggregation():

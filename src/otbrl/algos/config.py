@@ -27,6 +27,14 @@ POLICY_LOSSES = ("ppo", "gspo", "cispo")
 # the aggregation each defines (PPO: any of LOSS_AGG_MODES): GSPO averages each sequence's tokens
 # then the sequences (its paper's 1/G Σ 1/|y| Σ); CISPO averages over every token of the batch
 POLICY_LOSS_AGG = {"gspo": "seq-mean-token-mean", "cispo": "token-mean"}
+
+
+def policy_loss_agg(policy_loss: str) -> str:
+    """The aggregation ``policy_loss`` trains with when ``actor.loss_agg_mode`` is not set: the
+    one it defines (``POLICY_LOSS_AGG``), else ``token-mean``."""
+    return POLICY_LOSS_AGG.get(policy_loss, "token-mean")
+
+
 # algorithm.rollout_correction: a weight on the rollout's samples with no proximal policy
 CORRECTIONS = ("none", "token_tis", "seq_mis")
 # algorithm.off_policy -> the mode that implements it (``tis`` is ``token_tis``)

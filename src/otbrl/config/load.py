@@ -13,6 +13,7 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from otbrl.algos.config import policy_loss_agg
 from otbrl.config.checks import check_config
 from otbrl.config.keys import LIST_KEYS
 from otbrl.config.presets import DEFAULT_TASK, presets_for
@@ -204,6 +205,8 @@ def _user_layers(config_file: str | Path | None, overrides: list[str]) -> list:
 def _normalize(cfg: Config) -> None:
     if cfg.model.path == "builtin" and cfg.data.task is None:
         cfg.data.task = DEFAULT_TASK  # the built-in model's vocabulary is its task's alphabet
+    if cfg.actor.loss_agg_mode is None:  # the policy loss's own (gspo: seq-mean-token-mean)
+        cfg.actor.loss_agg_mode = policy_loss_agg(cfg.actor.policy_loss)
     # a tri-state key read a YAML boolean as "True" / "False" (its field is a string)
     for key, allowed in choice_fields(Config).items():
         if allowed == TRISTATE:

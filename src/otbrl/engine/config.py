@@ -48,9 +48,12 @@ class ActorConfig(MicroBatchConfig, OptimConfig):
     clip_ratio_high: float = setting(0.2, ge=0, resume="fixed")
     # PPO's dual-clip bound for negative advantages
     clip_ratio_c: float = setting(3.0, gt=1, resume="fixed")
-    # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (gspo:
-    # seq-mean-token-mean, cispo: token-mean, the averages their papers define)
-    loss_agg_mode: str = setting("token-mean", choices=LOSS_AGG_MODES, resume="fixed")
+    # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm; unset: the
+    # policy loss's own (ppo: token-mean; gspo: seq-mean-token-mean, cispo: token-mean, the
+    # averages their papers define, the only ones they take)
+    loss_agg_mode: str | None = setting(
+        None, choices=LOSS_AGG_MODES, null="the policy loss's own", resume="fixed"
+    )
     # entropy bonus weight in the policy loss; 0 = off
     entropy_coeff: float = setting(0.0, ge=0, resume="fixed")
     # add a KL-to-reference term to the loss (builds a frozen reference)
@@ -74,7 +77,7 @@ class ActorConfig(MicroBatchConfig, OptimConfig):
     def check(self, at: str) -> None:
         """GSPO and CISPO take the aggregation their papers define and no dual clip."""
         defined = POLICY_LOSS_AGG.get(self.policy_loss)
-        if defined is not None and self.loss_agg_mode != defined:
+        if defined is not None and self.loss_agg_mode not in (None, defined):
             raise ConfigError(
                 f"'{at}loss_agg_mode' is {self.loss_agg_mode} but {at}policy_loss="
                 f"{self.policy_loss} is defined with {defined}: set {at}loss_agg_mode={defined}",
