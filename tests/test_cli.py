@@ -104,6 +104,12 @@ def score(data_source, solution_str, ground_truth, extra_info):
 """
 
 
+def test_eval_without_validation_prompts_is_refused(tiny_dir, capsys, no_model_loading):
+    """``otbrl eval`` of a model with no validation data printed ``val accuracy: 0.0000 on 0
+    prompts`` and exited 0; it is one line naming the data key, before any model loads."""
+    refused(["eval", f"model.path={tiny_dir}"], capsys, "'data.val_files'", "nothing to evaluate")
+
+
 def test_eval_treats_a_checkpoints_config_as_data(tiny_run, tmp_path, capsys, monkeypatch):
     """``otbrl eval RUN_DIR`` of someone else's run: the user code its config names is not
     imported unless given again (said on stderr), its ``${...}`` text is not resolved (here it

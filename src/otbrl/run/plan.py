@@ -179,6 +179,13 @@ def preflight(cfg: Config, spec: RunSpec, *, train: bool = True) -> Plan:
             raise ConfigError(f"'rollout.name': {err}", "rollout.name") from None
         _check_vllm_serves(cfg)
     train_rows, val_rows = load_rows(cfg, train=train)
+    if not train and not val_rows:  # otbrl eval: an accuracy of no prompt means nothing
+        raise ConfigError(
+            "'data.val_files': there is nothing to evaluate (no validation prompts): set "
+            "data.val_files=[val.parquet] (verl's row schema), or data.task=<a built-in task> "
+            "for its validation rows",
+            "data.val_files",
+        )
     sandbox_notes: list[str] = []
     if reward_fn is None:
         _check_rewards_resolvable(train_rows + val_rows)
