@@ -197,3 +197,29 @@ def test_lora_keys_need_a_rank():
         load_config(None, ["model.lora.alpha=16"])
     with pytest.raises(ConfigError, match=r"adapter_config\.json"):
         load_config(None, ["model.lora.rank=4", "model.lora.adapter_path=/nonexistent"])
+
+
+def test_lora_keys_follow_the_saved_adapter_or_are_refused(model_dirs, tmp_path, capsys):
+    """A saved adapter fixes what trains: ``model.lora.rank=8`` with a rank-4 adapter trained
+    rank 4 and recorded 8; now the contradiction is one line naming the key (exit 2), and the
+    keys left at their defaults take the adapter's own values (the recorded config is true)."""
+    from otbrl.config import load_config, to_dict
+    from run_utils import refused
+
+    small, adapter = model_dirs  # rank 4, alpha 8, every linear layer
+    base = [
+        "train",
+        f"model.path={small}",
+        "data.task=arithmetic",
+        f"model.lora.adapter_path={adapter}",
+    ]
+    for key, value in (("rank", 8), ("alpha", 16.0), ("target_modules", "[q_proj]")):
+        argv = [*base, f"trainer.output_dir={tmp_path / key}", f"model.lora.{key}={value}"]
+        if key != "rank":
+            argv.append("model.lora.rank=4")
+        refused(argv, capsys, f"'model.lora.{key}'", "trained with")
+    cfg = load_config(None, ["model.lora.rank=4", f"model.lora.adapter_path={adapter}"])
+    lora = to_dict(cfg)["model"]["lora"]
+    assert (lora["rank"], lora["alpha"], lora["dropout"]) == (4, 8.0, 0.0)
+    saved = json.loads((adapter / "adapter_config.json").read_text())["target_modules"]
+    assert sorted(lora["target_modules"]) == sorted(saved) and len(saved) > 1

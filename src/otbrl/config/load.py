@@ -207,6 +207,7 @@ def _normalize(cfg: Config) -> None:
         cfg.data.task = DEFAULT_TASK  # the built-in model's vocabulary is its task's alphabet
     if cfg.actor.loss_agg_mode is None:  # the policy loss's own (gspo: seq-mean-token-mean)
         cfg.actor.loss_agg_mode = policy_loss_agg(cfg.actor.policy_loss)
+    cfg.model.lora.follow_adapter("model.lora.")  # a saved adapter's rank, alpha... (its file)
     # a tri-state key read a YAML boolean as "True" / "False" (its field is a string)
     for key, allowed in choice_fields(Config).items():
         if allowed == TRISTATE:

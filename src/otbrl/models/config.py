@@ -3,6 +3,7 @@ loaded in. No torch: the CLI's schema composes ``LoraConfig`` and starts without
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,3 +58,42 @@ class LoraConfig:
                 "(expected a directory saved by PEFT or `otbrl export --adapter-only`)",
                 f"{at}adapter_path",
             )
+
+    def follow_adapter(self, at: str) -> None:
+        """With a saved adapter (``adapter_path``, LoRA on): the keys it fixes (rank, alpha,
+        dropout, target modules) take the adapter's own values where they are left at their
+        defaults, so the run's configuration says what it trains; a key set to another value
+        than the adapter's is a ``ConfigError`` naming it (the adapter's would be trained)."""
+        if not self.rank or self.adapter_path is None:
+            return
+        file = Path(self.adapter_path) / ADAPTER_CONFIG
+        if not file.is_file():
+            return  # check() names the key
+        saved = json.loads(file.read_text())
+        own = {
+            "rank": int(saved["r"]),
+            "alpha": float(saved["lora_alpha"]),
+            "dropout": float(saved.get("lora_dropout") or 0.0),
+            "target_modules": saved["target_modules"],
+        }
+        defaults = LoraConfig()
+        for key, value in own.items():
+            current = getattr(self, key)
+            if _same(current, value):
+                continue
+            if key != "rank" and _same(current, getattr(defaults, key)):
+                setattr(self, key, value)
+                continue
+            raise ConfigError(
+                f"'{at}{key}' is {current!r} but the adapter in {self.adapter_path!r} was "
+                f"trained with {value!r}, which is what would train: set {at}{key}={value!r} "
+                f"or leave {at}adapter_path out",
+                f"{at}{key}",
+            )
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Two LoRA settings' values are the same (target module lists as sets)."""
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return sorted(a) == sorted(b)
+    return a == b
