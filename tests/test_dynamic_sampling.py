@@ -105,9 +105,10 @@ def test_a_step_short_after_its_rounds_fills_up_and_says_so(run, tmp_path, monke
     assert filled_total > 0  # the data has odd answers in the first 12 prompts
 
 
-def test_a_step_without_signal_trains_nothing(run, tmp_path):
+def test_a_step_without_signal_trains_nothing(run, tmp_path, capsys):
     """Every group filled up: the weights do not move, although the entropy bonus would give
-    any trained row a gradient and AdamW's weight decay would move them without one."""
+    any trained row a gradient and AdamW's weight decay would move them without one; the first
+    such step says so in one line with what to change (it used to say nothing)."""
     overrides, root = run
     out = tmp_path / "run"
     args = overrides(
@@ -117,7 +118,11 @@ def test_a_step_without_signal_trains_nothing(run, tmp_path):
     )  # fmt: skip
     trainer = trainer_mod.Trainer(load_config(None, args))
     before = {k: v.clone() for k, v in trainer.policy.model.state_dict().items()}
+    capsys.readouterr()
     trainer.fit()
+    said = [line for line in capsys.readouterr().err.splitlines() if "dynamic sampling:" in line]
+    assert len(said) == 1 and "step 1 found no group" in said[0], said
+    assert "algorithm.max_sample_rounds" in said[0]
     for key, value in trainer.policy.model.state_dict().items():
         assert torch.equal(value, before[key]), key
     for r in [r for r in read_metrics(out) if "policy/loss" in r]:

@@ -23,6 +23,7 @@ from torch import nn
 
 from otbrl.data import pad_token_id
 from otbrl.rollout import RolloutBackend, Sampler, SamplingParams, sync_from
+from otbrl.run.announce import say
 from otbrl.run.producer import Produced, Producer, version_metrics
 from otbrl.run.sampling import (
     Sample,
@@ -166,6 +167,7 @@ class DynamicSampling(SyncSource):
     def __init__(self, rounds: Rounds, *, max_rounds: int, agree: bool):
         super().__init__(rounds)
         self.max_rounds, self.agree = max_rounds, agree
+        self._said_silent = False  # a step that trains nothing is said once, on rank 0
 
     def batch(self, step: int) -> Sample:
         """The groups with signal of as many rounds as it takes, filled up if short, with
@@ -203,6 +205,8 @@ class DynamicSampling(SyncSource):
         silent = set(range(len(merged.prompt_ids))) - set(signal_groups(merged, n))
         untrain_groups(merged.batch, sorted(silent), n)
         generated = len(picked) * quota
+        if signal == 0:
+            self._say_silent(step, len(picked))
         merged.metrics.update(
             {
                 "dynamic_sampling/rounds": float(len(picked)),
@@ -212,6 +216,21 @@ class DynamicSampling(SyncSource):
             }
         )
         return merged
+
+
+    def _say_silent(self, step: int, rounds: int) -> None:
+        """One line, the first time a step of this rank 0 trains nothing (grad norm 0): what
+        happened and what to change; later ones show in ``dynamic_sampling/filled_frac``."""
+        if self._said_silent or not self.rounds.world.is_main:
+            return
+        self._said_silent = True
+        say(
+            f"dynamic sampling: step {step} found no group whose rewards differ in {rounds} "
+            f"round(s) of {self.rounds.quota} prompts, so it trains nothing; raise "
+            "algorithm.max_sample_rounds, or check that the reward tells responses apart (one "
+            "that scores every response alike never trains). Later steps like it show as "
+            "dynamic_sampling/filled_frac = 1 in the metrics, not here"
+        )
 
 
 class AsyncSource:
