@@ -17,7 +17,7 @@ from otbrl.engine.state import EngineState
 from otbrl.engine.trainable import TrainableEngine
 from otbrl.models import build_tiny_model, load_model_and_tokenizer
 from otbrl.report.metrics_log import MetricsLogger
-from otbrl.run.plan import claim_run_dir
+from otbrl.run.claim import claim_run_dir
 from otbrl.store.checkpoint import (
     IntegrityError,
     latest_verified_checkpoint,

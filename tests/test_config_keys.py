@@ -58,9 +58,9 @@ def test_a_field_declares_what_it_is():
 
 
 def test_the_run_reads_the_derived_tables():
-    from otbrl.run import needs, plan
+    from otbrl.run import claim, needs
 
-    assert plan.RESUME_MAY_DIFFER is RESUME_MAY_DIFFER
+    assert claim.RESUME_MAY_DIFFER is RESUME_MAY_DIFFER
     assert needs.ESTIMATOR_OPTION_KEYS is ESTIMATOR_OPTION_KEYS
 
 

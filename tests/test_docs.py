@@ -134,6 +134,7 @@ def _check(command: str, rest: list[str], world_size: int = 1) -> None:
         ns = build_parser().parse_intermixed_args(rest)  # as compare.main parses
     else:
         ns = cli._build_parser().parse_args([command, *rest])
+        world_size = max(world_size, getattr(ns, "nproc_per_node", 1))  # otbrl's own launcher
     plan_run(load_config(ns.config, ns.overrides), world_size=world_size)
 
 

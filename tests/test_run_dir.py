@@ -12,7 +12,7 @@ import pytest
 from ckpt_utils import flip_byte, truncate
 from otbrl.config import ConfigError, load_config
 from otbrl.config.keys import RESUME_MAY_DIFFER
-from otbrl.run.plan import claim_run_dir
+from otbrl.run.claim import claim_run_dir
 from otbrl.run.trainer import Trainer
 from otbrl.store.checkpoint import list_checkpoints, verify_checkpoint
 from otbrl.store.rundir import config_sha256
@@ -122,7 +122,7 @@ def test_a_legacy_run_without_manifest_is_compared_with_its_config_yaml(setup, t
 HOLDER = """
 import sys, time
 from otbrl.config import load_config
-from otbrl.run.plan import claim_run_dir
+from otbrl.run.claim import claim_run_dir
 run = claim_run_dir(load_config(None, [f"trainer.output_dir={sys.argv[1]}"]))
 print("ready", flush=True)
 time.sleep(600)

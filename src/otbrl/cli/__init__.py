@@ -13,6 +13,7 @@ commands live by group: ``cli.training`` (train, demo, sft), ``cli.evaluation`` 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -20,6 +21,7 @@ from collections.abc import Callable
 
 from otbrl.cli.common import EXIT_CONFIG, Printed, config_parser
 from otbrl.cli.evaluation import evaluate, export
+from otbrl.cli.launch import LAUNCHED
 from otbrl.cli.research import add_variance_args, compare, plot, variance
 from otbrl.cli.training import DEMO_PRESET, DEMO_SECONDS, demo, sft, train
 from otbrl.config import ConfigError
@@ -33,7 +35,16 @@ def _build_parser() -> argparse.ArgumentParser:
         prog="otbrl", description="RL post-training with the Optimal Token Baseline."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    config_parser(sub, "train", "run RL training")
+    p = config_parser(sub, "train", "run RL training")
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        metavar="N",
+        help="train in N processes on this machine (data parallel, or the layout of actor.*): "
+        "the configuration is checked once, then torch.distributed.run starts them; across "
+        "machines, run torchrun -m otbrl train on each",
+    )
     config_parser(sub, "sft", "supervised warm start of the built-in model (cached)")
     config_parser(
         sub, "eval", "validation accuracy of model.path: a model, a checkpoint or a run directory"
@@ -89,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     except Printed:
         return 0
     except ConfigError as err:
-        print(f"otbrl: config error: {err}", file=sys.stderr)
+        report_config_error(err)
         return EXIT_CONFIG
     except RewardError as err:  # user code failed under reward.on_error=raise
         print(f"otbrl: error: {err}", file=sys.stderr)
@@ -112,6 +123,22 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + getattr(err, "signum", signal.SIGINT)
     finally:
         restore()
+
+
+def report_config_error(err: ConfigError) -> None:
+    """``otbrl: config error: ...`` on stderr, one line — from rank 0 alone when several
+    processes check the same configuration (torchrun's ranks); under a torchrun that otbrl did
+    not start, rank 0 adds one line on the failure report torchrun prints next."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return  # rank 0 says it: every rank checked the same configuration
+    print(f"otbrl: config error: {err}", file=sys.stderr)
+    if "TORCHELASTIC_RUN_ID" in os.environ and LAUNCHED not in os.environ:
+        print(
+            "otbrl: every rank stopped on the line above; torchrun's failure report below is "
+            "about it (otbrl train --nproc-per-node=N checks the configuration before it "
+            "starts the processes, and says only that line)",
+            file=sys.stderr,
+        )
 
 
 class _Terminated(KeyboardInterrupt):

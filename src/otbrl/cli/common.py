@@ -58,13 +58,18 @@ def load(args: argparse.Namespace, extra: list[str] | None = None, *, base: dict
 
 
 def config_and_plan(
-    args: argparse.Namespace, extra: list[str] | None = None, *, train: bool = True
+    args: argparse.Namespace,
+    extra: list[str] | None = None,
+    *,
+    train: bool = True,
+    world_size: int | None = None,
 ):
-    """The loaded config and its ``Plan`` (validated once, before any model loads)."""
+    """The loaded config and its ``Plan`` for ``world_size`` processes (default: torchrun's
+    ``WORLD_SIZE``), validated once, before any model loads."""
     from otbrl.run.plan import plan_run
 
     cfg = load(args, extra)
-    return cfg, plan_run(cfg, train=train)
+    return cfg, plan_run(cfg, world_size, train=train)
 
 
 def usage_error(err: Exception) -> int:

@@ -6,6 +6,7 @@ import argparse
 import time
 
 from otbrl.cli.common import config_and_plan
+from otbrl.cli.launch import launch
 from otbrl.config import ConfigError
 
 # the demo's promise is 10 minutes including the warm start; keep a margin for start-up,
@@ -20,9 +21,20 @@ DEMO_PRESET = [
 
 
 def train(args: argparse.Namespace) -> int:
-    """``otbrl train``: RL training of the configured run."""
+    """``otbrl train``: RL training of the configured run; with ``--nproc-per-node N`` > 1, its
+    configuration checked for N processes, then N processes started (``cli.launch``)."""
+    nproc = getattr(args, "nproc_per_node", 1)
+    if nproc > 1:  # one line and exit 2 for a mistake, before any process starts
+        cfg, _ = config_and_plan(args, world_size=nproc)
+        from otbrl.run.claim import claim_run_dir, claimed_for_children
+
+        run = claim_run_dir(cfg, rank=0)  # held here for the run's life
+        try:
+            return launch(["train", *_config_argv(args)], nproc, env=claimed_for_children(run))
+        finally:
+            run.release()
     cfg, plan = config_and_plan(args)
-    from otbrl.run.plan import claim_run_dir
+    from otbrl.run.claim import claim_run_dir
     from otbrl.run.trainer import Trainer
 
     run = claim_run_dir(cfg)  # still before any model loads
@@ -31,10 +43,15 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config_argv(args: argparse.Namespace) -> list[str]:
+    """The configuration arguments of ``args`` as a command line (``--config``, overrides)."""
+    return [*(["--config", args.config] if args.config else []), *args.overrides]
+
+
 def demo(args: argparse.Namespace) -> int:
     """``otbrl demo``: warm start + RL under ``DEMO_PRESET``; prints the accuracy gain."""
     cfg, plan = config_and_plan(args, DEMO_PRESET)
-    from otbrl.run.plan import claim_run_dir
+    from otbrl.run.claim import claim_run_dir
     from otbrl.run.trainer import Trainer
 
     start = time.perf_counter()

@@ -14,13 +14,11 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import numpy as np
 
-from otbrl.config import Config, ConfigError, to_dict
-from otbrl.config.keys import RESUME_MAY_DIFFER
-from otbrl.config.resume import config_differences
+from otbrl.config import Config, ConfigError
 from otbrl.data import get_task, read_parquet_rows, tokenize_prompts
 from otbrl.models import (
     build_tokenizer,
@@ -54,10 +52,7 @@ from otbrl.run.model_checks import (
     check_token_budgets,
 )
 from otbrl.run.spec import RunSpec, resolve
-from otbrl.store import rundir
-from otbrl.store.rundir import RunDir, RunIdentity
 from otbrl.tools import resolve_tools, tools_for_row
-from otbrl.user_code import file_sha256, spec_file
 
 TASK_VAL_SIZE = 500  # validation prompts of a built-in task when data.val_size is unset
 
@@ -82,31 +77,6 @@ class Plan:
     tokenizer: Any = field(default=None, repr=False)  # plan_tokenizer's: the run's one tokenizer
     longest_prompt: int = 0  # tokens, over all kept rows (a rollout engine's context: + budget)
     notes: tuple[str, ...] = ()  # what the plan changed in the data, for the run's start-up lines
-
-
-def claim_run_dir(cfg: Config, *, rank: int | None = None, stream: TextIO | None = None) -> RunDir:
-    """Claim ``trainer.output_dir`` for the run of ``cfg`` before any model loads
-    (``otbrl.store.rundir.claim_run_dir``: the lock, resume or refuse, the checkpoint to resume
-    from, the manifest), with what makes the run this run: its resolved configuration, the keys
-    that may change on resume (each declares it) and the user code files it executes."""
-    t = cfg.trainer
-    identity = RunIdentity(
-        config=to_dict(cfg),
-        differences=config_differences,
-        may_differ=RESUME_MAY_DIFFER,
-        user_files=user_file_hashes(cfg),
-    )
-    return rundir.claim_run_dir(
-        t.output_dir, identity, resume=t.resume, overwrite=t.overwrite, rank=rank, stream=stream
-    )
-
-
-def user_file_hashes(cfg: Config) -> dict[str, str]:
-    """SHA-256 of each user code file the run executes (``reward.function`` and
-    ``rollout.multi_turn.tools`` given as ``file.py:fn``), by resolved path: what ran, kept
-    with the run (the config names a path, whose content may change between starts)."""
-    files = (spec_file(spec) for spec in [cfg.reward.function, *cfg.rollout.multi_turn.tools])
-    return {str(file): file_sha256(file) for file in files if file is not None and file.is_file()}
 
 
 def _check_files(cfg: Config) -> None:

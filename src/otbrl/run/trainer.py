@@ -45,7 +45,8 @@ from otbrl.report.metrics_log import MetricsLogger
 from otbrl.report.plots import plot_run
 from otbrl.run.announce import interrupted_line, say, startup_lines
 from otbrl.run.build import build_run, model_path
-from otbrl.run.plan import Plan, claim_run_dir, plan_run
+from otbrl.run.claim import claim_run_dir
+from otbrl.run.plan import Plan, plan_run
 from otbrl.run.seeds import seed_everything
 from otbrl.store import checkpoint
 from otbrl.store.rundir import RunDir

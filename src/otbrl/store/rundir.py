@@ -1,7 +1,7 @@
 """A run directory belongs to one run: a manifest, a lock, and the checkpoint to resume from.
 
 ``claim_run_dir(path, identity, resume=..., overwrite=...)`` runs before any model loads (the run
-layer's ``otbrl.run.plan.claim_run_dir(cfg)`` calls it right after ``plan_run`` with the run's
+layer's ``otbrl.run.claim.claim_run_dir(cfg)`` calls it right after ``plan_run`` with the run's
 ``RunIdentity``: no configuration is read here) and, on rank 0:
 
 1. checks ``trainer.output_dir`` (not a file, creatable, writable);
