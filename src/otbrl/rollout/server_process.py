@@ -47,7 +47,8 @@ def free_port() -> int:
 def server_command(
     model_dir: Path,
     *,
-    socket_path: Path,
+    socket_path: Path | None = None,
+    address: tuple[str, int] | None = None,
     served_model_name: str,
     dtype: str,
     kv_cache_gib: float,
@@ -55,12 +56,18 @@ def server_command(
     max_model_len: int | None,
     token: str,
 ) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment of one server on the Unix socket ``socket_path`` whose
+    """The command line and environment of one server listening on the Unix socket
+    ``socket_path`` (otbrl's own servers) or on ``address`` (host, port: ``otbrl serve``), whose
     every route asks for ``token`` (``otbrl.rollout.server_auth``)."""
+    if (socket_path is None) == (address is None):
+        raise ValueError("socket_path, address: expected exactly one of them")
+    listen = ["--uds", str(socket_path)] if address is None else [
+        "--host", address[0], "--port", str(address[1])
+    ]  # fmt: skip
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--served-model-name", served_model_name,
-        "--dtype", dtype, "--enforce-eager", "--uds", str(socket_path),
+        "--dtype", dtype, "--enforce-eager", *listen,
         "--seed", str(seed), "--generation-config", "vllm",
         "--logprobs-mode", "processed_logprobs", "--skip-tokenizer-init",
         "--worker-extension-cls", WORKER_EXTENSION,
