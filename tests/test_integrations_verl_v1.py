@@ -12,7 +12,6 @@ advantages it wrote against an independent float64 reference: with the plug-in, 
 from __future__ import annotations
 
 import copy
-import os
 import uuid
 from types import SimpleNamespace
 
@@ -21,9 +20,10 @@ import pytest
 import torch
 
 verl = pytest.importorskip("verl")
-tq = pytest.importorskip("transfer_queue")
 
+# the `verl` extra installs it: an environment with verl and without it is incomplete
 import ray  # noqa: E402
+import transfer_queue as tq  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from tensordict import NonTensorData, TensorDict  # noqa: E402
 from verl.experimental.agent_loop.agent_loop import (  # noqa: E402
@@ -56,25 +56,28 @@ def transfer_queue():
     read at import by the workers and at ``ray.init`` by this process (imported already)."""
     from ray._private import ray_constants
 
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    cluster, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
-    started = not ray.is_initialized()
-    if started:
-        ray.init(
-            num_cpus=2,
-            _node_ip_address="127.0.0.1",
-            include_dashboard=False,
-            log_to_driver=False,
-            object_store_memory=100 * 1024**2,
-        )
-    conf = tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
-    assert conf.controller.zmq_info.ip == "127.0.0.1"
-    yield
-    tq.close()
-    if started:
-        ray.shutdown()
-    ray_constants.ENABLE_RAY_CLUSTER = cluster
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        mp.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
+        started = not ray.is_initialized()
+        if started:
+            ray.init(
+                num_cpus=2,
+                _node_ip_address="127.0.0.1",
+                include_dashboard=False,
+                log_to_driver=False,
+                object_store_memory=100 * 1024**2,
+            )
+        units = {"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}
+        conf = tq.init(OmegaConf.create(units))
+        try:
+            assert conf.controller.zmq_info.ip == "127.0.0.1"
+            yield
+        finally:
+            tq.close()
+            if started:
+                ray.shutdown()
 
 
 class StandInWorkerGroup:
