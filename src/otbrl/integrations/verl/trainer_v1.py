@@ -176,6 +176,7 @@ def _patch_advantage(module) -> None:
     tq = module.tq
 
     def _compute_advantage(self, batch, metrics):
+        """verl's step, the batch's Σπ² (``[B, Lr]`` padded, float32) carried to the seam."""
         if not sum_pi_squared_wanted(self.config):
             return original(self, batch, metrics)
         data = tq.kv_batch_get(
