@@ -62,8 +62,9 @@ demo: $(STAMP)
 	$(PY) -m otbrl demo
 
 # The verl tests skip in .venv (no verl there) and run in .venv-verl; the TRL tests run in .venv.
-# The verl suite (one process, half a minute) runs beside the main one, where the main one's
-# waits leave the cores idle, with its own temp folder; its output follows the main suite's.
+# The verl suite (one process, about a minute: the V1 trainer's tests start Ray) runs beside the
+# main one, where the main one's waits leave the cores idle, with its own temp folder; its
+# output follows the main suite's.
 # Both suites run whatever the other gives; make fails at the end if either failed.
 # Both run with TMPDIR in one scratch folder, deleted at the end: their runs, checkpoints and
 # the temp folders vLLM and torchrun leave behind (a hundred per run) do not pile up in /tmp.

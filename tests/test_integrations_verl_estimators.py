@@ -64,7 +64,12 @@ CASES = [
 
 
 def test_plugin_replaced_both_names():
-    assert plugin.STATE == {"estimators": True, "fused_backend": True, "engine": True}
+    assert plugin.STATE == {
+        "estimators": True,
+        "fused_backend": True,
+        "engine": True,
+        "v1_trainer": True,
+    }
     reg = core_algos.ADV_ESTIMATOR_REGISTRY
     assert reg["optimal_token_baseline"] is estimators.optimal_token_baseline_advantage
     assert reg["tir_optimal_token_baseline"] is estimators.tir_optimal_token_baseline_advantage

@@ -14,6 +14,8 @@ import pytest
 
 pytest.importorskip("verl")
 
+ALL_PARTS = {"estimators": True, "fused_backend": True, "engine": True, "v1_trainer": True}
+# The V1 trainer module is patched when it is imported: the probe sees the import hook.
 PROBE = """
 import json, sys
 import verl
@@ -27,6 +29,7 @@ print(json.dumps({
     "otb": reg["optimal_token_baseline"].__module__,
     "tir": reg["tir_optimal_token_baseline"].__module__,
     "fused": hasattr(monkey_patch.patch_forward_with_backends, "_otbrl_original"),
+    "v1_hook": any(type(f).__name__ == "_PatchOnImport" for f in sys.meta_path),
 }))
 """
 
@@ -51,14 +54,14 @@ def test_entry_point_is_registered():
 def test_import_verl_installs_everything():
     got = _probe(OTBRL_VERL_PLUGIN=None, OTBRL_VERL_ESTIMATORS=None)
     assert got["loaded"]
-    assert got["state"] == {"estimators": True, "fused_backend": True, "engine": True}
+    assert got["state"] == ALL_PARTS
     assert got["otb"] == got["tir"] == "otbrl.integrations.verl.estimators"
-    assert got["fused"]
+    assert got["fused"] and got["v1_hook"]
 
 
 def test_estimators_opt_out_keeps_verl_functions():
     got = _probe(OTBRL_VERL_ESTIMATORS="0")
-    assert got["state"] == {"estimators": False, "fused_backend": True, "engine": True}
+    assert got["state"] == {**ALL_PARTS, "estimators": False}
     assert got["otb"] == got["tir"] == "verl.trainer.ppo.core_algos"
 
 
@@ -66,6 +69,7 @@ def test_estimators_opt_out_keeps_verl_functions():
 def test_disabled_plugin_changes_nothing(env):
     got = _probe(**env)
     assert got["otb"] == "verl.trainer.ppo.core_algos" and not got["fused"]
+    assert not got["v1_hook"]
     if "VERL_USE_EXTERNAL_PLUGINS" in env:
         assert not got["loaded"]
     else:
@@ -84,7 +88,7 @@ def test_failure_is_logged_as_warning(monkeypatch, caplog):
         assert plugin.load() is None
     assert "simulated breakage" in caplog.text and "verl runs unchanged" in caplog.text
     monkeypatch.undo()
-    assert plugin.load() == {"estimators": True, "fused_backend": True, "engine": True}
+    assert plugin.load() == ALL_PARTS
 
 
 def test_other_verl_version_refused(monkeypatch):

@@ -8,7 +8,9 @@ point, which calls :func:`install`:
 - ``actor_rollout_ref.model.fused_kernel_options.impl_backend=otbrl`` selects a fused forward
   that returns log-probs, entropy and Σπ² (:mod:`.fused_forward`);
 - the FSDP engine accepts ``calculate_sum_pi_squared=True`` with ``use_fused_kernels=True``
-  on packed batches (:mod:`.engine`).
+  on packed batches (:mod:`.engine`);
+- verl's V1 trainer (``trainer.use_v1=True``) asks the actor for Σπ² when the estimator needs
+  it and hands it to the advantage step (:mod:`.trainer_v1`, patched when verl imports it).
 
 ``OTBRL_VERL_PLUGIN=0`` (or verl's own ``VERL_USE_EXTERNAL_PLUGINS=none``) skips all of it.
 """
@@ -24,16 +26,19 @@ from otbrl.integrations.verl.estimators import (
     tir_optimal_token_baseline_advantage,
 )
 from otbrl.integrations.verl.fused_forward import forward_with_otbrl_backend, install_fused_backend
+from otbrl.integrations.verl.trainer_v1 import check_v1_config, install_v1_trainer_patch
 
 TESTED_VERL = "0.9.1"
 
 __all__ = [
     "TESTED_VERL",
+    "check_v1_config",
     "forward_with_otbrl_backend",
     "install",
     "install_engine_patch",
     "install_estimators",
     "install_fused_backend",
+    "install_v1_trainer_patch",
     "optimal_token_baseline_advantage",
     "tir_optimal_token_baseline_advantage",
 ]
@@ -54,7 +59,8 @@ def install(*, estimators: bool | None = None) -> dict[str, bool]:
     """Install every part of the plug-in into the imported verl; idempotent.
 
     ``estimators=None`` reads ``OTBRL_VERL_ESTIMATORS`` (default on). Returns which parts are
-    active, e.g. ``{"estimators": True, "fused_backend": True, "engine": True}``. Raises
+    active, e.g. ``{"estimators": True, "fused_backend": True, "engine": True, "v1_trainer":
+    True}``. Raises
     ``RuntimeError`` on a verl version other than the tested one.
     """
     import verl
@@ -71,4 +77,5 @@ def install(*, estimators: bool | None = None) -> dict[str, bool]:
         "estimators": install_estimators() if estimators else False,
         "fused_backend": install_fused_backend(),
         "engine": install_engine_patch(),
+        "v1_trainer": install_v1_trainer_patch(),
     }
