@@ -146,3 +146,14 @@ def test_eval_treats_a_checkpoints_config_as_data(tiny_run, tmp_path, capsys, mo
     line = err.strip().splitlines()[-1]
     assert "'data.val_files' file not found" in line and "Traceback" not in err
     assert "${oc.env:OTBRL_TEST_SECRET}" in line and "s3cret" not in err
+
+
+def test_serve_refuses_what_it_cannot_serve_in_one_line(tmp_path, capsys):
+    """``otbrl serve`` of a directory that holds no model, or of a run without a checkpoint:
+    one line naming the argument, exit 2, before vLLM starts (a server that trains with
+    ``otbrl train`` runs for real in tests/test_cli_zoo.py, started by the rollout guide's
+    line)."""
+    refused(["serve", str(tmp_path / "nowhere")], capsys, "'model'")
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    refused(["serve", str(tmp_path / "run")], capsys, "'model'", "checkpoint")
+    refused(["serve", str(tmp_path), "--port", "70000"], capsys, "'--port'")
