@@ -201,6 +201,18 @@ def test_help_lists_the_keys(capsys):
     assert "trainer.keep_last_checkpoints" in out and "--print-config" in out
 
 
+def test_help_says_where_started_servers_listen(capsys):
+    """Issue 53: --help (and --print-config, the generated reference) said otbrl starts its
+    vLLM servers "on 127.0.0.1"; they listen on Unix sockets (rollout.server_process). Only
+    the trainer's own address for weight fetches (weights_host) is a TCP host."""
+    with pytest.raises(SystemExit):
+        cli._build_parser().parse_args(["train", "--help"])
+    lines = [x for x in capsys.readouterr().out.splitlines() if "rollout.server." in x]
+    urls = next(x for x in lines if "rollout.server.urls " in x)
+    assert "Unix socket" in urls, urls
+    assert [x.split()[0] for x in lines if "127.0.0.1" in x] == ["rollout.server.weights_host"]
+
+
 # -- a run says what it does; generations are logged; checkpoints evaluated as trained ---------
 def test_a_run_says_it_starts_resumes_is_complete_and_logs_generations(tiny, tmp_path, capsys):
     overrides, _ = tiny
