@@ -74,3 +74,21 @@ def test_a_refused_secret_is_not_a_server_that_does_not_answer(guarded_url):
     else:  # vLLM's --api-key guards /v1 only: the identity route is missing, and said so
         with pytest.raises(ServerError, match=r"does not prove it holds .*HTTP 404.*--middleware"):
             check_server_url(url, "policy", key=KEY, timeout_s=10, token=SECRET)
+
+
+def test_a_url_that_serves_something_else_says_so():
+    """A web server that is not vLLM's (HTML on /v1/models) "did not answer" before."""
+
+    class Page(_Guarded):
+        def do_GET(self):
+            self._send(200, b"<html>a dashboard</html>")
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(ServerError, match=r"something other than JSON .*not a vLLM"):
+            check_server_url(url, "policy", key=KEY, timeout_s=10)
+    finally:
+        server.shutdown()
+        server.server_close()

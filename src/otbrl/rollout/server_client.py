@@ -157,10 +157,16 @@ def check_server_url(
         if err.status in (401, 403):
             raise ServerError(f"'{key}': {_refused(url, err, token)}", err.status) from None
         raise ServerError(f"'{key}': {url} answered /v1/models with an error ({err})") from None
+    except json.JSONDecodeError as err:
+        raise ServerError(
+            f"'{key}': {url} answered /v1/models with something other than JSON ({err}): "
+            "not a vLLM OpenAI server"
+        ) from None
     except (OSError, ValueError) as err:
         reason = getattr(err, "reason", None) or err
         raise ServerError(f"'{key}': {url} does not answer ({reason})") from None
-    names = [m.get("id") for m in (models or {}).get("data", [])]
+    data = models.get("data") if isinstance(models, dict) else None
+    names = [m.get("id") for m in data if isinstance(m, dict)] if isinstance(data, list) else []
     if served_model_name not in names:
         raise ServerError(
             f"'{key}': {url} serves {names}, not '{served_model_name}' "
