@@ -122,7 +122,7 @@ def test_tokens_ratio_against_the_bootstrap_worked_by_hand():
         "Y": [curve(100), curve(1000)],  # the second seed never reaches 0.5
     }
     out = tokens_ratio(curves, "B", 0.5, resamples=4000)
-    assert out["B"] == {"value": 1.0, "ci95": [1.0, 1.0], "censored": 0}
+    assert out["B"] == {"value": 1.0, "ci95": [1.0, 1.0], "censored": 0, "seeds": 3}
     # X's resampled means are 100, 150 or 200 (1/4, 1/2, 1/4), B's always 300
     assert out["X"]["value"] == pytest.approx(0.5)
     assert out["X"]["ci95"] == pytest.approx([1 / 3, 2 / 3]) and out["X"]["censored"] == 0
@@ -132,9 +132,38 @@ def test_tokens_ratio_against_the_bootstrap_worked_by_hand():
     assert stay["X"]["value"] == pytest.approx(0.5)  # these curves never fall back
     table = markdown_table(summarize(_with_norms(curves), 0.5), 0.5, out, "B", stay)
     assert table.count("÷ B's [95 % CI]") == 2 and "| 0.50 [0.33, 0.67] |" in table
-    assert "1 unreached seeds counted at their budget" in table
+    assert "(1 of 2 seeds unreached, counted at their budget)" in table
     with pytest.raises(ValueError, match="base: expected one of the arms"):
         tokens_ratio(curves, "Z", 0.5)
+
+
+def test_unreached_seeds_are_counted_per_arm_and_a_bound_has_no_interval():
+    """Issue 53: arms of 2 seeds each said "(4 unreached seeds ...)" (the arm's and the base's
+    summed), and an arm that never reached the target got a bootstrap interval of its bound."""
+
+    def curve(reach_at):
+        tokens = [0, 100, 200, 300]
+        return {"tokens": tokens, "accuracy": [0.6 if t >= reach_at else 0.1 for t in tokens]}
+
+    curves = {
+        "X": [curve(100), curve(200)],
+        "B": [curve(300), curve(1000)],  # one of two seeds reached
+        "N": [curve(1000), curve(1000)],  # never
+    }
+    out = tokens_ratio(curves, "B", 0.5, resamples=1000)
+    assert [out[k]["censored"] for k in "XBN"] == [0, 1, 2]
+    assert out["N"]["ci95"] is None and out["N"]["value"] == pytest.approx(1.0)
+    table = markdown_table(summarize(_with_norms(curves), 0.5), 0.5, out, "B")
+    rows = {line.split(" | ")[0][2:]: line for line in table.splitlines()[2:]}
+    assert "unreached" not in rows["X"]  # B's unreached seed is B's row's to say
+    assert "(1 of 2 seeds unreached, counted at their budget)" in rows["B"]
+    assert "| ≥ 1.00 (no seed reached it: a bound, no CI) |" in rows["N"]
+    # a base that never reached it: the others' ratios are bounds the other way
+    never = tokens_ratio(curves, "N", 0.5, resamples=1000)
+    assert never["X"]["ci95"] is None and never["N"]["ci95"] is None
+    table = markdown_table(summarize(_with_norms(curves), 0.5), 0.5, never, "N")
+    assert "| ≤ 0.50 (N never reached it: a bound, no CI) |" in table
+    assert table.count("— (no seed reached it: no ratio)") == 1
 
 
 def _with_norms(curves):

@@ -126,7 +126,13 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-def test_the_site_renders_in_a_real_browser(served, tmp_path):
+def _pages_with_display_math(site: Path) -> list[str]:
+    names = [p.name for p in sorted(site.glob("*.html")) if 'class="math-block"' in p.read_text()]
+    assert "concepts-otb.html" in names, names
+    return names
+
+
+def test_the_site_renders_in_a_real_browser(site, served, tmp_path):
     executable = _browser()
     if executable is None:
         # CI installs Debian's chromium (make test): there a missing browser is a failure
@@ -169,6 +175,16 @@ def test_the_site_renders_in_a_real_browser(served, tmp_path):
         assert box is not None and box["height"] > 15 and box["width"] > 60, box
         assert "\\sum" not in page.locator("article").inner_text()
         page.screenshot(path=shots / "math.png")
+        # issue 53: each display equation's box overflowed vertically (a scrollbar beside every
+        # formula): a block may scroll sideways when too wide, never up and down
+        for name in _pages_with_display_math(site):
+            page.goto(f"{served}/{name}")
+            overflowing = page.eval_on_selector_all(
+                "div.math-block",
+                "blocks => blocks.filter(b => b.scrollHeight > b.clientHeight)"
+                ".map(b => [b.scrollHeight, b.clientHeight, b.textContent.slice(0, 40)])",
+            )
+            assert not overflowing, (name, overflowing)
 
         page.goto(f"{served}/reference-config.html")
         rows = page.locator("article table tbody tr")

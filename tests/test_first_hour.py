@@ -162,6 +162,29 @@ def test_hub_ids_resolve_in_the_local_cache_only(user_dir, tmp_path, monkeypatch
         resolve_model_dir("org/other")
 
 
+def test_a_missing_local_path_is_not_sent_to_the_hub(tmp_path, monkeypatch, capsys):
+    """Issue 53: `otbrl eval model.path=runs/nothere` suggested `hf download runs/nothere`. A
+    path under an existing directory, or one no hub id can be (a leading "." or "/", two
+    slashes, characters hub names do not take), is a directory that does not exist."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    (tmp_path / "runs" / "lora").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    for path in ("runs/nothere", "./nothere", "/no/such/model", "a/b/c", "my model/x"):
+        with pytest.raises(ValueError) as caught:
+            resolve_model_dir(path)
+        message = str(caught.value)
+        assert "hf download" not in message and "does not exist" in message, message
+        assert repr(path) in message
+    line = refused(["eval", "model.path=runs/nothere"], capsys, "'model.path'", "does not exist")
+    assert "hf download" not in line and "runs holds: lora" in line  # a typo shows
+    # a hub id still gets the download hint (no "Qwen" directory here)
+    with pytest.raises(ValueError, match=r"hf download Qwen/Qwen2.5-0.5B"):
+        resolve_model_dir("Qwen/Qwen2.5-0.5B")
+
+
 # -- the configuration discoverable ---------------------------------------------------------------
 def test_every_key_is_described():
     comments = key_comments()
@@ -199,6 +222,18 @@ def test_help_lists_the_keys(capsys):
         cli._build_parser().parse_args(["train", "--help"])
     out = capsys.readouterr().out
     assert "trainer.keep_last_checkpoints" in out and "--print-config" in out
+
+
+def test_help_says_where_started_servers_listen(capsys):
+    """Issue 53: --help (and --print-config, the generated reference) said otbrl starts its
+    vLLM servers "on 127.0.0.1"; they listen on Unix sockets (rollout.server_process). Only
+    the trainer's own address for weight fetches (weights_host) is a TCP host."""
+    with pytest.raises(SystemExit):
+        cli._build_parser().parse_args(["train", "--help"])
+    lines = [x for x in capsys.readouterr().out.splitlines() if "rollout.server." in x]
+    urls = next(x for x in lines if "rollout.server.urls " in x)
+    assert "Unix socket" in urls, urls
+    assert [x.split()[0] for x in lines if "127.0.0.1" in x] == ["rollout.server.weights_host"]
 
 
 # -- a run says what it does; generations are logged; checkpoints evaluated as trained ---------

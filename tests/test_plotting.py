@@ -92,6 +92,17 @@ def test_plot_run_draws_present_panels_with_the_logged_points(tmp_path):
     assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith(".")) == []
 
 
+def test_step_ticks_are_whole_steps(tmp_path):
+    """Issue 53: a 3-step run's x axis read 1.0, 1.5, 2.0, 2.5, 3.0: steps are integers."""
+    run = load_run(write_run(tmp_path / "short", "grpo", steps=3))
+    fig = _figure([run], run.label)
+    fig.canvas.draw()  # the locators pick their ticks at draw time
+    for ax in fig.axes:
+        lo, hi = ax.get_xlim()
+        ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+        assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), ticks
+
+
 def test_plot_runs_overlays_and_labels(tmp_path):
     otb = write_run(tmp_path / "otb", "optimal_token_baseline")
     grpo = write_run(

@@ -1,4 +1,4 @@
-"""ServerRollout against a real vLLM OpenAI server on 127.0.0.1 (the session's one server,
+"""ServerRollout against a real vLLM OpenAI server on a Unix socket (the session's one server,
 ``conftest.vllm_server``): generation with log-probs equal to the trainer's, a weight update that
 is visible (and a negative control that skips it), weight versions on the samples, a server
 killed with SIGKILL restarted with the newest weights, and the one-line errors of bad input."""

@@ -13,6 +13,7 @@ from otbrl.data import get_task
 from otbrl.engine.layout import Layout, forward_outputs
 from otbrl.models import build_tiny_model, load_model_and_tokenizer
 from otbrl.research.gradient_probe import EstimatorSpec, GradientProbe, parse_estimators
+from otbrl.research.variance import format_table
 from otbrl.rollout import SamplingParams
 from run_utils import refused
 from tiny_models import TWO_LAYERS
@@ -170,6 +171,9 @@ def test_two_repeat_smoke_run(tiny_model, tmp_path, capsys):
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out
     assert "otb" in printed and "wrote" in printed
+    # issue 53: K = 2 has no interval (a leave-one-out resample holds one repeat): it printed
+    # "[nan, nan]" and no word why
+    assert "nan" not in printed and "— (no interval: needs --repeats ≥ 3)" in printed
     result = json.loads(out.read_text())
     res = result["results"]["3"]
     for label in ("grpo", "rloo", "otb"):
@@ -188,9 +192,15 @@ def test_two_repeat_smoke_run(tiny_model, tmp_path, capsys):
     markdown = out.with_suffix(".md").read_text()
     otb_ratio = res["ratios"]["otb/grpo"]
     assert f"| otb | {res['estimators']['otb']['variance']:.4g} |" in markdown
-    lo = otb_ratio["ci95"][0]  # K = 2: the interval may be undefined (null -> "n/a")
-    assert f"{otb_ratio['value']:.3f} [{'n/a' if lo is None else format(lo, '.3f')}," in markdown
+    assert otb_ratio["ci95"] == [None, None]  # K = 2: the interval is undefined (JSON null)
+    assert f"{otb_ratio['value']:.3f} — (no interval: needs --repeats ≥ 3) |" in markdown
     assert "| grpo |" in markdown and "(base)" in markdown
+    # without a bootstrap there is no interval either, and the table says why
+    for ratios in (res["ratios"], res["ratios_per_signal"]):
+        for ratio in ratios.values():
+            del ratio["ci95"]
+    table = format_table(result)
+    assert "nan" not in table and table.count("— (no interval: --bootstrap=0)") == 4
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ Both go through the same Hugging Face code paths: ``build_tiny_model`` writes a 
 from __future__ import annotations
 
 import contextlib
+import re
 from pathlib import Path
 
 import torch
@@ -214,11 +215,17 @@ def resolve_model_dir(path: str | Path) -> Path:
     ``config.json``, else a Hugging Face hub id (``"Qwen/Qwen2.5-0.5B"``) looked up in the local
     HF cache only (``HF_HOME`` / ``HF_HUB_CACHE``; nothing is downloaded).
 
-    Raises ``ValueError`` naming ``path``: not a model directory, an id that is not cached (with
-    the command that fetches it), or a directory without weights.
+    Raises ``ValueError`` naming ``path``: a local path that does not exist (one no hub id can
+    be, or one under a directory that exists here, such as ``runs/x``), an id that is not
+    cached (with the command that fetches it), not a model directory, or one without weights.
     """
     local = Path(path)
-    if not local.exists() and _looks_like_hub_id(str(path)):
+    if not local.exists() and not _looks_like_hub_id(str(path)):
+        raise ValueError(
+            f"path: {str(path)!r} does not exist{_siblings(local)}; pass a model directory "
+            "(one with config.json) or a Hugging Face hub id (org/name)"
+        )
+    if not local.exists():
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -231,9 +238,10 @@ def resolve_model_dir(path: str | Path) -> Path:
                 "HF_HOME), or pass a model directory"
             ) from None
     if not (local / "config.json").is_file():
+        what = "a directory without config.json" if local.is_dir() else "not a directory"
         raise ValueError(
-            f"path: expected a local model directory with config.json (or a Hugging Face hub "
-            f"id in the local cache), got {str(path)!r}"
+            f"path: {str(path)!r} is {what}: expected a local model directory with config.json "
+            "(or a Hugging Face hub id in the local cache)"
         )
     if not any((local / name).is_file() for name in _WEIGHTS) and not any(
         local.glob("*.safetensors")
@@ -245,9 +253,27 @@ def resolve_model_dir(path: str | Path) -> Path:
     return local
 
 
+# one part of a hub id: letters, digits, "-", "_", "." (not first)
+_HUB_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
 def _looks_like_hub_id(text: str) -> bool:
-    # "org/name" or "name": no leading "/" "." "~", at most one "/"
-    return bool(text) and text[0] not in "/.~" and text.count("/") <= 1 and " " not in text
+    """An "org/name" or a "name" in the characters hub ids take, and not under a directory that
+    exists here: ``runs/x`` with a ``runs/`` folder is a path mistyped, not a repository."""
+    parts = text.split("/")
+    if len(parts) > 2 or not all(_HUB_PART.fullmatch(part) for part in parts):
+        return False
+    return len(parts) == 1 or not Path(parts[0]).is_dir()
+
+
+def _siblings(local: Path) -> str:
+    """What the missing path's folder holds, when that folder exists (a typo shows)."""
+    folder = local.parent
+    if str(folder) in ("", ".") or not folder.is_dir():
+        return ""
+    names = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+    shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+    return f" ({folder} holds: {shown or 'nothing'})"
 
 
 def _model_dir(path: str | Path, dtype: str) -> Path:

@@ -101,6 +101,7 @@ def _figure(runs: Sequence[Run], title: str) -> Figure:
     # plot once, at the end (half a second of start-up for each `otbrl` process otherwise)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     ncols = 1 if len(panels) == 1 else 2 if len(panels) <= 4 else 3
     nrows = -(-len(panels) // ncols)
@@ -127,6 +128,7 @@ def _figure(runs: Sequence[Run], title: str) -> Figure:
             ax.set_ylim(-0.02, 1.02)
         ax.set_title(panel_title, fontsize=10)
         ax.set_xlabel("step", fontsize=9)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no step 1.5 on a short run
         ax.tick_params(labelsize=8)
         ax.ticklabel_format(axis="y", useOffset=False)  # "+2.937" offsets are hard to read
         ax.grid(alpha=0.3)

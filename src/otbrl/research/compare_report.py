@@ -115,9 +115,11 @@ def tokens_ratio(
     different arms share nothing but the warm start, so there is no pairing to keep).
 
     A seed that never reached the target counts with all the tokens it generated: a lower
-    bound on what it would have needed, so the ratio is then a bound too (``censored`` counts
-    such seeds over both arms). Returns ``{label: {"value", "ci95": [lo, hi], "censored"}}``;
-    ``ValueError`` when ``base`` is not an arm.
+    bound on what it would have needed, so the ratio is then a bound too (``censored``: this
+    arm's seeds that did not reach it, of its ``seeds``). When no seed of the arm, or none of
+    the base, reached it, the ratio is a bound alone: ``ci95`` is None. Returns ``{label:
+    {"value", "ci95": [lo, hi] | None, "censored", "seeds"}}``; ``ValueError`` when ``base``
+    is not an arm.
     """
     import numpy as np
 
@@ -133,17 +135,22 @@ def tokens_ratio(
     rng = np.random.default_rng(seed)
     per_arm = {label: [spent(c) for c in runs] for label, runs in curves.items()}
     base_tokens = np.array([t for t, _ in per_arm[base]])
+    base_reached = not all(c for _, c in per_arm[base])
     base_draws = rng.choice(base_tokens, size=(resamples, len(base_tokens))).mean(axis=1)
     out = {}
     for label, spends in per_arm.items():
         tokens = np.array([t for t, _ in spends])
-        with np.errstate(divide="ignore", invalid="ignore"):  # a base at 0 tokens: nan
-            draws = rng.choice(tokens, size=(resamples, len(tokens))).mean(axis=1) / base_draws
-        lo, hi = np.percentile(draws, [2.5, 97.5])
+        censored = sum(c for _, c in spends)
+        ci = None
+        if base_reached and censored < len(spends):  # else a bound, whose spread means nothing
+            with np.errstate(divide="ignore", invalid="ignore"):  # a base at 0 tokens: nan
+                draws = rng.choice(tokens, size=(resamples, len(tokens))).mean(axis=1) / base_draws
+            ci = [float(q) for q in np.percentile(draws, [2.5, 97.5])]
         out[label] = {
             "value": float(tokens.mean() / base_tokens.mean()) if base_tokens.mean() else math.nan,
-            "ci95": [float(lo), float(hi)],
-            "censored": sum(c for _, c in spends) + sum(c for _, c in per_arm[base]),
+            "ci95": ci,
+            "censored": censored,
+            "seeds": len(spends),
         }
     return out
 
@@ -163,11 +170,19 @@ def markdown_table(
         shown = f"{mean:,.0f} ± {std:,.0f}" if count else "never"
         return f"{shown} ({count}/{seeds})"
 
-    def ratio(r):
-        bound = (
-            f" ({r['censored']} unreached seeds counted at their budget)" if r["censored"] else ""
-        )
-        return f" {r['value']:.2f} [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]{bound} |"
+    def ratio(label, r, b):
+        """A ratio cell; ``b``: the base arm's entry. Unreached seeds count at their budget."""
+        unreached, seeds = r["censored"], r["seeds"]
+        if r["ci95"] is not None:
+            lo, hi = r["ci95"]
+            note = f" ({unreached} of {seeds} seeds unreached, counted at their budget)"
+            return f" {r['value']:.2f} [{lo:.2f}, {hi:.2f}]{note if unreached else ''} |"
+        base_never = b["censored"] == b["seeds"]
+        if label == base or (base_never and unreached == seeds):
+            return " — (no seed reached it: no ratio) |"
+        if unreached == seeds:  # its budget is less than it would have needed
+            return f" ≥ {r['value']:.2f} (no seed reached it: a bound, no CI) |"
+        return f" ≤ {r['value']:.2f} ({base} never reached it: a bound, no CI) |"
 
     first_head = f" ÷ {base}'s [95 % CI] |" if ratios else ""
     stay_head = f" ÷ {base}'s [95 % CI] |" if stay_ratios else ""
@@ -187,8 +202,9 @@ def markdown_table(
         stay = tokens(s["tokens_to_stay_mean"], s["tokens_to_stay_std"],
                       s["stayed_at_target"], s["seeds"])  # fmt: skip
         lines.append(
-            f"| {label} | {first} |{ratio(ratios[label]) if ratios else ''} {stay} |"
-            f"{ratio(stay_ratios[label]) if stay_ratios else ''}"
+            f"| {label} | {first} |"
+            f"{ratio(label, ratios[label], ratios[base]) if ratios else ''} {stay} |"
+            f"{ratio(label, stay_ratios[label], stay_ratios[base]) if stay_ratios else ''}"
             f" {s['final_accuracy_mean']:.3f} ± {s['final_accuracy_std']:.3f} "
             f"| {s['late_accuracy_mean']:.3f} ± {s['late_accuracy_std']:.3f} "
             f"| {s['grad_norm_max']:.3g} | {s['grad_norm_median']:.3g} |"

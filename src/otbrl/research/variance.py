@@ -162,8 +162,7 @@ def format_table(result: dict) -> str:
                 ratio = res.get(key, {}).get(pair)
                 cell = "(base)" if label == base else ""
                 if ratio is not None:
-                    lo, hi = ratio.get("ci95", [math.nan, math.nan])
-                    cell = f"{ratio['value']:.3f} [{lo:.3f}, {hi:.3f}]"
+                    cell = f"{ratio['value']:.3f} {_interval(ratio, res['num_repeats'])}"
                 text += f"  {cell:<28}"
             lines.append(text.rstrip())
     corr = result.get("proxy_correlation")
@@ -180,6 +179,20 @@ def _num(value, spec: str) -> str:
     if value is None or not math.isfinite(value):
         return "n/a"
     return format(value, spec)
+
+
+def _interval(ratio: dict, repeats: int) -> str:
+    """A ratio's 95 % interval, ``[lo, hi]``; or a dash and why there is none: no bootstrap,
+    K = 2 (a leave-one-out resample holds one repeat: no variance, so BCa has no
+    acceleration), or resamples whose base variance or scale is 0 (few repeats)."""
+    lo, hi = ratio.get("ci95", ratio.get("ci")) or (None, None)
+    if "ci95" not in ratio and "ci" not in ratio:
+        return "— (no interval: --bootstrap=0)"
+    if all(isinstance(v, int | float) and math.isfinite(v) for v in (lo, hi)):
+        return f"[{lo:.3f}, {hi:.3f}]"
+    if repeats < 3:
+        return "— (no interval: needs --repeats ≥ 3)"
+    return "— (no interval: some resamples have a zero base variance or scale; more --repeats)"
 
 
 def markdown_tables(result: dict) -> str:
@@ -207,10 +220,8 @@ def markdown_tables(result: dict) -> str:
                 if label == base or ratio is None:
                     cells.append("(base)" if label == base else "")
                 else:
-                    lo, hi = ratio.get("ci95") or [None, None]
-                    cells.append(
-                        f"{_num(ratio['value'], '.3f')} [{_num(lo, '.3f')}, {_num(hi, '.3f')}]"
-                    )
+                    interval = _interval(ratio, res["num_repeats"])
+                    cells.append(f"{_num(ratio['value'], '.3f')} {interval}")
             cells.append(_num(res.get("proxy_calibration", {}).get(label), ".3g"))
             cells.append(_num(res.get("proxy_repeat_correlation", {}).get(label), ".2f"))
             lines.append("| " + " | ".join(cells) + " |")

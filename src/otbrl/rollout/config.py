@@ -62,7 +62,8 @@ class ServerConfig:
     """vLLM OpenAI servers (``rollout.mode=server``, ``otbrl.rollout.server``)."""
 
     # servers the user started (e.g. on other hosts: see docs/rollout.md's launch recipes); empty:
-    # otbrl starts num_servers on 127.0.0.1 and stops them at the end
+    # otbrl starts num_servers on this host, each on a Unix socket in a directory only this user
+    # may enter, and stops them at the end
     urls: list[str] = setting(default_factory=list, resume="may_differ")
     # servers otbrl starts when urls is empty
     num_servers: int = setting(1, gt=0, resume="may_differ")

@@ -27,7 +27,7 @@ jobs beside the orchestration here live in their own modules:
   KV cache with the new weights, and ``/resume`` lets them go on. A completion then carries one
   version per token (``Completion.token_versions``).
 - Failure: a request that fails is retried once per server restart; a server that otbrl
-  started and that died (or stopped answering) is restarted on its port and the newest weights
+  started and that died (or stopped answering) is restarted on its socket and the newest weights
   are re-sent; after ``max_restarts`` restarts, or for a user's url, the call fails with one
   line naming the server.
 """
@@ -100,10 +100,11 @@ class ServerRollout(Backend):
             ``rollout.server``; None: the defaults): ``urls`` of servers the user started
             (``--served-model-name`` = ``served_model_name``, ``VLLM_SERVER_DEV_MODE=1``,
             ``--worker-extension-cls`` = :data:`WORKER_EXTENSION`), else ``num_servers``
-            started on 127.0.0.1; start-up and request timeouts, restarts of a started server,
-            ``weights_dir`` for the weight buckets (every server must see it: ``/dev/shm`` on
-            one machine, a shared file system across hosts; None: a fresh ``/dev/shm``
-            directory, removed on ``close()``) and ``bucket_mb``.
+            started on this host, each on a Unix socket in a private directory; start-up and
+            request timeouts, restarts of a started server, ``weights_dir`` for the weight
+            buckets (every server must see it: ``/dev/shm`` on one machine, a shared file
+            system across hosts; None: a fresh ``/dev/shm`` directory, removed on
+            ``close()``) and ``bucket_mb``.
         engine: the started servers' engine settings (``VLLMConfig``: ``dtype``,
             ``kv_cache_gib``); with ``max_model_len`` and ``seed`` as ``VLLMRollout``'s.
         max_concurrency: HTTP requests in flight per call.

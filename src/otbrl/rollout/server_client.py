@@ -29,7 +29,12 @@ from otbrl.rollout.server_auth import IDENTITY_PATH, TOKEN_ENV, bearer, proof
 
 class ServerError(RuntimeError):
     """A vLLM server failed (did not start, died past its restarts, or answered wrongly); the
-    message is one line naming the server."""
+    message is one line naming the server. ``status``: the HTTP status it answered with, when
+    it answered one (401 / 403: it refused the secret)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 UNIX_SCHEME = "http+unix://"
@@ -70,7 +75,7 @@ def _unix_request(url: str, data, method: str, headers: dict, timeout: float) ->
         connection.close()
     if response.status >= 400:
         detail = raw.decode(errors="replace")[:300].replace("\n", " ")
-        raise ServerError(f"{url}: HTTP {response.status}: {detail}")
+        raise ServerError(f"{url}: HTTP {response.status}: {detail}", response.status)
     return raw
 
 
@@ -100,13 +105,25 @@ def request_json(
             raw = response.read()
     except urllib.error.HTTPError as err:
         detail = err.read().decode(errors="replace")[:300].replace("\n", " ")
-        raise ServerError(f"{url}: HTTP {err.code}: {detail}") from None
+        raise ServerError(f"{url}: HTTP {err.code}: {detail}", err.code) from None
     return json.loads(raw) if raw else None
+
+
+def _refused(url: str, err: ServerError, token: str | None) -> str:
+    """What a 401 / 403 from ``url`` means: it answered, and refused this secret (or its
+    absence); the fix names the variable, since the config never holds the secret."""
+    what = "the secret in OTBRL_SERVER_TOKEN" if token else "a request without a secret"
+    status = "HTTP " + str(err).partition(": HTTP ")[2]  # without the route's url again
+    return (
+        f"{url} answered but refused {what} ({status}): set OTBRL_SERVER_TOKEN to the secret "
+        "the server was started with, in the trainer's environment"
+    )
 
 
 def check_identity(url: str, token: str, *, timeout_s: float) -> None:
     """The server at ``url`` proves it holds ``token`` (``otbrl.rollout.server_auth``); else a
-    one-line ``ServerError``: another process on its port, or a server of another run."""
+    one-line ``ServerError``: another process on its port, a server of another run, or one
+    without otbrl's middleware."""
     nonce = secrets.token_hex(16)
     try:
         answer = request_json(
@@ -114,9 +131,14 @@ def check_identity(url: str, token: str, *, timeout_s: float) -> None:
         )
     except (OSError, ServerError, ValueError) as err:
         reason = getattr(err, "reason", None) or err
+        why = (
+            "a server without --middleware otbrl.rollout.server_auth.require_token"
+            if getattr(err, "status", None) == 404
+            else "another process on its port, or a server started without this run's "
+            "OTBRL_SERVER_TOKEN"
+        )
         raise ServerError(
-            f"{url} does not prove it holds this run's server secret ({reason}): another "
-            "process on its port, or a server started without this run's OTBRL_SERVER_TOKEN"
+            f"{url} does not prove it holds this run's server secret ({reason}): {why}"
         ) from None
     if not isinstance(answer, dict) or answer.get("proof") != proof(token, nonce):
         raise ServerError(f"{url} answered the identity challenge wrongly: not this run's server")
@@ -127,13 +149,24 @@ def check_server_url(
 ) -> None:
     """The server at ``url`` answers ``/v1/models`` within ``timeout_s`` and serves
     ``served_model_name`` (and with ``token``, proves it holds it); else a one-line
-    ``ServerError`` naming ``key`` and the url."""
+    ``ServerError`` naming ``key`` and the url: one that answers and refuses the secret is
+    told apart from one that does not answer."""
     try:
         models = request_json(f"{url.rstrip('/')}/v1/models", timeout=timeout_s, token=token)
-    except (OSError, ServerError, ValueError) as err:
+    except ServerError as err:
+        if err.status in (401, 403):
+            raise ServerError(f"'{key}': {_refused(url, err, token)}", err.status) from None
+        raise ServerError(f"'{key}': {url} answered /v1/models with an error ({err})") from None
+    except json.JSONDecodeError as err:
+        raise ServerError(
+            f"'{key}': {url} answered /v1/models with something other than JSON ({err}): "
+            "not a vLLM OpenAI server"
+        ) from None
+    except (OSError, ValueError) as err:
         reason = getattr(err, "reason", None) or err
         raise ServerError(f"'{key}': {url} does not answer ({reason})") from None
-    names = [m.get("id") for m in (models or {}).get("data", [])]
+    data = models.get("data") if isinstance(models, dict) else None
+    names = [m.get("id") for m in data if isinstance(m, dict)] if isinstance(data, list) else []
     if served_model_name not in names:
         raise ServerError(
             f"'{key}': {url} serves {names}, not '{served_model_name}' "

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from otbrl.children import die_with_parent
+from otbrl.quiet import quiet_vllm, user_env
 from otbrl.rollout.server_auth import TOKEN_ENV
 from otbrl.rollout.server_client import ServerError, check_identity, request_json, unix_url
 from otbrl.rollout.vllm_common import CPU_STEP_TOKENS, check_vllm_installed
@@ -78,10 +79,12 @@ def server_command(
     env = dict(os.environ)
     env["VLLM_SERVER_DEV_MODE"] = "1"  # the dev routes: behind the middleware's secret
     env[TOKEN_ENV] = token
-    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # a server's log keeps vLLM's warnings, unless the user set a level (not quiet_vllm)
+    env["VLLM_LOGGING_LEVEL"] = user_env("VLLM_LOGGING_LEVEL") or "WARNING"
     # the worker extension must import otbrl from this very checkout
     src = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    quiet_vllm()  # this process's own first vLLM import may be this one
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():

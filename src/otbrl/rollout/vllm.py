@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from otbrl.quiet import quiet_vllm
+from otbrl.quiet import NUMA_BINDING_NOTE, drop_cpp_log_lines, quiet_vllm
 from otbrl.rollout.config import VLLMConfig
 from otbrl.rollout.protocol import Backend, Completion, SamplingParams, make_completion
 from otbrl.rollout.vllm_common import (
@@ -330,7 +330,7 @@ def _start_engine(vllm, kwargs: dict):
     # (size-1) groups on top of it, a collective, so every rank builds its engine at the same
     # point of the program. Remember who owns the default group for close().
     caller_owns_dist = torch.distributed.is_available() and torch.distributed.is_initialized()
-    with _saved_rng_state(), _quiet(_STARTUP_NOISE):
+    with _saved_rng_state(), _quiet(_STARTUP_NOISE), drop_cpp_log_lines(NUMA_BINDING_NOTE):
         try:
             llm = vllm.LLM(**kwargs)
         finally:

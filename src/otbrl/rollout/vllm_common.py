@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from otbrl.quiet import quiet_vllm
 from otbrl.rollout.protocol import Completion, SamplingParams
 
 INSTALL_HINT = (
@@ -71,6 +72,7 @@ def model_context(model_dir: str | os.PathLike) -> int:
 def check_cpu_head_size(head_size: int) -> None:
     """vLLM's CPU attention fails only at the first forward ("Unsupported CPU attention
     configuration: head_dim=16"); a ``ValueError`` naming the model's setting at start-up."""
+    quiet_vllm()  # the config check may be vLLM's first import in this process
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     supported = CPUAttentionBackend.get_supported_head_sizes()

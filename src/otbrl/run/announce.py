@@ -20,9 +20,21 @@ def _gb(n: float) -> str:
 
 
 def engine_bytes(engine) -> int:
-    """Bytes one checkpoint holds for ``engine``: its weights and AdamW's two moments (same
-    dtype as the weights), at full (unsharded) size."""
-    return sum(3 * p.numel() * p.element_size() for p in engine.model.parameters())
+    """Bytes one checkpoint holds for ``engine``, as ``otbrl.store.checkpoint`` writes it: the
+    model's weights, each tied parameter once (a LoRA model: its adapter alone, the frozen base
+    is ``model.path``), and AdamW's two moments of every parameter the optimizer trains (same
+    dtype as it), at full (unsharded) size. Shapes only: no collective (rank 0 alone asks)."""
+
+    def size(p) -> int:
+        return p.numel() * p.element_size()
+
+    adapter_only = engine.lora is not None
+    weights = sum(
+        size(p) for name, p in engine.model.named_parameters()
+        if not adapter_only or ".lora_" in name
+    )  # fmt: skip
+    trained = {id(p): p for group in engine.optimizer.param_groups for p in group["params"]}
+    return weights + 2 * sum(size(p) for p in trained.values())
 
 
 def startup_lines(

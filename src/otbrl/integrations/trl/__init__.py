@@ -12,7 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from packaging.version import Version
 
-from otbrl.quiet import quiet_vllm
+from otbrl.quiet import quiet_trl, quiet_vllm
 
 TESTED_TRL = (Version("1.16.0"), Version("1.17"))
 
@@ -32,11 +32,14 @@ def _check_trl() -> None:
 
 _check_trl()
 
-# TRL warns about an untested vLLM version from each of its modules that checks it (5 identical
-# warnings per import with vLLM 0.32, each with its source line): the first one says it all.
+# TRL warns that the installed vLLM is outside its tested range (5 times per import with vLLM
+# 0.32, once per module that checks): otbrl tests this integration against the vLLM it installs,
+# so that warning is dropped (here and on TRL's later checks); any other is shown once.
 quiet_vllm()  # TRL imports vLLM when it is installed
+quiet_trl()
 with warnings.catch_warnings(record=True) as _caught:
     warnings.simplefilter("always")
+    quiet_trl()
     from otbrl.integrations.trl.config import OTBGRPOConfig
     from otbrl.integrations.trl.trainer import OTBGRPOTrainer
 _seen: set[str] = set()
