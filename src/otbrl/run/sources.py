@@ -217,7 +217,6 @@ class DynamicSampling(SyncSource):
         )
         return merged
 
-
     def _say_silent(self, step: int, rounds: int) -> None:
         """One line, the first time a step of this rank 0 trains nothing (grad norm 0): what
         happened and what to change; later ones show in ``dynamic_sampling/filled_frac``."""
