@@ -21,7 +21,9 @@ with quiet.drop_cpp_log_lines(quiet.NUMA_BINDING_NOTE):
     os.write(2, b"before\\n" + note + b"[W1207 16:22:41 foo.cpp:9] Warning: other (f)\\n")
     print("from python", file=sys.stderr)
     os.write(2, note[:30])  # a note written in pieces is still one line
-    os.write(2, note[30:] + b"bar  50%\\r")
+    os.write(2, note[30:])
+    os.write(2, b"[rank1]:" + note)  # a rank of a distributed run prefixes its own
+    os.write(2, b"bar  50%\\r")
 os.write(2, b"after\\n")
 """
 
@@ -47,3 +49,17 @@ def test_a_server_log_keeps_warnings_unless_the_user_set_a_level(monkeypatch):
     assert quiet.user_env("VLLM_LOGGING_LEVEL") is None
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
     assert quiet.user_env("VLLM_LOGGING_LEVEL") == "DEBUG"
+
+
+def test_an_inherited_error_level_still_cuts_the_triton_line(monkeypatch):
+    """Processes a launcher starts inherit its VLLM_LOGGING_LEVEL=ERROR: Triton's import-time
+    line (logged before vLLM configures its loggers) is cut there too (it printed once per
+    rank under otbrl train --nproc-per-node)."""
+    import logging
+
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "ERROR")
+    monkeypatch.setattr(quiet, "_SET_HERE", {})
+    logger = logging.getLogger("vllm.triton_utils.importing")
+    monkeypatch.setattr(logger, "level", logging.NOTSET)
+    quiet.quiet_vllm()
+    assert logger.level == logging.ERROR

@@ -14,7 +14,9 @@ import warnings
 # torch's C++ warning (``TORCH_WARN``, printed by c10's logger below Python's, so no warnings
 # filter or logger reaches it) that vLLM's CPU worker triggers at every engine start: the NUMA
 # memory policy it set for its own process. Nothing a user can act on.
-NUMA_BINDING_NOTE = re.compile(rb"\[W\S* \S+ utils\.cpp:\d+\] Warning: NUMA binding: ")
+NUMA_BINDING_NOTE = re.compile(
+    rb"(\[rank\d+\]:)?\[W\S* \S+ utils\.cpp:\d+\] Warning: NUMA binding: "  # ranks: "[rank0]:"
+)
 # TRL warns at import that the installed vLLM is outside the range it tested; otbrl tests TRL's
 # integration against the vLLM it installs (tests/test_integrations_trl.py)
 TRL_VLLM_RANGE = r"TRL currently supports vLLM versions from"
@@ -32,6 +34,7 @@ def quiet_vllm() -> None:
     ``drop_cpp_log_lines`` around the engine's start."""
     if "VLLM_LOGGING_LEVEL" not in os.environ:
         os.environ["VLLM_LOGGING_LEVEL"] = _SET_HERE["VLLM_LOGGING_LEVEL"] = "ERROR"
+    if os.environ["VLLM_LOGGING_LEVEL"].upper() == "ERROR":  # here, or a launcher's, inherited
         # logged at import, before vLLM configures its loggers (no CPU backend in Triton)
         logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
     warnings.filterwarnings(
