@@ -113,7 +113,14 @@ def test_the_hf_rollout_refuses_what_exceeds_the_models_positions(tiny, tmp_path
     hf = HFRollout(model, tok)
     with pytest.raises(ValueError, match="max_model_len"):
         hf.generate([[5] * 40], SamplingParams(n=1, max_tokens=30, stop_token_ids=(2,)))
-    refused(["train", *overrides(tmp_path), "data.max_response_length=60"], capsys, "64 positions")
+    # the line says what to set (it named the limit alone)
+    refused(
+        ["train", *overrides(tmp_path), "data.max_response_length=60"],
+        capsys,
+        "64 positions",
+        "lower data.max_response_length to ",
+        "data.overlong_prompts",
+    )
 
 
 # -- one line for the usual first mistakes --------------------------------------------------------
