@@ -382,8 +382,15 @@ def _check_vllm_serves(cfg: Config) -> None:
     ``rollout.server.urls`` entry answers and serves ``rollout.server.served_model_name``."""
     if cfg.model.path != "builtin":  # the built-in model's head size is a supported 32
         try:
-            check_cpu_head_dim(resolve_model_dir(cfg.model.path))
+            model_dir = resolve_model_dir(cfg.model.path)
         except (ValueError, OSError) as err:
+            raise ConfigError(f"'model.path': {err}", "model.path") from None
+        try:
+            check_cpu_head_dim(model_dir)
+        except ValueError as err:
+            fix = "rollout.name=hf samples any head size"
+            raise ConfigError(f"'model.path': {err}; {fix}", "model.path") from None
+        except OSError as err:
             raise ConfigError(f"'model.path': {err}", "model.path") from None
     if cfg.rollout.mode == "server":
         server = cfg.rollout.server
