@@ -193,3 +193,14 @@ def test_serve_says_it_is_starting_before_vllm_answers(tmp_path, capsys, monkeyp
     model = build_tiny_model(tmp_path / "m", hidden_size=64, num_attention_heads=2)
     assert cli.main(["serve", str(model), "--log", str(tmp_path / "log")]) == 1
     assert said and f"otbrl: starting vLLM for {model}" in said[0], said
+
+
+def test_a_renamed_key_is_one_warning_line(capsys):
+    """The renamed key's FutureWarning came as Python prints warnings: a file path, a line
+    number and the source line of the CLI that loaded the configuration."""
+    assert cli.main(["train", "actor.engine=fsdp", "--print-config"]) == 0
+    err = capsys.readouterr().err
+    assert (
+        err == "otbrl: warning: 'actor.engine' is now 'actor.strategy' (override "
+        "'actor.engine=fsdp')\n"
+    ), err
