@@ -211,6 +211,22 @@ def test_index_forms_agree():
         close(rloo(**case)[0], ref)
 
 
+def test_inputs_that_require_grad_are_read_as_constants():
+    """Log-probs straight from a forward (``token_stats`` of logits that require grad) made
+    OTB fail inside ``torch.exp(out=...)``: "functions with out=... arguments don't support
+    automatic differentiation". Advantages are constants of the update."""
+    case = otb_case()
+    want = compute_advantage("optimal_token_baseline", **case)
+    case["old_log_probs"] = case["old_log_probs"].clone().requires_grad_()
+    case["sum_pi_squared"] = case["sum_pi_squared"].clone().requires_grad_()
+    for name in ("optimal_token_baseline", "tir_optimal_token_baseline", "grpo"):
+        adv, ret = compute_advantage(name, **case)
+        assert not adv.requires_grad and not ret.requires_grad
+    got = compute_advantage("optimal_token_baseline", **case)
+    close(got[0], want[0])
+    close(got[1], want[1])
+
+
 def test_bad_inputs_name_the_argument():
     case = otb_case()
     with pytest.raises(ValueError, match="sum_pi_squared"):

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from otbrl import cli
+from otbrl.models import build_tiny_model
 from run_utils import refused
 
 
@@ -157,3 +158,49 @@ def test_serve_refuses_what_it_cannot_serve_in_one_line(tmp_path, capsys):
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     refused(["serve", str(tmp_path / "run")], capsys, "'model'", "checkpoint")
     refused(["serve", str(tmp_path), "--port", "70000"], capsys, "'--port'")
+    # a head size vLLM's CPU attention has no kernel for: it served, then failed at the first
+    # request (the trainer refused its model.path before any of that)
+    small = build_tiny_model(tmp_path / "m16", hidden_size=64, num_attention_heads=4)
+    refused(["serve", str(small)], capsys, "'model'", "head_dim 16 (config.json's head_dim)")
+
+
+def test_serve_says_it_is_starting_before_vllm_answers(tmp_path, capsys, monkeypatch):
+    """``otbrl serve`` printed nothing for the half minute vLLM takes to start on a CPU."""
+    import otbrl.rollout.server_process as server_process
+
+    said = []
+
+    class Stand_in:  # the vLLM server process
+        def __init__(self, url, command, env, log, token):
+            self.log, self.token = log, token
+
+        def start(self):
+            pass
+
+        def wait_ready(self, timeout_s, model_dir):
+            said.append(capsys.readouterr().err)
+
+        def alive(self):
+            return False  # it stops at once: serve returns
+
+        def log_tail(self):
+            return "stopped"
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(server_process, "Server", Stand_in)
+    model = build_tiny_model(tmp_path / "m", hidden_size=64, num_attention_heads=2)
+    assert cli.main(["serve", str(model), "--log", str(tmp_path / "log")]) == 1
+    assert said and f"otbrl: starting vLLM for {model}" in said[0], said
+
+
+def test_a_renamed_key_is_one_warning_line(capsys):
+    """The renamed key's FutureWarning came as Python prints warnings: a file path, a line
+    number and the source line of the CLI that loaded the configuration."""
+    assert cli.main(["train", "actor.engine=fsdp", "--print-config"]) == 0
+    err = capsys.readouterr().err
+    assert (
+        err == "otbrl: warning: 'actor.engine' is now 'actor.strategy' (override "
+        "'actor.engine=fsdp')\n"
+    ), err

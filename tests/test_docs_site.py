@@ -89,6 +89,31 @@ def test_no_page_describes_keys_by_hand():
         )
 
 
+# keys a page names on purpose although they are not keys today: renamed or removed ones, whose
+# messages the page shows, and the other frameworks' keys of the plug-in pages
+NOT_KEYS = {"actor.engine", "model.dtype"}
+NAMED_KEY = re.compile(r"`([a-z_]+(?:\.[a-z_0-9]+)+)")
+
+
+def test_every_key_a_page_names_exists():
+    """A dotted name in backticks whose first part is a configuration group is a key, or a
+    group of keys: ``algorithm.otb.handle_zero_tail`` (the key is ``algorithm.handle_zero_tail``)
+    sat in the configuration guide, and a user who typed it got an unknown-key error."""
+    from otbrl.config.schema import all_keys
+
+    keys = set(all_keys())
+    groups = {k.rsplit(".", i)[0] for k in keys for i in range(1, k.count(".") + 1)}
+    tops = {k.split(".")[0] for k in keys}
+    pages = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+    history = {"changelog.md", "performance-history.md", "integrations.md", "architecture.md"}
+    for path in pages:
+        if path.name in history:  # the past's keys, verl's and TRL's, module paths
+            continue
+        for name in NAMED_KEY.findall(path.read_text()):
+            if name.split(".")[0] in tops and name not in NOT_KEYS:
+                assert name in keys or name in groups, f"{path.name} names no key: {name}"
+
+
 def test_troubleshooting_quotes_real_errors():
     """Each message the page quotes (a ``> `` line) occurs in the source as written, string
     literals split over lines joined: an error reworded in the code fails here."""

@@ -5,6 +5,7 @@ own settings. Each test names what failed before."""
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,7 +113,14 @@ def test_the_hf_rollout_refuses_what_exceeds_the_models_positions(tiny, tmp_path
     hf = HFRollout(model, tok)
     with pytest.raises(ValueError, match="max_model_len"):
         hf.generate([[5] * 40], SamplingParams(n=1, max_tokens=30, stop_token_ids=(2,)))
-    refused(["train", *overrides(tmp_path), "data.max_response_length=60"], capsys, "64 positions")
+    # the line says what to set (it named the limit alone)
+    refused(
+        ["train", *overrides(tmp_path), "data.max_response_length=60"],
+        capsys,
+        "64 positions",
+        "lower data.max_response_length to ",
+        "data.overlong_prompts",
+    )
 
 
 # -- one line for the usual first mistakes --------------------------------------------------------
@@ -257,6 +265,26 @@ def test_a_run_says_it_starts_resumes_is_complete_and_logs_generations(tiny, tmp
     assert cli.main([*argv, "trainer.total_steps=2"]) == 0
     lines = [json.loads(x) for x in (run / "generations.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [0] * 3 + [2] * 3
+
+
+def test_the_checkpoint_line_counts_the_checkpoints_the_run_will_write():
+    """A 2-step run with save_every=20 said "checkpoints every 20 steps, the newest 1 kept"
+    (the default keeps 2: it read as a wrong default); save_every=1 said "every 1 steps"; a
+    run of a multiple of save_every counted one checkpoint too many."""
+    from otbrl.config.schema import TrainerConfig
+    from otbrl.run.announce import startup_lines
+
+    def line(**settings) -> str:
+        t = TrainerConfig(**settings)
+        kw = {"notes": [], "engines": [], "ckpt_root": Path("c"), "output_dir": Path("o")}
+        return startup_lines(t, step=0, **kw)[0]
+
+    assert line(total_steps=2, save_every=20).startswith(
+        "one checkpoint, at the end of the run (step 2; trainer.save_every=20)"
+    )
+    assert line(total_steps=4, save_every=1).startswith("checkpoints every step, the newest 2")
+    # steps 2 and 4: both kept, so at most 2 on disk (not 3) while the second is written
+    assert "the newest 2 kept" in line(total_steps=4, save_every=2, keep_last_checkpoints=5)
 
 
 def test_ctrl_c_says_what_was_kept(tiny, tmp_path, capsys, monkeypatch):

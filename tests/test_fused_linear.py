@@ -154,7 +154,7 @@ def test_chunk_size_never_changes_results(tokens, vocab, chunk, seed):
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"hidden": torch.zeros(3, 5, 4)}, ValueError, r"hidden: expected shape \[T, H\]"),
+        ({"hidden": torch.zeros(3, 5, 4)}, ValueError, r"\[T, H\].*hidden.flatten\(0, -2\)"),
         ({"weight": torch.zeros(10, 5)}, ValueError, r"weight: expected shape \[V, H=4\]"),
         ({"weight": torch.zeros(10, 4, dtype=torch.float64)}, TypeError, "weight: expected"),
         ({"bias": torch.zeros(9)}, ValueError, r"bias: expected a \[10\]"),

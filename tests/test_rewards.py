@@ -156,6 +156,10 @@ def test_errors_in_user_code_are_wrapped_with_index_and_name(user_file):
     with pytest.raises(RewardError, match=r"'picky' failed on sample 1 .*KeyError") as info:
         score_responses(["a", "boom", "boom"], rows, function=picky)
     assert isinstance(info.value.__cause__, KeyError)
+    # where in the user's file, and the switch that keeps the run going (it named neither)
+    line = USER_FILE.splitlines().index('        raise KeyError("no such key")') + 1
+    assert f"(at {user_file}:{line})" in str(info.value), str(info.value)
+    assert "reward.on_error=zero" in str(info.value)
     scores, info = score_responses(["a", "boom", "boom"], rows, function=picky, on_error="zero")
     assert scores == [1.0, 0.0, 0.0] and info["reward/errors"] == 2.0
 

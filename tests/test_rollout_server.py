@@ -217,6 +217,8 @@ def test_head_dim_16_is_one_line_before_any_model_loads(tmp_path, capsys, monkey
         )  # fmt: skip
         assert code == 2 and len(err) == 1, err
         assert str(path) in err[0] and "head_dim 16" in err[0] and "model.path" in err[0]
+        # where the size comes from, and what runs the model instead (it named neither)
+        assert "(config.json's head_dim)" in err[0] and "rollout.name=hf" in err[0]
 
 
 def _all_generating(backend, count, thread) -> bool:

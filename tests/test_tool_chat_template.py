@@ -166,3 +166,34 @@ def test_a_template_that_rewrites_tool_content_is_refused(tmp_path):
     _, tok = load_model_and_tokenizer(path)
     with pytest.raises(ValueError, match="content as it is"):
         make_agent(Replay([]), tok, resolve_tools(["calculator"]), eos_token_ids=[tok.eos_token_id])
+
+
+def test_a_template_that_ignores_the_tools_is_said_at_start(tmp_path):
+    """A chat template without a tools section (plain ChatML, many base templates) rendered
+    the prompts without the tools: the model was told of none and otbrl said nothing."""
+    from otbrl.config import load_config
+    from otbrl.data import write_parquet_rows
+    from otbrl.run.plan import plan_run
+    from user_model import CHATML
+
+    rows = [
+        {"prompt": [{"role": "user", "content": f"What is {i} times 34?"}], "data_source": "x",
+         "reward_model": {"ground_truth": str(34 * i)}}
+        for i in range(4)
+    ]  # fmt: skip
+    train = write_parquet_rows(rows, tmp_path / "train.parquet")
+    plain = build_user_style_model(tmp_path / "plain", chat_template=CHATML)
+
+    def notes(model):
+        overrides = [f"model.path={model}", f"data.train_files=[{train}]",
+                     "rollout.multi_turn.tools=[calculator]", "reward.function=exact_match",
+                     "data.train_batch_size=4", "data.max_response_length=64"]  # fmt: skip
+        return [n for n in plan_run(load_config(None, overrides)).notes if "tools=" in n]
+
+    said = notes(plain)
+    assert len(said) == 1 and f"chat template of {plain} ignores the tools" in said[0], said
+    assert "['calculator']" in said[0]
+    listing = build_user_style_model(
+        tmp_path / "tools", chat_template=TOOLS_CHATML, max_positions=1024
+    )
+    assert notes(listing) == []  # TOOLS_CHATML lists them

@@ -214,3 +214,27 @@ def test_two_repeat_smoke_run(tiny_model, tmp_path, capsys):
 )
 def test_bad_flags_exit_2_before_loading(flags, word, capsys, no_model_loading):
     refused(["variance", *flags], capsys, word)
+
+
+def test_a_policy_with_nothing_to_measure_is_one_line(tiny_model, tmp_path, capsys):
+    """Every group scored alike (a user's model that never answers right) ended in a Python
+    traceback; more --prompts than the data has was found after the model loaded."""
+    reward = tmp_path / "reward.py"
+    reward.write_text("def zero(source, text, truth, extra):\n    return 0.0\n")
+    argv = [
+        "variance",
+        f"model.path={tiny_model}",
+        "data.task=arithmetic",
+        f"reward.function={reward}:zero",
+        "data.max_response_length=4",
+        "--n=3",
+        "--repeats=2",
+        "--prompts=2",
+        "--reference-samples=4",
+        f"--out={tmp_path / 'v.json'}",
+    ]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("otbrl variance: error: reference: the RLOO reference gradient is zero")
+    assert "\n" not in err and "Traceback" not in err
+    refused([*argv[:-2], "--prompts=100000"], capsys, "--prompts 100000", "rows")

@@ -131,11 +131,17 @@ def compute_advantage(name: str, **kwargs) -> tuple[Tensor, Tensor]:
     """Run estimator ``name`` on a superset of keyword arguments.
 
     Each estimator receives only the arguments its function takes, so a trainer can pass one
-    common dict (batch tensors plus options) to any estimator. Returns ``(advantages,
-    returns)``, both ``[B, L]`` float32.
+    common dict (batch tensors plus options) to any estimator. Advantages are constants of the
+    update: tensors that require grad (log-probs straight from a forward) are read detached.
+    Returns ``(advantages, returns)``, both ``[B, L]`` float32.
     """
     est = get_estimator(name)
-    return est.fn(**est.select(kwargs))
+    selected = est.select(kwargs)
+    detached = {
+        k: v.detach() if isinstance(v, Tensor) and v.requires_grad else v
+        for k, v in selected.items()
+    }
+    return est.fn(**detached)
 
 
 def _otb_needs(energy: str = "logit_gradient", **_) -> frozenset[str]:

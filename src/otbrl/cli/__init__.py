@@ -13,10 +13,12 @@ commands live by group: ``cli.training`` (train, demo, sft), ``cli.evaluation`` 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 
 from otbrl.cli.common import EXIT_CONFIG, Printed, config_parser
@@ -26,6 +28,7 @@ from otbrl.cli.research import add_variance_args, compare, plot, variance
 from otbrl.cli.serve import add_serve_args, serve
 from otbrl.cli.training import DEMO_PRESET, DEMO_SECONDS, demo, sft, train
 from otbrl.config import ConfigError
+from otbrl.config.load import RenamedKeyWarning
 from otbrl.rewards.scoring import RewardError
 
 __all__ = ["COMMANDS", "DEMO_PRESET", "DEMO_SECONDS", "EXIT_CONFIG", "main"]
@@ -105,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(exit_.code or 0)
     restore = _interrupt_on_termination()
     try:
-        return COMMANDS[args.command](args)
+        with _user_warnings():
+            return COMMANDS[args.command](args)
     except Printed:
         return 0
     except ConfigError as err:
@@ -132,6 +136,23 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + getattr(err, "signum", signal.SIGINT)
     finally:
         restore()
+
+
+@contextlib.contextmanager
+def _user_warnings():
+    """otbrl's warnings to the user (a key under its old name) as one ``otbrl: warning:`` line,
+    not Python's file, line number and source line; other warnings as before."""
+    with warnings.catch_warnings():
+        default = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if issubclass(category, RenamedKeyWarning):
+                print(f"otbrl: warning: {message}", file=sys.stderr)
+            else:
+                default(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        yield
 
 
 def report_config_error(err: ConfigError) -> None:

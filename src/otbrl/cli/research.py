@@ -4,6 +4,7 @@ estimators beside the training loop (``otbrl.report``, ``otbrl.research``)."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 from otbrl.cli.common import load, usage_error
 from otbrl.config import ConfigError
@@ -54,8 +55,19 @@ def variance(args: argparse.Namespace) -> int:
     from otbrl.run.plan import plan_run
 
     plan = plan_run(cfg)
-    from otbrl.research.variance import DEFAULT_ESTIMATORS, check_variance_args, run_variance
+    from otbrl.research.variance import (
+        DEFAULT_ESTIMATORS,
+        MeasurementError,
+        check_variance_args,
+        run_variance,
+    )
 
+    if args.prompts > len(plan.train_rows):
+        raise ConfigError(
+            f"otbrl variance: --prompts {args.prompts} is more than the training data's "
+            f"{len(plan.train_rows)} rows",
+            "--prompts",
+        )
     try:
         ns = [int(x) for x in args.n.split(",")]
         kwargs = {
@@ -69,15 +81,19 @@ def variance(args: argparse.Namespace) -> int:
         check_variance_args(**kwargs)
     except ValueError as err:  # bad flags: one line, before any model loads
         raise ConfigError(f"otbrl variance: {err}", "variance") from None
-    run_variance(
-        plan,
-        **kwargs,
-        out=args.out,
-        num_bootstrap=args.bootstrap,
-        sketch_dim=args.sketch_dim,
-        method=args.method,
-        seed=args.seed,
-    )
+    try:
+        run_variance(
+            plan,
+            **kwargs,
+            out=args.out,
+            num_bootstrap=args.bootstrap,
+            sketch_dim=args.sketch_dim,
+            method=args.method,
+            seed=args.seed,
+        )
+    except MeasurementError as err:  # nothing to measure on this policy: one line, not a trace
+        print(f"otbrl variance: error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -81,7 +81,7 @@ def serve(args: argparse.Namespace) -> int:
     """``otbrl serve``: start the server, print the trainer's lines, serve until stopped."""
     from otbrl.rollout.server_auth import TOKEN_ENV
     from otbrl.rollout.server_process import Server, free_port, server_command
-    from otbrl.rollout.vllm_common import check_vllm_installed, model_context
+    from otbrl.rollout.vllm_common import check_cpu_head_dim, check_vllm_installed, model_context
 
     if args.port < 0 or args.port > 65535:
         raise ConfigError(f"'--port': expected 0..65535, got {args.port}", "--port")
@@ -91,6 +91,14 @@ def serve(args: argparse.Namespace) -> int:
         print(f"otbrl: error: {err}", file=sys.stderr)
         return EXIT_CONFIG
     model_dir, note = served_model(args.model)
+    try:  # vLLM's CPU build would start, then fail at the first request
+        check_cpu_head_dim(model_dir)
+    except ValueError as err:
+        raise ConfigError(
+            f"'model': {err}: vLLM cannot serve this model on this machine (the trainer's "
+            "rollout.name=hf samples any head size)",
+            "model",
+        ) from None
     declared = model_context(model_dir)
     max_len = args.max_model_len or min(declared or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN)
     port = args.port or free_port()
@@ -111,6 +119,12 @@ def serve(args: argparse.Namespace) -> int:
     server = Server(local, command, env, log, token)
     try:
         server.start()
+        print(
+            f"otbrl: starting vLLM for {model_dir} (log {log}); the trainer's lines follow "
+            "once it answers (half a minute or more on a CPU)",
+            file=sys.stderr,
+            flush=True,
+        )
         server.wait_ready(args.startup_timeout, model_dir)
         _say_ready(args, model_dir, note, server, port, max_len, given is None)
         while server.alive():

@@ -33,6 +33,12 @@ RENAMED_KEYS = {
     # "engine" is the Engine, the trainer's model wrapper; this key picks its parallel layout
     "actor.engine": "actor.strategy",
 }
+
+
+class RenamedKeyWarning(FutureWarning):
+    """A key given under its old name (``RENAMED_KEYS``): it loads, and the new name is said."""
+
+
 # what a saved configuration of an earlier version (a checkpoint's config.yaml) meant
 _SAVED_DTYPE = {"float32": "32-true", "bfloat16": "bf16-true", "float16": "32-true"}
 
@@ -65,7 +71,7 @@ def _rename_keys(tree, source: str, *, warn: bool = True) -> None:
             raise ConfigError(f"'{old}' and '{new}' both set in {source}: keep '{new}'", new)
         node[new_leaf] = node.pop(leaf)
         if warn:
-            warnings.warn(f"'{old}' in {source} is now '{new}'", FutureWarning, stacklevel=4)
+            warnings.warn(f"'{old}' in {source} is now '{new}'", RenamedKeyWarning, stacklevel=4)
 
 
 def _did_you_mean(key: str) -> str:
@@ -187,7 +193,7 @@ def _user_layers(config_file: str | Path | None, overrides: list[str]) -> list:
         key, value = (part.strip() for part in item.split("=", 1))
         if key in RENAMED_KEYS:
             warnings.warn(
-                f"'{key}' is now '{RENAMED_KEYS[key]}' (override '{item}')", FutureWarning, 3
+                f"'{key}' is now '{RENAMED_KEYS[key]}' (override '{item}')", RenamedKeyWarning, 3
             )
             key = RENAMED_KEYS[key]
             item = f"{key}={value}"

@@ -152,7 +152,7 @@ def load_model(
     ``tokenizer``'s pad id and stopping at every id of ``eos_token_ids`` (arguments as
     ``load_model_and_tokenizer``'s)."""
     path = _model_dir(path, dtype)
-    with _quiet_loading():
+    with quiet_loading():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **model_kwargs)
     model.to(device)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -179,7 +179,7 @@ def load_value_model(path: str | Path, *, dtype: str = "float32", device: str = 
     """
     path = _model_dir(path, dtype)
     # the lm_head is unused and the score head is new: transformers' warnings say just that
-    with _quiet_loading(errors_only=True):
+    with quiet_loading(errors_only=True):
         config = AutoConfig.from_pretrained(path, num_labels=1)
         config.classifier_dropout = 0.0
         model = AutoModelForTokenClassification.from_pretrained(
@@ -189,7 +189,7 @@ def load_value_model(path: str | Path, *, dtype: str = "float32", device: str = 
 
 
 @contextlib.contextmanager
-def _quiet_loading(errors_only: bool = False):
+def quiet_loading(errors_only: bool = False):
     """No "Loading weights" bar per load (a run loads up to three models; our own bar and
     log say what happens), and optionally transformers' warnings silenced too."""
     from transformers.utils import logging as hf_logging

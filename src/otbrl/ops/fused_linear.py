@@ -150,7 +150,10 @@ def fused_linear_token_stats(
     if hidden.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         raise TypeError(f"hidden: expected float32/float64/bfloat16/float16, got {hidden.dtype}")
     if hidden.dim() != 2:
-        raise ValueError(f"hidden: expected shape [T, H], got {tuple(hidden.shape)}")
+        raise ValueError(
+            f"hidden: expected shape [T, H], got {tuple(hidden.shape)} (flatten a batch's tokens: "
+            "hidden.flatten(0, -2), labels.flatten())"
+        )
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[1] or weight.shape[0] == 0:
         raise ValueError(
             f"weight: expected shape [V, H={hidden.shape[1]}] with V >= 1, "

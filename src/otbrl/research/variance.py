@@ -385,15 +385,19 @@ def _probe(plan, model, path, method: str) -> GradientProbe:
     )
 
 
+class MeasurementError(ValueError):
+    """The policy and data give nothing to measure (every sampled group scored alike)."""
+
+
 def _reference_gradient(probe, rows, reference_samples: int, seed: int, echo) -> torch.Tensor:
     """The RLOO reference gradient [P] float64 (P: the probe's parameters) from
-    ``reference_samples`` samples per row (sampled 64 at a time at most); ``ValueError`` when
-    it is zero or not finite (the variances would be measured around nothing)."""
+    ``reference_samples`` samples per row (sampled 64 at a time at most); ``MeasurementError``
+    when it is zero or not finite (the variances would be measured around nothing)."""
     ref_start = time.perf_counter()
     chunk = min(reference_samples, 64)
     reference = probe.reference(rows, reference_samples, chunk, seed=seed + 99_991)
     if not torch.isfinite(reference).all() or reference.norm() == 0:
-        raise ValueError(
+        raise MeasurementError(
             "reference: the RLOO reference gradient is zero or not finite (every sampled group "
             "had equal rewards?); use a stronger policy, more --reference-samples or a reward "
             "that varies"

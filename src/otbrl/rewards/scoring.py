@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -235,12 +237,26 @@ def _handle(e, fn, what: str, on_error: str, timeout_s, *, first: bool) -> None:
     if isinstance(e, RewardTimeout):
         why = f"ran longer than the time limit (reward.timeout_s={timeout_s:g} s)"
     else:
-        why = f"{type(e).__name__}: {e}"
+        why = f"{type(e).__name__}: {e}{_where(e, fn)}"
     error = RewardError(f"reward function {_name(fn)!r} failed on {what}: {why}")
     if on_error == "raise":
-        raise error from e
+        fix = "; reward.on_error=zero scores such samples 0 and counts them (reward/errors)"
+        raise RewardError(f"{error}{fix}") from e
     if first:
         logger.warning("%s (scored 0; later failures in this batch are only counted)", error)
+
+
+def _where(e: BaseException, fn) -> str:
+    """`` (at file.py:line)``: where in ``fn``'s file ``e`` was raised (its innermost frame
+    there), else its innermost frame outside otbrl (a library the function called), or ""."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frames = [(f.f_code.co_filename, line) for f, line in traceback.walk_tb(e.__traceback__)]
+    own = getattr(getattr(fn, "__code__", None), "co_filename", None)
+    for keep in (lambda name: name == own, lambda name: not name.startswith(package)):
+        found = [(name, line) for name, line in frames if keep(name)]
+        if found:
+            return f" (at {found[-1][0]}:{found[-1][1]})"
+    return ""
 
 
 def _call(fn: RewardFunction, response: str, row: dict) -> tuple[float, dict[str, float]]:

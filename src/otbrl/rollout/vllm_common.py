@@ -69,17 +69,18 @@ def model_context(model_dir: str | os.PathLike) -> int:
     return max([int(v) for v in values if isinstance(v, int | float)] or [0])
 
 
-def check_cpu_head_size(head_size: int) -> None:
+def check_cpu_head_size(head_size: int, source: str = "the model's head size") -> None:
     """vLLM's CPU attention fails only at the first forward ("Unsupported CPU attention
-    configuration: head_dim=16"); a ``ValueError`` naming the model's setting at start-up."""
+    configuration: head_dim=16"); a ``ValueError`` naming the model's setting (``source``:
+    where the size comes from) at start-up."""
     quiet_vllm()  # the config check may be vLLM's first import in this process
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     supported = CPUAttentionBackend.get_supported_head_sizes()
     if head_size not in supported:
         raise ValueError(
-            f"model_dir: head_dim {head_size} (hidden_size / num_attention_heads) is not "
-            f"supported by vLLM's CPU attention; supported: {supported}"
+            f"model_dir: head_dim {head_size} ({source}) is not supported by vLLM's CPU "
+            f"attention; supported: {supported}"
         )
 
 
@@ -97,8 +98,11 @@ def check_cpu_head_dim(model_dir: str | os.PathLike) -> None:
     head_dim = config.get("head_dim") or (config["hidden_size"] // heads if heads else None)
     if head_dim is None:
         return
+    source = "config.json's head_dim" if config.get("head_dim") else (
+        "hidden_size / num_attention_heads"
+    )  # fmt: skip
     try:
-        check_cpu_head_size(int(head_dim))
+        check_cpu_head_size(int(head_dim), source)
     except ValueError as err:
         raise ValueError(f"{model_dir}: {str(err).removeprefix('model_dir: ')}") from None
 

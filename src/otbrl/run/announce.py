@@ -50,18 +50,7 @@ def startup_lines(
     will take under the ``trainer`` settings ``t``, and a run that is already complete."""
     lines = list(notes)
     if t.save_every > 0:
-        size = sum(engine_bytes(engine) for engine in engines)
-        saves = t.total_steps // t.save_every + 1
-        kept = min(saves, t.keep_last_checkpoints or saves)
-        retention = (
-            f"the newest {kept} kept (trainer.keep_last_checkpoints)"
-            if t.keep_last_checkpoints
-            else "all kept (trainer.keep_last_checkpoints=0)"
-        )
-        lines.append(
-            f"checkpoints every {t.save_every} steps, {retention}: ~{_gb(size)} each, "
-            f"up to ~{_gb(size * min(kept + 1, saves))} in {ckpt_root} while one is written"
-        )
+        lines.append(_checkpoint_line(t, sum(engine_bytes(e) for e in engines), ckpt_root))
     else:
         lines.append("no checkpoints (trainer.save_every=0): an interrupted run starts over")
     if step >= t.total_steps:
@@ -71,6 +60,28 @@ def startup_lines(
             "trainer.total_steps to train on, or use a new trainer.output_dir"
         )
     return lines
+
+
+def _checkpoint_line(t: TrainerConfig, size: float, ckpt_root: Path) -> str:
+    """When the checkpoints come, how many are kept and the disk they take (``size``: one's)."""
+    # every save_every-th step, and the last step when it is not one of them
+    saves = -(-t.total_steps // t.save_every)
+    if saves == 1:
+        return (
+            f"one checkpoint, at the end of the run (step {t.total_steps}; "
+            f"trainer.save_every={t.save_every}): ~{_gb(size)}"
+        )
+    kept = min(saves, t.keep_last_checkpoints or saves)
+    retention = (
+        f"the newest {kept} kept (trainer.keep_last_checkpoints)"
+        if t.keep_last_checkpoints
+        else "all kept (trainer.keep_last_checkpoints=0)"
+    )
+    every = "every step" if t.save_every == 1 else f"every {t.save_every} steps"
+    return (
+        f"checkpoints {every}, {retention}: ~{_gb(size)} each, "
+        f"up to ~{_gb(size * min(kept + 1, saves))} in {ckpt_root} while one is written"
+    )
 
 
 def interrupted_line(ckpt_root: Path, output_dir: Path, step: int) -> str:

@@ -35,10 +35,13 @@ def check_context(cfg: Config, longest_prompt: int) -> None:
         positions = getattr(config, "max_position_embeddings", None)
     context = longest_prompt + cfg.rollout.max_new_tokens
     if isinstance(positions, int) and context > positions:
+        room = positions - longest_prompt  # what a response may take beside the longest prompt
         raise ConfigError(
             f"'data.max_response_length': the longest prompt ({longest_prompt} tokens) plus the "
             f"response budget ({cfg.rollout.max_new_tokens}) is {context} tokens, more than the "
-            f"model's {positions} positions",
+            f"model's {positions} positions: lower data.max_response_length"
+            f"{f' to {room} or less' if room > 0 else ''}, or shorten the prompts "
+            "(data.max_prompt_length with data.overlong_prompts=filter or truncate_left)",
             "data.max_response_length",
         )
 

@@ -52,7 +52,7 @@ from otbrl.run.model_checks import (
     check_token_budgets,
 )
 from otbrl.run.spec import RunSpec, resolve
-from otbrl.tools import resolve_tools, tools_for_row
+from otbrl.tools import resolve_tools, tool_schemas, tools_for_row
 
 TASK_VAL_SIZE = 500  # validation prompts of a built-in task when data.val_size is unset
 
@@ -162,6 +162,7 @@ def preflight(cfg: Config, spec: RunSpec, *, train: bool = True) -> Plan:
         sandbox_notes = _check_reward_backends(cfg, train_rows + val_rows)
     if tools:
         check_row_tools(train_rows + val_rows, tools)
+        sandbox_notes += unseen_tools_note(cfg, tokenizer, train_rows + val_rows, tools)
     train_rows, longest, notes = check_prompt_lengths(cfg, train_rows, tokenizer, tools, "train")
     val_rows, longest_val, val_notes = check_prompt_lengths(cfg, val_rows, tokenizer, tools, "val")
     check_context(cfg, max(longest, longest_val))
@@ -288,6 +289,30 @@ def check_row_tools(rows: list[dict], tools) -> None:
                               "rollout.multi_turn.tools") from None  # fmt: skip
 
 
+def unseen_tools_note(cfg: Config, tokenizer, rows: list[dict], tools) -> list[str]:
+    """A note when the chat template renders the first row's prompt the same with its tools
+    as without (``tools=`` ignored): the model is then told of no tool, nor how to call one."""
+    if cfg.model.path == "builtin" or not rows:  # its task's demonstrations teach the calls
+        return []
+    messages, names = rows[0]["prompt"], tools_for_row(rows[0], tools)
+    if cfg.data.apply_chat_template:
+        listed, plain = (
+            tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, **kw
+            )
+            for kw in ({"tools": tool_schemas(names, tools)}, {})
+        )
+        if listed != plain:
+            return []
+        why = f"the chat template of {cfg.model.path} ignores the tools (tools=)"
+    else:
+        why = "data.apply_chat_template=false"
+    return [
+        f"{why}: the prompts do not list {sorted(names)} nor say how to call them; describe them "
+        "in the prompts (a system message), or use a chat template that renders tools"
+    ]
+
+
 def load_rows(cfg: Config, *, train: bool = True) -> tuple[list[dict], list[dict]]:
     """(train rows, validation rows): from parquet files, else from the built-in task
     ``data.task`` (the task's validation rows only when neither file list is set); validation
@@ -382,8 +407,15 @@ def _check_vllm_serves(cfg: Config) -> None:
     ``rollout.server.urls`` entry answers and serves ``rollout.server.served_model_name``."""
     if cfg.model.path != "builtin":  # the built-in model's head size is a supported 32
         try:
-            check_cpu_head_dim(resolve_model_dir(cfg.model.path))
+            model_dir = resolve_model_dir(cfg.model.path)
         except (ValueError, OSError) as err:
+            raise ConfigError(f"'model.path': {err}", "model.path") from None
+        try:
+            check_cpu_head_dim(model_dir)
+        except ValueError as err:
+            fix = "rollout.name=hf samples any head size"
+            raise ConfigError(f"'model.path': {err}; {fix}", "model.path") from None
+        except OSError as err:
             raise ConfigError(f"'model.path': {err}", "model.path") from None
     if cfg.rollout.mode == "server":
         server = cfg.rollout.server

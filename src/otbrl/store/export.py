@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from otbrl.models.config import LoraConfig
+from otbrl.models.hf import quiet_loading
 from otbrl.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, add_lora, unload_lora
 from otbrl.store.checkpoint import (
     ADAPTER_DIR,
@@ -104,7 +105,8 @@ def _check_loads(directory: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(directory)
+        with quiet_loading():  # no "Loading weights" bar: the export says what it did
+            model = AutoModelForCausalLM.from_pretrained(directory)
         if (directory / "tokenizer_config.json").is_file():
             AutoTokenizer.from_pretrained(directory)
     except Exception as err:  # any failure of the HF loaders means the export is unusable
@@ -128,11 +130,13 @@ def _write_merged(adapter_dir: Path, out: Path) -> None:
             f"path: the adapter's base model {base!r} (the directory the run started from) is "
             "not there: the merged export needs it; --adapter-only exports the adapter alone"
         )
-    model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
-    # the adapter's own rank, alpha and targets are read from its directory
-    add_lora(model, LoraConfig(rank=1, adapter_path=str(adapter_dir)), adapter_dtype=torch.float32)
-    unload_lora(model)
-    model.save_pretrained(out)
+    with quiet_loading():  # transformers' loading and "Writing model shards" bars
+        model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
+        # the adapter's own rank, alpha and targets are read from its directory
+        lora = LoraConfig(rank=1, adapter_path=str(adapter_dir))
+        add_lora(model, lora, adapter_dtype=torch.float32)
+        unload_lora(model)
+        model.save_pretrained(out)
 
 
 def _check_adapter_loads(directory: Path) -> None:
