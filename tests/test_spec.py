@@ -67,3 +67,44 @@ def test_a_teacher_in_its_own_precision_loads_frozen_weights():
     teacher = spec.engines["teacher"]
     assert teacher.dtype == "bfloat16" and teacher.spec.precision == "bf16-mixed"
     assert spec.engines["policy"].dtype == "float32"  # the policy's own 32-true
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["algorithm.adv_estimator=grpo", "algorithm.otb.leave_one_out=true"],
+         "algorithm.otb.leave_one_out"),
+        (["algorithm.norm_adv_by_std_in_grpo=false"], "algorithm.norm_adv_by_std_in_grpo"),
+        (["algorithm.adv_estimator=reinforce_plus_plus", "algorithm.lam=0.9"], "algorithm.lam"),
+        (["actor.kl_loss_coef=0.1"], "actor.kl_loss_coef"),
+        (["actor.kl_loss_type=k1"], "actor.kl_loss_type"),
+        (["algorithm.kl_coef=0.05"], "algorithm.kl_coef"),
+    ],
+)  # fmt: skip
+def test_a_key_of_a_part_that_is_off_is_refused(overrides, key):
+    """The configuration guide promises it; these were taken and changed nothing (Dr. GRPO's
+    switch under OTB, OTB's options under GRPO, the KL weights with their KL off)."""
+    from otbrl.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        resolve(load_config(None, overrides))
+    assert err.value.key == key and "drop the key" in str(err.value), str(err.value)
+
+
+def test_the_keys_of_a_part_that_is_on_are_taken():
+    spec = resolve(
+        load_config(
+            None,
+            [
+                "algorithm.adv_estimator=gae", "algorithm.lam=0.9", "algorithm.gamma=0.99",
+                "actor.use_kl_loss=true", "actor.kl_loss_coef=0.1", "actor.kl_loss_type=k1",
+                "algorithm.use_kl_in_reward=true", "algorithm.kl_coef=0.05",
+            ],
+        )
+    )  # fmt: skip
+    assert spec.estimator_options["lam"] == 0.9 and spec.kl_in_reward_coef == 0.05
+    assert spec.policy_loss["kl_loss_coef"] == 0.1
+    # otbrl variance measures several estimators with one configuration: an option any of them
+    # takes is used
+    cfg = load_config(None, ["algorithm.norm_adv_by_std_in_grpo=false"])
+    resolve(cfg, estimators=["optimal_token_baseline", "grpo"])

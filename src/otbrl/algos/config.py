@@ -127,7 +127,10 @@ class AlgorithmConfig:
     def check(self, at: str) -> None:
         """``off_policy`` and ``rollout_correction`` both weight the samples: one at a time;
         dynamic sampling's keys only with it, and not with a teacher (whose signal varies
-        inside every group)."""
+        inside every group); the in-reward KL's weight only with it."""
+        if not self.use_kl_in_reward:
+            because = f"'{at}use_kl_in_reward' is false (no KL in the reward)"
+            refuse_unset(self, at, because, "set it true", ["kl_coef"])
         if not self.dynamic_sampling:
             because = f"'{at}dynamic_sampling' is false"
             refuse_unset(self, at, because, "set it true", ["max_sample_rounds"])

@@ -52,16 +52,20 @@ def variance(args: argparse.Namespace) -> int:
             "reward alone (no teacher, no in-reward KL); drop the key",
             "algorithm.distill.teacher_path",
         )
-    from otbrl.run.plan import plan_run
-
-    plan = plan_run(cfg)
+    from otbrl.research.gradient_probe import parse_estimators
     from otbrl.research.variance import (
         DEFAULT_ESTIMATORS,
         MeasurementError,
         check_variance_args,
         run_variance,
     )
+    from otbrl.run.plan import plan_run
 
+    try:  # the configured estimator options apply to every estimator measured
+        measured = [s.name for s in parse_estimators(args.estimators or DEFAULT_ESTIMATORS)]
+    except ValueError as err:
+        raise ConfigError(f"otbrl variance: {err}", "--estimators") from None
+    plan = plan_run(cfg, estimators=measured)
     if args.prompts > len(plan.train_rows):
         raise ConfigError(
             f"otbrl variance: --prompts {args.prompts} is more than the training data's "

@@ -75,7 +75,8 @@ class ActorConfig(MicroBatchConfig, OptimConfig):
     ulysses_sequence_parallel_size: int = setting(1, gt=0, resume="may_differ")
 
     def check(self, at: str) -> None:
-        """GSPO and CISPO take the aggregation their papers define and no dual clip."""
+        """GSPO and CISPO take the aggregation their papers define and no dual clip; the KL
+        loss's keys only with the KL loss."""
         defined = POLICY_LOSS_AGG.get(self.policy_loss)
         if defined is not None and self.loss_agg_mode not in (None, defined):
             raise ConfigError(
@@ -86,6 +87,9 @@ class ActorConfig(MicroBatchConfig, OptimConfig):
         if self.policy_loss != "ppo":
             because = f"'{at}policy_loss' is {self.policy_loss} (the dual clip is PPO's)"
             refuse_unset(self, at, because, f"use {at}policy_loss=ppo", ["clip_ratio_c"])
+        if not self.use_kl_loss:
+            because = f"'{at}use_kl_loss' is false (no KL loss)"
+            refuse_unset(self, at, because, "set it true", ["kl_loss_coef", "kl_loss_type"])
 
 
 @dataclass

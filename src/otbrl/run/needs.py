@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import difflib
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from otbrl.algos import rollout_correction
 from otbrl.algos.advantages import ESTIMATORS, get_estimator
 from otbrl.config import Config, ConfigError
-from otbrl.config.keys import ESTIMATOR_OPTION_KEYS  # option -> the key that sets it
+from otbrl.config.keys import ESTIMATOR_OPTION_KEYS, SCHEMA_FIELDS  # option -> its key
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,27 @@ def check_registries(cfg: Config) -> None:
             f"still carry a signal under '{name}' (its baseline is not the group's); use one "
             f"of {grouped}",
             "algorithm.dynamic_sampling",
+        )
+
+
+def check_options(cfg: Config, estimators: Sequence[str]) -> None:
+    """An estimator option set away from its default that none of the run's ``estimators``
+    (registry names: the configured one for a training run, every one ``otbrl variance``
+    measures) takes would change nothing: a ``ConfigError`` naming its key and the estimators
+    that take it."""
+    taken = [get_estimator(name) for name in estimators]
+    if any(e.takes_any for e in taken):
+        return
+    for option, value in estimator_options(cfg).items():
+        key = ESTIMATOR_OPTION_KEYS[option]
+        if value == SCHEMA_FIELDS[key].default or any(option in e.params for e in taken):
+            continue
+        takers = sorted(n for n, e in ESTIMATORS.items() if option in e.params or e.takes_any)
+        named = ", ".join(dict.fromkeys(estimators))
+        raise ConfigError(
+            f"'{key}' is set but the estimator {named} does not use it (an option of "
+            f"{', '.join(takers)}); drop the key or set algorithm.adv_estimator to one of those",
+            key,
         )
 
 

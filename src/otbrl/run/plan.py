@@ -112,13 +112,15 @@ def _check_task(cfg: Config) -> None:
         )
 
 
-def plan_run(cfg: Config, world_size: int | None = None, *, train: bool = True) -> Plan:
+def plan_run(
+    cfg: Config, world_size: int | None = None, *, train: bool = True, estimators=()
+) -> Plan:
     """``resolve`` the config, then ``preflight`` it: the ``Plan`` of the run, made once before
     any model loads; raises ``ConfigError`` naming the key. ``world_size`` defaults to
-    torchrun's ``WORLD_SIZE`` (1 without torchrun)."""
+    torchrun's ``WORLD_SIZE`` (1 without torchrun); ``estimators``: as ``resolve``'s."""
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    return preflight(cfg, resolve(cfg, world_size), train=train)
+    return preflight(cfg, resolve(cfg, world_size, estimators=estimators), train=train)
 
 
 def preflight(cfg: Config, spec: RunSpec, *, train: bool = True) -> Plan:

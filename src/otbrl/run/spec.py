@@ -14,7 +14,7 @@ component config, never the raw config.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
@@ -31,6 +31,7 @@ from otbrl.rollout import SamplingParams
 from otbrl.rollout.config import RolloutConfig
 from otbrl.run.needs import (
     SOURCES,
+    check_options,
     check_providers,
     check_registries,
     correction_mode,
@@ -273,10 +274,13 @@ def loss_options(cfg: Config) -> tuple[dict, dict | None]:
     return policy, critic
 
 
-def resolve(cfg: Config, world_size: int = 1) -> RunSpec:
+def resolve(cfg: Config, world_size: int = 1, *, estimators: Sequence[str] = ()) -> RunSpec:
     """Every decision the (schema-checked) config fixes, for ``world_size`` processes; raises
-    ``ConfigError`` naming the key. Pure: it opens no file and loads nothing."""
+    ``ConfigError`` naming the key. ``estimators``: the registry names that will read the
+    estimator options (none given: ``algorithm.adv_estimator``; ``otbrl variance``: those it
+    measures). Pure: it opens no file and loads nothing."""
     check_registries(cfg)
+    check_options(cfg, estimators or [cfg.algorithm.adv_estimator])
     needs = stat_needs(cfg)
     enable = cfg.critic.enable
     use_critic = enable == "true" or (enable == "auto" and "values" in needs)
