@@ -22,8 +22,8 @@ def overrides(tmp_path_factory):
     return tiny_run_factory(tmp_path_factory.mktemp("launch"))
 
 
-def _otbrl(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _otbrl(*argv: str, timeout: float = 300, **extra_env: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **extra_env}
     env.pop("TORCHELASTIC_RUN_ID", None)
     return subprocess.run(
         [sys.executable, "-m", *argv], capture_output=True, text=True, timeout=timeout, env=env
@@ -96,11 +96,19 @@ time.sleep(600)
 
 def test_under_torchrun_rank_0_alone_says_it_and_explains_the_report(overrides, tmp_path):
     """A user's own ``torchrun``: its report cannot be stopped from inside, so rank 0 says the
-    error once and one line on what the report below is; the other ranks say nothing."""
+    error once and one line on what the report below is; the other ranks say nothing. Rank 0
+    starts 3 s after rank 1 here (a ``sitecustomize``): rank 1 exited at once, and torchrun
+    stopped rank 0 before it had said anything ("otbrl: interrupted", seen under load)."""
+    late = tmp_path / "late"
+    late.mkdir()
+    (late / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('RANK') == '0':\n    time.sleep(3)\n"
+    )
+    path = os.pathsep.join(filter(None, [str(late), os.environ.get("PYTHONPATH")]))
     run = overrides(tmp_path / "run", "actor.lr=-1")
     done = _otbrl(
         "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "otbrl",
-        "train", *run,
+        "train", *run, PYTHONPATH=path,
     )  # fmt: skip
     said = _otbrl_lines(done.stderr)
     assert done.returncode != 0

@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable
 
@@ -30,6 +31,9 @@ from otbrl.cli.training import DEMO_PRESET, DEMO_SECONDS, demo, sft, train
 from otbrl.config import ConfigError
 from otbrl.config.load import RenamedKeyWarning
 from otbrl.rewards.scoring import RewardError
+
+# how long a rank other than 0 waits, after a configuration error, for torchrun to stop it
+RANK_WAIT_S = 60.0
 
 __all__ = ["COMMANDS", "DEMO_PRESET", "DEMO_SECONDS", "EXIT_CONFIG", "main"]
 
@@ -160,7 +164,17 @@ def report_config_error(err: ConfigError) -> None:
     processes check the same configuration (torchrun's ranks); under a torchrun that otbrl did
     not start, rank 0 adds one line on the failure report torchrun prints next."""
     if int(os.environ.get("RANK", "0")) != 0:
-        return  # rank 0 says it: every rank checked the same configuration
+        # rank 0 says it: every rank checked the same configuration. A rank that exits first
+        # makes torchrun stop the others, rank 0 too, before it has said it (seen under load):
+        # wait for torchrun to stop this rank after rank 0 exits; still running a minute later,
+        # rank 0 did not stop on it (a file missing on this node alone): say it
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            try:
+                time.sleep(RANK_WAIT_S)
+            except KeyboardInterrupt:  # torchrun's SIGTERM (see _Terminated): quietly
+                return
+            print(f"otbrl: config error (rank {os.environ['RANK']}): {err}", file=sys.stderr)
+        return
     print(f"otbrl: config error: {err}", file=sys.stderr)
     if "TORCHELASTIC_RUN_ID" in os.environ and LAUNCHED not in os.environ:
         print(
