@@ -177,7 +177,9 @@ def test_the_site_renders_in_a_real_browser(site, served, tmp_path):
             lambda m: errors.append(f"{page.url}: {m.text}") if m.type == "error" else None,
         )
         page.on("pageerror", lambda e: errors.append(f"{page.url}: {e}"))
-        page.on("requestfailed", lambda r: errors.append(f"{page.url}: failed {r.url}"))
+        page.on(
+            "requestfailed", lambda r: errors.append(f"{page.url}: failed {r.url} ({r.failure})")
+        )
 
         page.goto(f"{served}/index.html")
         assert page.title().startswith("otbrl")
@@ -191,6 +193,9 @@ def test_the_site_renders_in_a_real_browser(site, served, tmp_path):
         page.wait_for_selector("#search-results ul.search li", timeout=15_000)
         hits = page.locator("#search-results ul.search li a").all_inner_texts()
         assert any("sandbox" in h.lower() for h in hits), hits
+        # the results' summaries are fetched from their pages after the list shows: leaving
+        # before they arrive aborts them (requests "failed" on a busy machine)
+        page.wait_for_load_state("networkidle", timeout=30_000)
         page.screenshot(path=shots / "search.png")
 
         # math: MathML drawn by the browser, with a real size (not raw TeX)
