@@ -108,3 +108,8 @@ def test_the_keys_of_a_part_that_is_on_are_taken():
     # takes is used
     cfg = load_config(None, ["algorithm.norm_adv_by_std_in_grpo=false"])
     resolve(cfg, estimators=["optimal_token_baseline", "grpo"])
+    from otbrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"none of the estimators .* --estimators") as err:
+        resolve(cfg, estimators=["optimal_token_baseline", "rloo"])
+    assert err.value.key == "algorithm.norm_adv_by_std_in_grpo"

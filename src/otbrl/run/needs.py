@@ -110,10 +110,14 @@ def check_options(cfg: Config, estimators: Sequence[str]) -> None:
         if value == SCHEMA_FIELDS[key].default or any(option in e.params for e in taken):
             continue
         takers = sorted(n for n, e in ESTIMATORS.items() if option in e.params or e.takes_any)
-        named = ", ".join(dict.fromkeys(estimators))
+        names = list(dict.fromkeys(estimators))
+        if len(names) == 1:
+            unused, fix = f"the estimator {names[0]} does not use it", "algorithm.adv_estimator"
+        else:  # otbrl variance
+            unused, fix = f"none of the estimators {', '.join(names)} uses it", "--estimators"
         raise ConfigError(
-            f"'{key}' is set but the estimator {named} does not use it (an option of "
-            f"{', '.join(takers)}); drop the key or set algorithm.adv_estimator to one of those",
+            f"'{key}' is set but {unused} (an option of {', '.join(takers)}); drop the key or "
+            f"name one of those in {fix}",
             key,
         )
 
