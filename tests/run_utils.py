@@ -132,7 +132,10 @@ def kill_at_first_checkpoint(command: list[str], run_dir: Path, env: dict) -> No
 
 def spy_advantage(monkeypatch) -> list[dict]:
     """The keyword arguments (tensors cloned) of every ``compute_advantage`` call the trainer
-    makes from now on in this test: the step's batch as the estimator got it."""
+    makes from now on in this test: the step's batch as the estimator got it. A step whose
+    policy statistics come from its update's forwards with a group-local estimator
+    (``stats_in_update="groups"``) calls it once per micro-batch of whole groups, then once
+    over the whole batch: a step's last call is its batch."""
     import torch
 
     import otbrl.run.trainer as trainer_mod

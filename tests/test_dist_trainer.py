@@ -145,3 +145,34 @@ def test_dynamic_sampling_ranks_agree_on_their_rounds(tmp_path):
     for line in [line for line in lines if "policy/loss" in line]:
         assert line["dynamic_sampling/rounds"] == 3
         assert line["dynamic_sampling/filled_frac"] >= 0.5  # rank 1's whole share, at least
+
+
+@pytest.mark.parametrize("estimator", ["optimal_token_baseline", "grpo"])
+def test_one_forward_on_two_ranks_equals_the_separate_pass(tmp_path, estimator):
+    """FSDP2 on 2 ranks: the step whose policy statistics come from the update's forwards
+    (OTB: micro-batches of whole groups; GRPO: advantages first) logs the metrics of the step
+    with the separate pass (the same samples, the same start)."""
+    from otbrl.models import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model", **SMALL)
+    reward = tmp_path / "reward.py"  # scores that vary within a group: a signal to agree on
+    reward.write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info):\n"
+        "    return (sum(map(ord, solution_str)) % 5) / 4.0\n"
+    )
+    logged = {}
+    for one in ("true", "false"):
+        run = tmp_path / f"run-{one}"
+        extra = ["trainer.total_steps=1", "trainer.val_every=0", f"actor.one_forward={one}"]
+        extra += ["actor.calculate_sum_pi_squared=true", f"algorithm.adv_estimator={estimator}"]
+        extra += [f"reward.function={reward}:score"]
+        check_ok(launch(_train_worker, 2, tmp_path / f"w-{one}", [*_common(model, run), *extra]))
+        logged[one] = _steps(run)[1][-1]
+    fused, separate = logged["true"], logged["false"]
+    assert fused["policy/one_forward"] == 1.0 and separate["policy/one_forward"] == 0.0
+    assert separate["policy/grad_norm"] > 0
+    steady = [k for k in separate if not k.startswith(("timing/", "throughput/", "memory/"))]
+    assert set(steady) - {"policy/one_forward"} <= set(fused)
+    for key in steady:
+        if key != "policy/one_forward":
+            assert fused[key] == pytest.approx(separate[key], rel=1e-5, abs=1e-6), key

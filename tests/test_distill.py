@@ -210,7 +210,7 @@ def test_with_tools_observation_tokens_carry_no_signal(tmp_path, monkeypatch):
     trainer = trainer_mod.Trainer(cfg)
     steer_to_calls(trainer.policy.model, trainer.tokenizer)
     trainer.fit()
-    (kwargs,) = seen
+    kwargs = seen[-1]  # the whole batch (one forward: its micro-batches came first)
     mask = kwargs["response_mask"]
     real = mask.flip(-1).cummax(-1).values.flip(-1).bool()  # up to each row's last token
     holes = real & (mask == 0)

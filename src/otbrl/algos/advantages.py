@@ -54,6 +54,9 @@ class Estimator:
     as DAPO does: the rule is the rewards', not the estimator's. ``response_space``: its
     baseline counts positions in response space (the k-th model token of each row, tool
     observations skipped: TIR-OTB), so the metrics that describe it (OTB's zero tail) must too.
+    ``group_local``: a group's advantages depend on that group's rows alone (no batch-wide
+    normalisation): computed over any set of whole groups they are the same, which is what lets
+    the trainer compute them micro-batch by micro-batch inside the update's forwards.
     """
 
     name: str
@@ -62,6 +65,7 @@ class Estimator:
     options_needs: Callable[..., frozenset[str]] | None = None
     group_relative: bool = False
     response_space: bool = False
+    group_local: bool = False
     params: frozenset[str] = field(init=False)  # keyword arguments fn takes
     takes_any: bool = field(init=False)  # fn has **kwargs: it is handed everything
 
@@ -94,15 +98,17 @@ def register_estimator(
     options_needs: Callable[..., frozenset[str]] | None = None,
     group_relative: bool = False,
     response_space: bool = False,
+    group_local: bool = False,
 ):
     """Decorator: register ``fn`` under ``name`` with the statistics it needs and the facts the
-    trainer acts on (``Estimator.group_relative``, ``Estimator.response_space``)."""
+    trainer acts on (``Estimator.group_relative``, ``Estimator.response_space``,
+    ``Estimator.group_local``)."""
 
     def wrap(fn):
         if name in ESTIMATORS:
             raise ValueError(f"estimator {name!r} is already registered")
         ESTIMATORS[name] = Estimator(
-            name, fn, frozenset(needs), options_needs, group_relative, response_space
+            name, fn, frozenset(needs), options_needs, group_relative, response_space, group_local
         )
         return fn
 
@@ -151,7 +157,11 @@ def _otb_needs(energy: str = "logit_gradient", **_) -> frozenset[str]:
 
 
 register_estimator(
-    "optimal_token_baseline", needs=_otb_needs(), options_needs=_otb_needs, group_relative=True
+    "optimal_token_baseline",
+    needs=_otb_needs(),
+    options_needs=_otb_needs,
+    group_relative=True,
+    group_local=True,
 )(optimal_token_baseline)
 register_estimator(
     "tir_optimal_token_baseline",
@@ -159,6 +169,7 @@ register_estimator(
     options_needs=_otb_needs,
     group_relative=True,
     response_space=True,
+    group_local=True,
 )(tir_optimal_token_baseline)
 
 
@@ -169,7 +180,7 @@ def _scores_and_groups(token_level_rewards, response_mask, index):
     return masked_sum(r, m, dim=-1), m, gid, n
 
 
-@register_estimator("grpo", group_relative=True)
+@register_estimator("grpo", group_relative=True, group_local=True)
 def grpo(
     *, token_level_rewards, response_mask, index, norm_adv_by_std_in_grpo: bool = True
 ) -> tuple[Tensor, Tensor]:
@@ -191,7 +202,7 @@ def grpo(
     return adv, adv.clone()
 
 
-@register_estimator("rloo", group_relative=True)
+@register_estimator("rloo", group_relative=True, group_local=True)
 def rloo(*, token_level_rewards, response_mask, index) -> tuple[Tensor, Tensor]:
     """RLOO: a_i = (n·score_i − Σ_g score)/(n − 1) (score minus the others' mean); n = 1: score_i.
 

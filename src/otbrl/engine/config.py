@@ -64,6 +64,11 @@ class ActorConfig(MicroBatchConfig, OptimConfig):
     kl_loss_type: str = setting("low_var_kl", choices=sorted(KL_KINDS), resume="fixed")
     # fuse the lm_head with the token statistics (no [T, V] logits kept)
     use_fused_kernels: bool = setting(False, resume="may_differ")
+    # take the policy's statistics (old log-probs, entropy, Σπ²) from the update's own forward
+    # where that is exact — a step trained in one optimizer step of one epoch — instead of a
+    # separate pass over the same tokens (the metric policy/one_forward says which ran); false:
+    # always the separate pass
+    one_forward: bool = setting(True, resume="may_differ")
     # "auto" | "true" | "false" (YAML booleans accepted)
     calculate_sum_pi_squared: str = setting("auto", choices=TRISTATE, resume="may_differ")
     # how the engine is laid out over processes (formerly actor.engine): "auto": one process,

@@ -12,6 +12,7 @@ every method is then collective and every rank calls it with its own share of th
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import replace
 from typing import NamedTuple
@@ -173,6 +174,41 @@ class FrozenEngine:
             ) from None
         count = int(self.world.max([need])[0])
         return [torch.tensor(b, dtype=torch.long) for b in binning(*sizes, budget, count)]
+
+    def group_micro_batches(self, batch: dict[str, Tensor], groups: Tensor) -> list[Tensor] | None:
+        """Micro-batches of whole groups (the rows sharing a value of ``groups`` [B]) under this
+        engine's cap — ``micro_batch_size`` rows, or the token budget counted as
+        ``micro_batches`` counts it — as many on every rank; int64 index tensors, together a
+        permutation of the B rows. Collective. None on every rank when a rank's groups cannot
+        be so split (a group over the cap, or fewer groups than the micro-batches the ranks
+        agree on): the caller then takes the rows as ``micro_batches`` cuts them."""
+        members: dict[int, list[int]] = {}
+        for row, group in enumerate(groups.tolist()):
+            members.setdefault(group, []).append(row)
+        parts = list(members.values())
+        budget = self.spec.micro.max_tokens_per_micro_batch
+        if budget is None:
+            sizes, budget = [[len(p) for p in parts]], self.spec.micro.micro_batch_size
+            binning = token_bins
+        elif self.layout.packed:
+            tokens = batch["attention_mask"].sum(dim=1).tolist()
+            sizes, binning = [[sum(tokens[i] for i in p) for p in parts]], token_bins
+        else:
+            prompt, response = (e.tolist() for e in padded_extents(batch))
+            widest = [[max(prompt[i] for i in p) for p in parts],
+                      [max(response[i] for i in p) for p in parts]]  # fmt: skip
+            sizes = widest
+            binning = functools.partial(padded_bins, rows=[len(p) for p in parts])
+        try:
+            need = len(binning(*sizes, budget, None))
+        except ValueError:  # a group over the cap
+            need = len(parts) + 1
+        count = int(self.world.max([need])[0])
+        if self.world.max([float(count > len(parts))])[0] > 0:
+            return None
+        bins = binning(*sizes, budget, count)
+        rows = [sorted(r for i in b for r in parts[i]) for b in bins]
+        return [torch.tensor(r, dtype=torch.long) for r in rows]
 
     # -- views --------------------------------------------------------------------------------
     def without_adapters(

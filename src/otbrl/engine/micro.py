@@ -84,7 +84,11 @@ def token_bins(lengths: Sequence[int], budget: int, count: int | None) -> list[l
 
 
 def padded_bins(
-    prompt_lengths: Sequence[int], response_lengths: Sequence[int], budget: int, count: int | None
+    prompt_lengths: Sequence[int],
+    response_lengths: Sequence[int],
+    budget: int,
+    count: int | None,
+    rows: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Micro-batches of the padded layout, where a micro-batch of n rows costs n × (its longest
     prompt + its longest response) tokens (it is trimmed to its own widths): the rows sorted by
@@ -93,25 +97,30 @@ def padded_bins(
     fewest micro-batches for rows of one width each). ``count`` None: that many; else exactly
     ``count`` (between that and N): the costliest micro-batch is halved until there are as
     many (halves of like rows cost no more). Arguments ``[N]`` each; rows in index order
-    within a micro-batch. ``ValueError`` for a row over the budget."""
+    within a micro-batch. ``ValueError`` for a row over the budget. ``rows`` [N]: item i stands
+    for ``rows[i]`` rows whose longest prompt and response are its lengths (a group that must
+    stay whole); None: one row each."""
     if len(prompt_lengths) != len(response_lengths):
         raise ValueError(
             f"response_lengths: expected {len(prompt_lengths)} rows like prompt_lengths, "
             f"got {len(response_lengths)}"
         )
+    weight = [1] * len(prompt_lengths) if rows is None else list(rows)
+    if len(weight) != len(prompt_lengths) or min(weight, default=1) < 1:
+        raise ValueError(f"rows: expected {len(prompt_lengths)} counts >= 1, got {rows}")
     totals = [p + r for p, r in zip(prompt_lengths, response_lengths)]
-    _check(totals, budget)
+    _check([w * t for w, t in zip(weight, totals)], budget)
 
-    def cost(rows: list[int]) -> int:
-        return len(rows) * (
-            max(prompt_lengths[i] for i in rows) + max(response_lengths[i] for i in rows)
+    def cost(items: list[int]) -> int:
+        return sum(weight[i] for i in items) * (
+            max(prompt_lengths[i] for i in items) + max(response_lengths[i] for i in items)
         )
 
     runs: list[list[int]] = []
     widest = (0, 0)  # the current run's longest prompt and response
     for i in sorted(range(len(totals)), key=lambda i: (-totals[i], i)):
         grown = (max(widest[0], prompt_lengths[i]), max(widest[1], response_lengths[i]))
-        if runs and (len(runs[-1]) + 1) * sum(grown) <= budget:
+        if runs and (sum(weight[j] for j in runs[-1]) + weight[i]) * sum(grown) <= budget:
             runs[-1].append(i)
             widest = grown
         else:
@@ -125,9 +134,9 @@ def padded_bins(
             )
         while len(runs) < count:
             big = max(range(len(runs)), key=lambda b: (len(runs[b]) > 1, cost(runs[b]), -b))
-            rows = runs.pop(big)
-            half = (len(rows) + 1) // 2
-            runs[big:big] = [rows[:half], rows[half:]]
+            items = runs.pop(big)
+            half = (len(items) + 1) // 2
+            runs[big:big] = [items[:half], items[half:]]
     return [sorted(b) for b in runs]
 
 

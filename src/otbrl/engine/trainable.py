@@ -12,7 +12,8 @@ engine's public parts (``otbrl.engine.state.EngineState``, ``otbrl.models.weight
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,28 @@ from otbrl.settings import check_settings
 
 class NumericsError(RuntimeError):
     """Training cannot go on: the weights became non-finite, or every step is being skipped."""
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    """The batch's statistics taken from the update's own forwards (``TrainableEngine.update``).
+
+    A batch trained in one optimizer step of one epoch is scored by the same weights that
+    sampled its loss's ratio: the training forwards' outputs, detached, are exactly what a
+    separate no-grad pass would give, so that pass is not run.
+
+    ``outputs``: forward outputs computed beside the loss's needs (``log_probs``, ``entropy``,
+    ``sum_pi_squared``). ``fill(rows, outputs) -> keys``: called before each micro-batch's loss
+    with its rows (int64 [b], indices into the batch ``update`` was given) and its detached
+    ``outputs`` ({name: [b, Lr] float32}); the batch keys it returns for those rows
+    (``old_log_probs``, ``advantages``...) are what the loss reads. ``bins``: the micro-batches
+    (int64 index tensors over the batch's rows, together a permutation of them; None: the
+    engine's own) — whole groups where ``fill`` computes values over a group.
+    """
+
+    outputs: frozenset[str]
+    fill: Callable[[Tensor, dict[str, Tensor]], dict[str, Tensor]]
+    bins: list[Tensor] | None = None
 
 
 class TrainableEngine(FrozenEngine):
@@ -104,10 +127,15 @@ class TrainableEngine(FrozenEngine):
     def _freeze(self) -> None:
         """Nothing to freeze: this engine trains its model."""
 
-    def update(self, batch: dict[str, Tensor], loss_fn: Loss) -> dict[str, float]:
+    def update(
+        self, batch: dict[str, Tensor], loss_fn: Loss, stats: UpdateStats | None = None
+    ) -> dict[str, float]:
         """PPO epochs over shuffled mini-batches, exact gradient accumulation over micro-batches.
 
-        ``batch``: this rank's rows with the model inputs and ``loss_fn.batch_keys``. One
+        ``batch``: this rank's rows with the model inputs and ``loss_fn.batch_keys``.
+        ``stats``: the batch's statistics come from these forwards (``UpdateStats``: one
+        optimizer step of one epoch only, else ``ValueError``; the rows' ``fill`` values
+        replace the batch's in each micro-batch's loss). One
         optimizer + scheduler step per mini-batch; a non-finite gradient norm skips the step
         (counted), and so does a mini-batch whose ``response_mask`` is 0 on every rank (not
         counted: nothing to train).
@@ -132,16 +160,25 @@ class TrainableEngine(FrozenEngine):
             and self.layout.packed
             and self.world.dp_size > 1
         )
+        if stats is not None and (self.optim.ppo_epochs != 1 or mini != size or rebalance):
+            raise ValueError(
+                "stats: the update's forwards are the batch's statistics only when it trains "
+                f"in one optimizer step on this rank's rows (got ppo_epochs="
+                f"{self.optim.ppo_epochs}, {size // mini} mini-batches"
+                f"{', rows re-balanced over ranks' if rebalance else ''})"
+            )
         sums: dict[str, float] = {}
         steps = skipped = 0
         for _ in range(self.optim.ppo_epochs):
             order = torch.randperm(size, generator=self.generator)
             for start in range(0, size, mini):
                 idx = order[start : start + mini]
+                if stats is not None and stats.bins is not None:
+                    idx = torch.arange(size)  # the caller's micro-batches index the batch
                 rows = {k: v[idx] for k, v in batch.items()}
                 if rebalance:
                     rows = self.balanced(rows)
-                metrics, finite = self._optimizer_step(rows, loss_fn)
+                metrics, finite = self._optimizer_step(rows, loss_fn, stats, idx)
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + value
                 steps += 1
@@ -153,22 +190,36 @@ class TrainableEngine(FrozenEngine):
         return out
 
     def accumulate_gradients(
-        self, mini: dict[str, Tensor], loss_fn: Loss, norms: Normalizers | None = None
+        self,
+        mini: dict[str, Tensor],
+        loss_fn: Loss,
+        norms: Normalizers | None = None,
+        stats: UpdateStats | None = None,
+        rows: Tensor | None = None,
     ) -> dict[str, float]:
         """Zero the gradients, then backpropagate the mini-batch loss micro-batch by micro-batch.
 
         Every micro-batch loss is normalised by the whole (global) mini-batch's counts
         (``norms``; default: ``normalizers(mini["response_mask"])``, collective), so the
         accumulated gradient equals that of the mini-batch loss taken at once, for every
-        ``loss_agg_mode`` and any micro-batch cap. Returns the loss's metrics, summed over
-        micro-batches and data-parallel ranks (mini-batch values).
+        ``loss_agg_mode`` and any micro-batch cap. ``stats`` (``UpdateStats``) with ``rows``
+        (int64 [b]: the batch row of each of ``mini``'s): each micro-batch's outputs are handed
+        to its ``fill`` before its loss. Returns the loss's metrics, summed over micro-batches
+        and data-parallel ranks (mini-batch values).
         """
         norms = self.normalizers(mini["response_mask"]) if norms is None else norms
         self.optimizer.zero_grad(set_to_none=True)
         tally: dict[str, float] = {}
-        for idx in self.micro_batches(mini):
+        outputs = frozenset(loss_fn.needs)
+        bins = None
+        if stats is not None:
+            outputs, bins = outputs | stats.outputs, stats.bins
+            rows = torch.arange(mini["input_ids"].shape[0]) if rows is None else rows
+        for idx in self.micro_batches(mini) if bins is None else bins:
             micro = {k: v[idx] for k, v in mini.items()}
-            out = self.forward(micro, frozenset(loss_fn.needs))
+            out = self.forward(micro, outputs)
+            if stats is not None:
+                micro.update(stats.fill(rows[idx], {k: v.detach() for k, v in out.items()}))
             loss, metrics = loss_fn(out, micro, norms)
             loss.backward()
             for key, value in metrics.items():
@@ -204,9 +255,15 @@ class TrainableEngine(FrozenEngine):
         mine = torch.tensor(balance_ranks(lengths, dp)[self.world.dp_rank], dtype=torch.long)
         return {key: value[mine] for key, value in out.items()}
 
-    def _optimizer_step(self, mini: dict[str, Tensor], loss_fn: Loss) -> tuple[dict, bool]:
+    def _optimizer_step(
+        self,
+        mini: dict[str, Tensor],
+        loss_fn: Loss,
+        stats: UpdateStats | None = None,
+        rows: Tensor | None = None,
+    ) -> tuple[dict, bool]:
         norms = self.normalizers(mini["response_mask"])
-        metrics = self.accumulate_gradients(mini, loss_fn, norms)
+        metrics = self.accumulate_gradients(mini, loss_fn, norms, stats, rows)
         clip = self.optim.grad_clip if self.optim.grad_clip > 0 else float("inf")
         grad_norm = parallel.clip_grad_norm(self.model.parameters(), clip)
         finite = bool(torch.isfinite(grad_norm))

@@ -70,6 +70,44 @@ def stat_needs(cfg: Config) -> frozenset[str]:
     return frozenset(needs)
 
 
+POLICY_STATS = frozenset(key for key, src in SOURCES.items() if src.engine == "policy")
+
+
+def stats_in_update(cfg: Config, *, use_critic: bool, dp: int) -> str | None:
+    """Whether the policy's statistics come from its update's own forwards (``actor.one_forward``)
+    and how: exact where the batch trains in one optimizer step of one epoch, whose forwards run
+    on the weights that would score it in a separate pass.
+
+    ``"rows"``: the advantages read none of the policy's statistics (GRPO, RLOO, GAE...): they
+    are computed before the update, whose micro-batches (any) hand out the statistics.
+    ``"groups"``: they do (OTB's π and Σπ², a KL in the reward, a teacher's signal, importance
+    weights the estimator reads): the update's micro-batches hold whole groups and each
+    computes its groups' advantages from its own forward before its backward — an estimator
+    whose advantages are ``group_local``, without a critic (its update comes first and needs the
+    returns), with micro-batches that can hold a group. None: the separate pass — several
+    optimizer steps or epochs (later forwards see updated weights), ``seq_mis`` (the rows it
+    drops change the loss's normalisers), rows re-balanced over ``dp`` ranks, or switched off.
+    """
+    a = cfg.actor
+    mini = a.ppo_mini_batch_size or cfg.data.train_batch_size
+    mode = correction_mode(cfg)
+    rebalance = a.max_tokens_per_micro_batch is not None and cfg.model.use_remove_padding
+    one_step = a.ppo_epochs == 1 and mini == cfg.data.train_batch_size
+    if not (a.one_forward and one_step) or mode == "seq_mis" or (rebalance and dp > 1):
+        return None
+    estimator = get_estimator(cfg.algorithm.adv_estimator)
+    reads = set(estimator.needs_for(**estimator_options(cfg)))
+    if mode != "none" and ("rollout_is_weights" in estimator.params or estimator.takes_any):
+        reads.add("rollout_is_weights")
+    algo = cfg.algorithm
+    if not (reads & (POLICY_STATS | {"rollout_is_weights"})) and not (
+        algo.use_kl_in_reward or algo.distill.teacher_path is not None
+    ):
+        return "rows"
+    fits = a.max_tokens_per_micro_batch is not None or a.micro_batch_size >= cfg.rollout.n
+    return "groups" if estimator.group_local and not use_critic and fits else None
+
+
 def correction_mode(cfg: Config) -> str:
     """The ``rollout_is_weights`` mode of the run (``otbrl.algos.rollout_correction``'s
     ``correction_mode`` of ``algorithm.off_policy`` and ``algorithm.rollout_correction``)."""

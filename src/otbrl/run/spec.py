@@ -37,6 +37,7 @@ from otbrl.run.needs import (
     correction_mode,
     estimator_options,
     stat_needs,
+    stats_in_update,
 )
 
 
@@ -147,6 +148,7 @@ class RunSpec:
     policy_loss: Mapping[str, Any]
     critic_loss: Mapping[str, Any] | None
     trainer: TrainerConfig
+    stats_in_update: str | None = None
     record: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def uses(self, engine: str) -> bool:
@@ -340,5 +342,6 @@ def resolve(cfg: Config, world_size: int = 1, *, estimators: Sequence[str] = ())
         policy_loss=MappingProxyType(policy_loss),
         critic_loss=MappingProxyType(critic_loss) if use_critic else None,
         trainer=t,
+        stats_in_update=stats_in_update(cfg, use_critic=use_critic, dp=dims.dp),
         record=MappingProxyType(to_dict(cfg)),
     )

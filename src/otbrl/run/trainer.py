@@ -29,17 +29,18 @@ import contextlib
 import time
 from pathlib import Path
 
+import torch
 from torch import Tensor
 
 from otbrl.algos.advantages import compute_advantage
 from otbrl.algos.metrics import step_metrics
 from otbrl.algos.reductions import masked_mean
-from otbrl.algos.rollout_correction import correct_for_rollout
+from otbrl.algos.rollout_correction import correct_for_rollout, rollout_is_weights
 from otbrl.algos.token_rewards import token_level_rewards
 from otbrl.config import Config
 from otbrl.engine.memory import peak_memory_gb, reset_peak_memory, state_memory
 from otbrl.engine.state import EngineState
-from otbrl.engine.trainable import check_skipped
+from otbrl.engine.trainable import UpdateStats, check_skipped
 from otbrl.engine.world import collective_guard, start_world, teardown_distributed
 from otbrl.report.metrics_log import MetricsLogger
 from otbrl.report.plots import plot_run
@@ -109,12 +110,13 @@ class Trainer:
         return self.engines["policy"]
 
     # -- one step ---------------------------------------------------------------------------------
-    def statistics(self, batch: dict[str, Tensor], timing: dict) -> None:
-        """Each engine's share of the plan's needs, from one forward of the sampled batch."""
+    def statistics(self, batch: dict[str, Tensor], timing: dict, *, policy: bool = True) -> None:
+        """Each engine's share of the plan's needs, from one forward of the sampled batch
+        (``policy=False``: but the policy's, which its update's forwards hand out)."""
         engines = {**self.engines, **self.frozen}
         for name, key in TIMING.items():
             outputs = self.spec.outputs(name)
-            if outputs:
+            if outputs and (policy or name != "policy"):
                 with _timed(timing, key):
                     stats = engines[name].compute(batch, outputs)
                 batch.update(self.spec.batch_stats(name, stats))
@@ -153,6 +155,50 @@ class Trainer:
         )
         return metrics
 
+    def update_stats(self, batch: dict[str, Tensor]) -> UpdateStats | None:
+        """How the policy's update hands out the batch's statistics (``spec.stats_in_update``),
+        or None: they come from a separate pass first. Under ``groups`` the policy's
+        micro-batches hold whole groups and each micro-batch's advantages are computed from its
+        own forward, before its backward; a step whose groups do not fit the micro-batches
+        takes the pass (``policy/one_forward`` is 0). The batch gets every key the update fills
+        (zeros until then), so the whole batch holds them afterwards."""
+        mode = self.spec.stats_in_update
+        if mode is None:
+            return None
+        bins = None
+        if mode == "groups":
+            bins = self.policy.group_micro_batches(batch, batch["uid"])
+            if bins is None:
+                return None
+        mask = batch["response_mask"]
+        filled = list(self.spec.batch_stats("policy", dict.fromkeys(self.spec.outputs("policy"))))
+        if self.spec.correction != "none":
+            filled.append("rollout_is_weights")
+        if mode == "groups":
+            filled += ["token_level_rewards", "advantages", "returns"]
+        for key in filled:
+            batch[key] = torch.zeros_like(mask, dtype=torch.float32)
+
+        def fill(rows: Tensor, outputs: dict[str, Tensor]) -> dict[str, Tensor]:
+            for key, value in self.spec.batch_stats("policy", outputs).items():
+                batch[key][rows] = value
+            part = {key: value[rows] for key, value in batch.items()}
+            if self.spec.correction != "none":
+                part["rollout_is_weights"] = rollout_is_weights(
+                    part["old_log_probs"],
+                    part["rollout_log_probs"],
+                    part["response_mask"],
+                    mode=self.spec.correction,
+                    cap=self.spec.correction_cap,
+                )[0]
+            if mode == "groups":
+                self.advantage(part)
+            for key in filled:
+                batch[key][rows] = part[key]
+            return {key: part[key] for key in {*self.policy_loss.batch_keys, *filled}}
+
+        return UpdateStats(self.spec.outputs("policy"), fill, bins)
+
     def train_step(self) -> dict[str, float]:
         """One full RL step on every rank; returns its metrics (reduced over ranks)."""
         with collective_guard(f"training step {self.step}"):
@@ -161,17 +207,26 @@ class Trainer:
             start = time.perf_counter()
             sample = self.source.next(self.step)  # its scores may still be on their way
             batch = sample.batch
-            self.statistics(batch, timing)
+            in_update = self.update_stats(batch)  # None: the policy's own statistics pass
+            self.statistics(batch, timing, policy=in_update is None)
             sample = sample.resolve()  # token_level_scores; timing/rollout, timing/reward
             metrics = dict(sample.metrics)
-            metrics.update(self.rollout_correction(batch))
-            with _timed(timing, "adv"):
-                metrics.update(self.advantage(batch))
+            metrics["policy/one_forward"] = float(in_update is not None)
+            if in_update is None:
+                metrics.update(self.rollout_correction(batch))
+            if in_update is None or self.spec.stats_in_update == "rows":
+                with _timed(timing, "adv"):
+                    metrics.update(self.advantage(batch))
             with _timed(timing, "update"):
                 if self.critic_loss is not None:
                     metrics.update(self.engines["critic"].update(batch, self.critic_loss))
-                metrics.update(self.policy.update(batch, self.policy_loss))
+                metrics.update(self.policy.update(batch, self.policy_loss, in_update))
                 self.source.sync_weights(self.policy.model)
+            if in_update is not None:  # the whole batch's metrics, from what the update filled
+                metrics.update(self.rollout_correction(batch))
+                if self.spec.stats_in_update == "groups":  # the same values, group by group
+                    with _timed(timing, "adv"):
+                        metrics.update(self.advantage(batch))
             metrics.update(
                 step_metrics(
                     batch,
