@@ -114,11 +114,17 @@ class TrainableEngine(FrozenEngine):
         super().__init__(model, spec, world=world, name=name)
         self.generator = torch.Generator().manual_seed(seed)
         self.skipped_in_a_row = 0  # optimizer steps skipped since the last one taken
+        trained = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad],
+            trained,
             lr=self.optim.lr,
             weight_decay=self.optim.weight_decay,
             betas=(0.9, 0.999),
+            # the fused kernel: ~5x faster than foreach on a CPU (0.024 vs 0.118 s for 38 M
+            # fp32 parameters); sharded (DTensor) and 16-bit parameters keep foreach (fused
+            # computes 16-bit steps in fp32: another optimizer than bf16-true's)
+            fused=all(p.dtype == torch.float32 and not isinstance(p, DTensor) for p in trained)
+            or None,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, warmup_schedule(self.optim.warmup_steps)
