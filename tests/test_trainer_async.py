@@ -111,19 +111,24 @@ def test_partial_rollouts_span_updates_within_the_bound(vllm_server, data, tmp_p
     span an update (per-token versions), and no row is older than the bound. The signal is
     built, not hoped for (the machine's load decides which side is faster, and a producer done
     before the update has nothing to keep): the first request each weight version samples is
-    held back (2 s at most) until an update is about to pause the server, which then waits (a
-    few seconds at most) for it to be at the server — so an update lands in the middle of it."""
+    held back (8 s at most; only the versions an update can interrupt) until an update is about
+    to pause the server, which then waits (a few seconds at most) for it to be at the server —
+    so an update lands in the middle of it."""
     from otbrl.rollout.server import ServerRollout
 
     complete, load = ServerRollout._complete, ServerRollout._load
-    pausing, held = threading.Event(), set()
+    pausing, held, total = threading.Event(), {}, 4  # total: the run's steps
 
     def first_request_waits_for_a_pause(self, server, prompt, fields, version):
         with lock:
-            first = version not in held
-            held.add(version)
+            # an update can interrupt only the versions between the first (the trainer waits
+            # for the first batch: no update comes while it is sampled) and the last update's
+            # (the producer may sample ahead for a step that never comes)
+            start = held.setdefault("start", version)
+            first = version not in held and start < version < start + total
+            held[version] = True
         if first:
-            pausing.wait(timeout=2.0)
+            pausing.wait(timeout=8.0)  # a step of a busy 2-core machine outlasted 2 s
         return complete(self, server, prompt, fields, version)
 
     def load_while_sampling(self, server, *, pause=False):
@@ -139,9 +144,10 @@ def test_partial_rollouts_span_updates_within_the_bound(vllm_server, data, tmp_p
     monkeypatch.setattr(ServerRollout, "_complete", first_request_waits_for_a_pause)
     monkeypatch.setattr(ServerRollout, "_load", load_while_sampling)
     out = tmp_path / "run"
-    args = overrides(vllm_server[0], data, out, *server(vllm_server), "trainer.total_steps=4",
-                     "trainer.max_staleness=1", "rollout.partial_rollout=true",
-                     "algorithm.off_policy=decoupled", "data.max_response_length=40",
+    args = overrides(vllm_server[0], data, out, *server(vllm_server),
+                     f"trainer.total_steps={total}", "trainer.max_staleness=1",
+                     "rollout.partial_rollout=true", "algorithm.off_policy=decoupled",
+                     "data.max_response_length=40",
                      "rollout.n=16", "actor.micro_batch_size=64")  # fmt: skip
     assert cli.main(["train", *args]) == 0
     steps = [r for r in read_metrics(out) if r["step"] > 0]

@@ -70,25 +70,26 @@ def test_multi_turn_training_steps(tool_dir, tool_files, tmp_path, monkeypatch):
     model = trainer.policy.model
     steer_to_calls(model, trainer.tokenizer)
     seen = []
-    compute = trainer.policy.compute
+    forward = trainer.policy.forward
 
-    def spy(batch, outputs):
-        stats = compute(batch, outputs)
-        # the old statistics come from one forward over the whole stream, observations in
-        # context: a plain forward attending to every real token gives them; one that hides the
-        # observations from the model does not
-        prompt_len = batch["prompts"].shape[1]
-        hidden = dict(batch)
-        hidden["attention_mask"] = batch["attention_mask"].clone()
-        hidden["attention_mask"][:, prompt_len:] = (batch["response_mask"] > 0).long()
+    def spy(micro, outputs):
+        out = forward(micro, outputs)
+        # the old statistics come from forwards over the whole stream, observations in context
+        # (the update's own, when the step trains in one optimizer step): a plain forward
+        # attending to every real token gives them; one that hides the observations does not
+        prompt_len = micro["prompts"].shape[1]
+        hidden = dict(micro)
+        hidden["attention_mask"] = micro["attention_mask"].clone()
+        hidden["attention_mask"][:, prompt_len:] = (micro["response_mask"] > 0).long()
         hidden["position_ids"] = (hidden["attention_mask"].cumsum(1) - 1).clamp(min=0)
         with torch.no_grad():
-            full = forward_outputs(model, batch, Layout(), outputs=frozenset({"log_probs"}))
+            full = forward_outputs(model, micro, Layout(), outputs=frozenset({"log_probs"}))
             blind = forward_outputs(model, hidden, Layout(), outputs=frozenset({"log_probs"}))
-        seen.append((batch, stats["log_probs"], full["log_probs"], blind["log_probs"]))
-        return stats
+        # the micro-batch dict itself: the update fills its advantages after this forward
+        seen.append((micro, out["log_probs"].detach(), full["log_probs"], blind["log_probs"]))
+        return out
 
-    monkeypatch.setattr(trainer.policy, "compute", spy)
+    monkeypatch.setattr(trainer.policy, "forward", spy)
     summary = trainer.fit()
     records = read_metrics(tmp_path / "run")
     steps = [r for r in records if r["step"] > 0]
@@ -106,20 +107,23 @@ def test_multi_turn_training_steps(tool_dir, tool_files, tmp_path, monkeypatch):
         SamplingParams(max_tokens=24, stop_token_ids=tuple(trainer.eos_ids), greedy=True),
     )  # fmt: skip
     assert summary["final_val_accuracy_without_tools"] == alone
-    batch, old, full, blind = seen[-1]
-    mask, prompt_len = batch["response_mask"], batch["prompts"].shape[1]
-    attention = batch["attention_mask"][:, prompt_len:]
-    holes = (attention > 0) & (mask == 0)
-    assert holes.any() and (batch["num_turns"] > 1).any()
-    m = mask > 0
-    assert (old - full)[m].abs().max() <= 1e-6 and (old[~m] == 0).all()
-    after = m & (holes.long().cumsum(1) > 0)  # model tokens that follow an observation
-    assert after.any() and (full - blind)[after].abs().max() > 1e-3
-    # the reward sits on the last model token, after the holes; advantages 0 off the mask
-    scores = batch["token_level_scores"]
-    last = torch.where(m, torch.arange(1, m.shape[1] + 1), 0).amax(1) - 1
-    assert torch.equal(scores[torch.arange(m.shape[0]), last], scores.sum(1))
-    assert (batch["advantages"][~m] == 0).all()
+    assert len(seen) >= 2  # the last step's micro-batches: 16 rows, 8 a micro-batch
+    holes_seen = after_seen = False
+    for batch, old, full, blind in seen[-2:]:
+        mask, prompt_len = batch["response_mask"], batch["prompts"].shape[1]
+        attention = batch["attention_mask"][:, prompt_len:]
+        holes = (attention > 0) & (mask == 0)
+        holes_seen |= bool(holes.any() and (batch["num_turns"] > 1).any())
+        m = mask > 0
+        assert (old - full)[m].abs().max() <= 1e-6 and (old[~m] == 0).all()
+        after = m & (holes.long().cumsum(1) > 0)  # model tokens that follow an observation
+        after_seen |= bool(after.any() and (full - blind)[after].abs().max() > 1e-3)
+        # the reward sits on the last model token, after the holes; advantages 0 off the mask
+        scores = batch["token_level_scores"]
+        last = torch.where(m, torch.arange(1, m.shape[1] + 1), 0).amax(1) - 1
+        assert torch.equal(scores[torch.arange(m.shape[0]), last], scores.sum(1))
+        assert (batch["advantages"][~m] == 0).all()
+    assert holes_seen and after_seen
 
 
 def test_config_errors_name_the_key(tool_dir, tool_files, tmp_path, capsys):
