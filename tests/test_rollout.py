@@ -157,3 +157,56 @@ def test_bad_arguments(policy):
         HFRollout(model, tok).generate(unpad_prompts(ids.float(), mask), SamplingParams())
     with pytest.raises(ValueError, match="response_mask"):
         decode_responses(tok, ids, mask[:, 1:])
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
+def test_the_reserved_kv_cache_decodes_as_the_growing_one(policy, monkeypatch, autocast):
+    """Keys and values written in place into reserved buffers (in the autocast dtype under
+    autocast) give the tokens and log-probs of HF's concatenating cache, bit for bit."""
+    import otbrl.rollout.hf as hf
+
+    model, tok, ids, mask = policy
+    calls = []
+    reserve = hf.reserve_cache
+
+    def counting(cache, capacity):
+        reserve(cache, capacity)
+        calls.append(sum(isinstance(layer, hf._ReservedLayer) for layer in cache.layers))
+
+    def run():
+        with torch.no_grad(), torch.autocast("cpu", dtype=autocast or torch.bfloat16,
+                                             enabled=autocast is not None):  # fmt: skip
+            return hf.shared_prefix_sample(
+                model, ids, mask, 3, 12, [], tok.pad_token_id, False,
+                {"temperature": 1.0, "top_p": 1.0, "top_k": 0}, with_logprobs=True,
+            )  # fmt: skip
+
+    monkeypatch.setattr(hf, "reserve_cache", counting)
+    reserved = run()
+    assert calls and calls[0] == model.config.num_hidden_layers  # every layer took the path
+    monkeypatch.setattr(hf, "reserve_cache", lambda cache, capacity: None)
+    growing = run()
+    assert torch.equal(reserved[0], growing[0])
+    assert torch.equal(reserved[1], growing[1])
+
+
+def test_a_sample_draws_each_token_with_its_probability():
+    """The inverse-CDF draw: frequencies within 5 standard errors of the softmax, tokens of
+    probability 0 (masked logits, a top-k cut) never drawn, one-hot rows exact."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 9) * 1.5
+    logits[0, 2] = float("-inf")
+    logits[2] = float("-inf")
+    logits[2, 8] = 0.0  # all the mass on the last token
+    rows = logits.repeat_interleave(20000, 0)
+    drawn = sample_next_token(rows, do_sample=True, temperature=1.0, top_p=1.0, top_k=0)
+    for i in range(3):
+        got = torch.bincount(drawn[i * 20000 : (i + 1) * 20000], minlength=9).double() / 20000
+        p = torch.softmax(logits[i].double(), -1)
+        assert ((got - p).abs() <= 5 * (p * (1 - p) / 20000).sqrt() + 1e-12).all(), (i, got, p)
+        assert (got[p == 0] == 0).all()
+    cut = sample_next_token(rows[:20000], do_sample=True, temperature=1.0, top_p=1.0, top_k=3)
+    assert set(cut.tolist()) <= set(logits[0].topk(3).indices.tolist())
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        sample_next_token(torch.full((2, 4), float("nan")), do_sample=True, temperature=1.0,
+                          top_p=1.0, top_k=0)  # fmt: skip
