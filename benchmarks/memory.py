@@ -8,6 +8,13 @@ settings, on the same random Qwen2-shaped model, prompts and lengths.
     python benchmarks/memory.py --shape 7b --arms lora16-bf16+ckpt --no-trl --prompts 4 \\
         --samples 2 --tokens 64 --steps 1            # the largest LoRA step in this machine
 
+``--sizes 40m,160m`` runs the whole comparison once per model size (40m: hidden 512, 8 layers,
+vocabulary 8192; 160m: hidden 768, 12 layers, 32 768), each in its own process, and ends with
+one table of the otbrl / TRL step ratios — the RL-step figure of the performance page::
+
+    python benchmarks/memory.py --sizes 40m,160m --arms 32-true,bf16-mixed --prompts 8 \
+        --samples 4 --tokens 64 --steps 4
+
 ``--shape`` takes Qwen2.5's published sizes (0.5b, 1.5b, 3b, 7b: hidden, intermediate,
 layers, heads, KV heads; the vocabulary is ``--vocab``, the tokenizer's BPE trained here) and
 saves the random model in ``--model-dtype`` (bfloat16 for the large shapes: a 7 B model is
@@ -59,6 +66,8 @@ ARMS = {  # name -> (otbrl overrides, TRL settings) ; TRL None: no TRL arm
         {"bf16": True, "lora": 16, "gradient_checkpointing": True},
     ),
 }
+# the RL-step comparison's model sizes: hidden, layers, vocabulary
+SIZES = {"40m": (512, 8, 8192), "160m": (768, 12, 32768)}
 # Qwen2.5's sizes: hidden, intermediate, layers, attention heads, KV heads
 SHAPES = {
     "0.5b": (896, 4864, 24, 14, 2),
@@ -292,6 +301,40 @@ def run_trl(name: str, root: Path, args) -> None:
     )
 
 
+def by_size(args, argv: list[str]) -> int:
+    """This benchmark once per size of ``--sizes`` (its own process each, the other options as
+    given), then the otbrl / TRL step ratios of every size and arm in one table."""
+    rest, skip = [], False
+    for arg in argv:  # drop --sizes and the shape options the sizes set
+        if skip:
+            skip = False
+        elif arg in ("--sizes", "--hidden", "--layers", "--vocab", "--json", "--keep"):
+            skip = True
+        elif not arg.startswith(("--sizes=", "--hidden=", "--layers=", "--vocab=", "--json=")):
+            rest.append(arg)
+    table = {}
+    with tempfile.TemporaryDirectory(prefix="otbrl-sizes-") as tmp:
+        for size in args.sizes.split(","):
+            hidden, layers, vocab = SIZES[size]
+            out = Path(tmp) / f"{size}.json"
+            shape = ["--hidden", str(hidden), "--layers", str(layers), "--vocab", str(vocab)]
+            command = [sys.executable, __file__, *shape, *rest, "--json", str(out)]
+            subprocess.run(command, check=True)
+            table[size] = json.loads(out.read_text())
+    print(f"{'size':<6}{'params':>9}  {'arm':<18}{'otbrl s':>9}{'TRL s':>9}{'ratio':>8}")
+    for size, result in table.items():
+        rows = result["rows"]
+        for arm in args.arms.split(","):
+            mine, theirs = rows.get(f"otbrl/{arm}", {}), rows.get(f"TRL/{arm}", {})
+            if "step_s" not in mine or "step_s" not in theirs:
+                print(f"{size:<6}{result['params'] / 1e6:>8.1f}M  {arm:<18}  failed")
+                continue
+            ratio = mine["step_s"] / theirs["step_s"]
+            print(f"{size:<6}{result['params'] / 1e6:>8.1f}M  {arm:<18}{mine['step_s']:9.2f}"
+                  f"{theirs['step_s']:9.2f}{ratio:8.2f}")  # fmt: skip
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=256)
@@ -310,12 +353,15 @@ def main(argv=None) -> int:
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated arm names")
     parser.add_argument("--no-trl", action="store_true", help="otbrl's arms only")
     parser.add_argument("--json", help="also write the rows to this JSON file")
+    parser.add_argument("--sizes", help=f"comma list of {sorted(SIZES)}: one run per size")
     parser.add_argument("--trl-arm", help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
     args, _ = parser.parse_known_args(argv)
     if args.trl_arm:
         run_trl(args.trl_arm, Path(args.root), args)
         return 0
+    if args.sizes:
+        return by_size(args, argv if argv is not None else sys.argv[1:])
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     arms = [a for a in args.arms.split(",") if a]
     with tempfile.TemporaryDirectory(prefix="otbrl-memory-") as tmp:
