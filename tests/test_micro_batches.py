@@ -115,3 +115,61 @@ def test_a_budget_below_the_longest_sequence_is_refused_before_loading(
         extra = ["critic.enable=true"] if key.startswith("critic") else []
         refused(["train", *overrides(tmp_path / "run", f"{key}=8", *extra)], capsys, key,
                 "longest prompt plus the response budget")  # fmt: skip
+
+
+@given(
+    groups=st.lists(
+        st.tuples(st.integers(1, 6), st.integers(1, 32), st.integers(0, 64)),
+        min_size=1,
+        max_size=20,
+    ),
+    slack=st.integers(0, 300),
+    data=st.data(),
+)
+def test_padded_bins_of_groups_cost_every_row(groups, slack, data):
+    """Items standing for several rows (``rows=``: a group kept whole) cost all of them:
+    each micro-batch's rows x its widths stays under the budget, items are a partition."""
+    rows = [g for g, _, _ in groups]
+    prompt, response = [p for _, p, _ in groups], [r for _, _, r in groups]
+    budget = max(g * (p + r) for g, p, r in groups) + slack
+    first = padded_bins(prompt, response, budget, None, rows=rows)
+    count = data.draw(st.integers(len(first), len(groups)))
+    for bins in (first, padded_bins(prompt, response, budget, count, rows=rows)):
+        assert sorted(i for b in bins for i in b) == list(range(len(groups)))
+        for b in bins:
+            width = max(prompt[i] for i in b) + max(response[i] for i in b)
+            assert sum(rows[i] for i in b) * width <= budget
+    with pytest.raises(ValueError, match="rows"):
+        padded_bins(prompt, response, budget, None, rows=[0] * len(groups))
+
+
+def test_micro_batches_of_whole_groups(tiny_dir):
+    """``FrozenEngine.group_micro_batches``: every group inside one micro-batch, the rows a
+    permutation, under the row cap and under a token budget (padded and packed); None when a
+    group is over the cap."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from otbrl.engine.frozen import FrozenEngine
+    from otbrl.engine.spec import EngineSpec, MicroBatchConfig
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    uid = torch.tensor([3, 3, 3, 0, 0, 0, 7, 7, 7, 1, 1, 1])
+    lengths = torch.tensor([5, 2, 9, 4, 4, 4, 1, 8, 3, 6, 2, 2])
+    width = 12
+    mask = (torch.arange(width)[None] < 3 + lengths[:, None]).long()
+    batch = {"attention_mask": mask, "input_ids": torch.ones_like(mask),
+             "responses": torch.ones(12, width - 3, dtype=torch.long),
+             "response_mask": mask[:, 3:].float(), "prompts": torch.ones(12, 3)}  # fmt: skip
+    cases = [(MicroBatchConfig(6, None), False), (MicroBatchConfig(8, 30), True),
+             (MicroBatchConfig(8, 40), False)]  # fmt: skip
+    for micro, packed in cases:
+        engine = FrozenEngine(model, EngineSpec(micro=micro, packed=packed))
+        bins = engine.group_micro_batches(batch, uid)
+        assert bins is not None and len(bins) > 1
+        assert sorted(torch.cat(bins).tolist()) == list(range(12))
+        for b in bins:
+            for g in set(uid[b].tolist()):
+                assert set(torch.nonzero(uid == g).flatten().tolist()) <= set(b.tolist())
+    small = FrozenEngine(model, EngineSpec(micro=MicroBatchConfig(2, None)))
+    assert small.group_micro_batches(batch, uid) is None  # a group of 3 rows, 2 a micro-batch
