@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,6 +127,12 @@ def compare(trainer: Trainer, spec, *, atol: float) -> str:
 def test_one_forward_equals_the_separate_pass(tiny_dir, tmp_path, precision, packed):
     """Every estimator: the same advantages, gradients and metrics either way (fp32 ≤ 1e-6);
     OTB's micro-batches hold whole groups (rollout.n = 4 in micro-batches of 8 rows)."""
+    if precision == "bf16-mixed" and packed and _forced_avx2_on_amx():
+        pytest.skip(
+            "torch's CPU flash attention in bf16 with gradients stops with 'pack_vnni2 is only "
+            "supported when avx512 is supported' when ATEN_CPU_CAPABILITY=avx2 is forced on an "
+            "AMX CPU (torch's dispatch, not otbrl's; a real AVX2 CPU takes another kernel)"
+        )
     base = train_overrides(
         tiny_dir,
         tmp_path / "run",
@@ -152,6 +160,15 @@ def test_one_forward_equals_the_separate_pass(tiny_dir, tmp_path, precision, pac
         "optimal_token_baseline": "groups",
         "tir_optimal_token_baseline": "groups",
     }
+
+
+def _forced_avx2_on_amx() -> bool:
+    if os.environ.get("ATEN_CPU_CAPABILITY") != "avx2":
+        return False
+    try:
+        return "amx_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
 
 
 def _estimator(spec) -> dict:
