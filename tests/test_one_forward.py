@@ -53,7 +53,8 @@ def one_step(trainer: Trainer, spec) -> tuple[dict, dict, dict]:
     def recording(batch, loss_fn, stats=None):
         seen["batch"] = batch
         out = update(batch, loss_fn, stats)
-        seen["grads"] = {n: p.grad.clone() for n, p in policy.model.named_parameters()}
+        grads = policy.model.named_parameters()
+        seen["grads"] = {n: p.grad.clone() for n, p in grads if p.grad is not None}
         return out
 
     policy.update = recording
@@ -185,12 +186,24 @@ def _estimator(spec) -> dict:
         (["algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=true"], "groups"),
         (["actor.use_kl_loss=true", "actor.entropy_coeff=0.01"], "groups"),
         (["actor.max_tokens_per_micro_batch=64"], "groups"),
+        (["model.lora.rank=4", "actor.use_kl_loss=true", "actor.lr=1e-2"], "groups"),
+        (["actor.use_fused_kernels=true"], "groups"),
     ],
-    ids=["gae-critic", "otb-token_tis", "grpo-decoupled", "kl-in-reward", "kl-loss", "budget"],
+    ids=[
+        "gae-critic",
+        "otb-token_tis",
+        "grpo-decoupled",
+        "kl-in-reward",
+        "kl-loss",
+        "budget",
+        "lora-reference-view",
+        "fused-head",
+    ],
 )
 def test_one_forward_with_the_step_s_other_parts(tiny_dir, tmp_path, extra, mode):
     """A critic, importance weights, a KL in the reward or the loss, an entropy bonus, a token
-    budget: the same step either way (fp32)."""
+    budget, LoRA (its reference a view of the policy without adapters), the fused lm_head: the
+    same step either way (fp32)."""
     base = train_overrides(
         tiny_dir, tmp_path / "run", "data.task=arithmetic", "data.val_size=4",
         "trainer.val_every=0", "actor.micro_batch_size=8", varied_reward(tmp_path), *extra,
