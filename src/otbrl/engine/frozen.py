@@ -162,10 +162,7 @@ class FrozenEngine:
         if budget is None:
             cap = self.spec.micro.micro_batch_size
             return [torch.arange(i, min(i + cap, rows)) for i in range(0, rows, cap)]
-        if self.layout.packed:
-            binning, sizes = token_bins, [batch["attention_mask"].sum(dim=1).tolist()]
-        else:
-            binning, sizes = padded_bins, [e.tolist() for e in padded_extents(batch)]
+        binning, sizes = self._budget_binning(batch, [[i] for i in range(rows)])
         try:
             need = len(binning(*sizes, budget, None))
         except ValueError as err:
@@ -187,18 +184,11 @@ class FrozenEngine:
             members.setdefault(group, []).append(row)
         parts = list(members.values())
         budget = self.spec.micro.max_tokens_per_micro_batch
-        if budget is None:
+        if budget is None:  # the row cap, a group's rows its size
             sizes, budget = [[len(p) for p in parts]], self.spec.micro.micro_batch_size
             binning = token_bins
-        elif self.layout.packed:
-            tokens = batch["attention_mask"].sum(dim=1).tolist()
-            sizes, binning = [[sum(tokens[i] for i in p) for p in parts]], token_bins
         else:
-            prompt, response = (e.tolist() for e in padded_extents(batch))
-            widest = [[max(prompt[i] for i in p) for p in parts],
-                      [max(response[i] for i in p) for p in parts]]  # fmt: skip
-            sizes = widest
-            binning = functools.partial(padded_bins, rows=[len(p) for p in parts])
+            binning, sizes = self._budget_binning(batch, parts)
         try:
             need = len(binning(*sizes, budget, None))
         except ValueError:  # a group over the cap
@@ -209,6 +199,20 @@ class FrozenEngine:
         bins = binning(*sizes, budget, count)
         rows = [sorted(r for i in b for r in parts[i]) for b in bins]
         return [torch.tensor(r, dtype=torch.long) for r in rows]
+
+    def _budget_binning(self, batch: dict[str, Tensor], parts: list[list[int]]):
+        """``(binning, sizes)``: ``binning(*sizes, budget, count)`` cuts the items of ``parts``
+        (each a list of the batch's rows that run together) into micro-batches under the token
+        budget, an item costing what its rows cost — their real tokens in the packed layout
+        (``micro.token_bins``), its rows × the widest prompt + response in the padded one
+        (``micro.padded_bins``)."""
+        if self.layout.packed:
+            tokens = batch["attention_mask"].sum(dim=1).tolist()
+            return token_bins, [[sum(tokens[i] for i in p) for p in parts]]
+        prompt, response = (e.tolist() for e in padded_extents(batch))
+        widest = [[max(prompt[i] for i in p) for p in parts],
+                  [max(response[i] for i in p) for p in parts]]  # fmt: skip
+        return functools.partial(padded_bins, rows=[len(p) for p in parts]), widest
 
     # -- views --------------------------------------------------------------------------------
     def without_adapters(

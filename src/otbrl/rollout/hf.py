@@ -342,7 +342,7 @@ def sample_next_token(
     if not bool(torch.isfinite(total).all()):
         raise ValueError("logits: a row has NaN or infinite logits (no distribution to sample)")
     draw = torch.rand(total.shape, dtype=torch.float64, device=total.device) * total
-    token = torch.searchsorted(cdf, draw, right=True).squeeze(1)
-    # draw rounds up to total about once in 2^53 draws: the row's last possible token
-    last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(dim=-1)
-    return torch.minimum(token, last)
+    # the product can round up to total (about once in 2^53 draws): keep it below, so the
+    # first cumulative mass above it is a token of positive probability
+    draw = torch.minimum(draw, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, draw, right=True).squeeze(1)

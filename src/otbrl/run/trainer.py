@@ -180,9 +180,8 @@ class Trainer:
             batch[key] = torch.zeros_like(mask, dtype=torch.float32)
 
         def fill(rows: Tensor, outputs: dict[str, Tensor]) -> dict[str, Tensor]:
-            for key, value in self.spec.batch_stats("policy", outputs).items():
-                batch[key][rows] = value
             part = {key: value[rows] for key, value in batch.items()}
+            part.update(self.spec.batch_stats("policy", outputs))
             if self.spec.correction != "none":
                 part["rollout_is_weights"] = rollout_is_weights(
                     part["old_log_probs"],
