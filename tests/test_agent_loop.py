@@ -191,8 +191,8 @@ def test_budget_truncates_an_observation_and_ends_the_row():
     assert len(out[1][1].token_ids) == call + 3
 
 
-def test_tool_results_are_cut_to_max_tool_response_tokens():
-    _, agent = agent_for(tool_then_answer, max_tool_response_tokens=3)
+def test_tool_results_are_cut_to_max_observation_tokens():
+    _, agent = agent_for(tool_then_answer, max_observation_tokens=3)
     (group,) = agent.generate(prompts("1234*56="), params())
     assert ids("<tool_response>691</tool_response><assistant>") == [
         t for t, m in zip(group[1].token_ids, group[1].mask) if m == 0
@@ -202,7 +202,7 @@ def test_tool_results_are_cut_to_max_tool_response_tokens():
 def test_a_huge_tool_output_is_cut_by_characters_before_it_is_tokenized(monkeypatch):
     """A tool that prints megabytes: the trainer tokenizes a prefix of it (on main the whole
     output was encoded, then cut)."""
-    turns = agent_for(tool_then_answer, max_tool_response_tokens=3)[1].turns
+    turns = agent_for(tool_then_answer, max_observation_tokens=3)[1].turns
     seen = []
     encode = turns.tokenizer.encode
     monkeypatch.setattr(
@@ -264,7 +264,7 @@ def test_allowed_tools_per_prompt_and_single_turn_equivalence():
     assert out[0][1].tool_errors == 1 and out[1][1].tool_errors == 0
     # a model that never calls: exactly the engine's single-turn completions
     engine = ScriptedEngine(lambda p, s, t: "12<eos>")
-    loop = AgentLoop(engine, agent.turns, agent.executor)
+    loop = AgentLoop(engine, agent.turns, agent.make_env, tools=agent.tools)
     single = engine.generate(prompts("2*3="), params(stop_token_ids=tuple(agent.turns.stop_ids)))
     (group,) = loop.generate(prompts("2*3="), params())
     assert [(r.token_ids, r.logprobs, r.finish_reason) for r in group] == [

@@ -62,7 +62,7 @@ def setup(one_thread, tmp_path_factory):
 def agent(s, backend):
     return make_agent(
         s[backend], s["tok"], s["tools"],
-        MultiTurnConfig(max_turns=3, max_tool_response_tokens=8),
+        MultiTurnConfig(max_turns=3, max_observation_tokens=8),
         eos_token_ids=[s["tok"].eos_token_id],
     )  # fmt: skip
 

@@ -202,7 +202,7 @@ def test_with_tools_observation_tokens_carry_no_signal(tmp_path, monkeypatch):
         train_overrides(
             student, tmp_path / "run", *files, "trainer.total_steps=1", "trainer.val_every=0",
             "data.max_response_length=24", "rollout.multi_turn.tools=[calculator]",
-            "rollout.multi_turn.max_turns=3", "rollout.multi_turn.max_tool_response_tokens=4",
+            "rollout.multi_turn.max_turns=3", "rollout.multi_turn.max_observation_tokens=4",
             "algorithm.adv_estimator=tir_optimal_token_baseline",
             f"algorithm.distill.teacher_path={teacher}",
         ),

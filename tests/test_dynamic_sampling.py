@@ -241,7 +241,7 @@ def test_with_tools_the_kept_groups_keep_their_observation_holes(run, tmp_path, 
         train_overrides(
             model, tmp_path / "run", *files, "trainer.total_steps=1", "trainer.val_every=0",
             "data.max_response_length=24", "rollout.multi_turn.tools=[calculator]",
-            "rollout.multi_turn.max_tool_response_tokens=4", "algorithm.dynamic_sampling=true",
+            "rollout.multi_turn.max_observation_tokens=4", "algorithm.dynamic_sampling=true",
             "algorithm.adv_estimator=tir_optimal_token_baseline",
         ),
     )  # fmt: skip

@@ -27,6 +27,7 @@ FLOORS = {
     "otbrl.rewards": 2,
     "otbrl.models": 2,
     "otbrl.tools": 2,
+    "otbrl.envs": 2,
     "otbrl.integrations": 2,
     "otbrl.engine": 3,
     "otbrl.rollout": 3,

@@ -37,7 +37,7 @@ def tool_run(tmp_path, seed: int) -> list[dict]:
             "rollout.n=8",
             "rollout.multi_turn.tools=[calculator]",
             "rollout.multi_turn.max_turns=3",
-            "rollout.multi_turn.max_tool_response_tokens=16",
+            "rollout.multi_turn.max_observation_tokens=16",
             "algorithm.adv_estimator=tir_optimal_token_baseline",
             "actor.lr=1e-3",
             "actor.warmup_steps=5",

@@ -62,7 +62,7 @@ def test_multi_turn_training_steps(tool_dir, tool_files, tmp_path, monkeypatch):
         overrides(
             tool_dir, tool_files, tmp_path / "run",
             "rollout.multi_turn.tools=[calculator]", "rollout.multi_turn.max_turns=3",
-            "rollout.multi_turn.max_tool_response_tokens=4",
+            "rollout.multi_turn.max_observation_tokens=4",
             "algorithm.adv_estimator=tir_optimal_token_baseline",
         ),
     )  # fmt: skip

@@ -62,7 +62,7 @@ def evaluate(args: argparse.Namespace) -> int:
     model = load_policy(spec, path, tokenizer).to(world.device)
     eos = eos_token_ids(model, tokenizer)
     backend = HFRollout(model, tokenizer)
-    sampler = build_sampler(spec, plan.tools, backend, tokenizer, eos, str(path))
+    sampler = build_sampler(spec, plan.tools, backend, tokenizer, eos, str(path), plan.env)
     result = validate(
         sampler, tokenizer, plan.val_rows, spec, world=world, stop_token_ids=eos,
         seed=spec.seed, scoring=scoring(plan).for_validation(), label="evaluating",

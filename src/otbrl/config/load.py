@@ -32,6 +32,8 @@ REMOVED_KEYS = {
 RENAMED_KEYS = {
     # "engine" is the Engine, the trainer's model wrapper; this key picks its parallel layout
     "actor.engine": "actor.strategy",
+    # environments' observations are cut by it too, not only tool results
+    "rollout.multi_turn.max_tool_response_tokens": "rollout.multi_turn.max_observation_tokens",
 }
 
 

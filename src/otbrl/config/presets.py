@@ -47,7 +47,7 @@ TASK_PRESETS: dict[str, list[str]] = {
         *_TASK_BASE,
         "rollout.multi_turn.tools=[calculator]",
         "rollout.multi_turn.max_turns=3",
-        "rollout.multi_turn.max_tool_response_tokens=16",
+        "rollout.multi_turn.max_observation_tokens=16",
         "data.max_response_length=32",
         "algorithm.adv_estimator=tir_optimal_token_baseline",
         "sft.target_accuracy=0.3",
@@ -61,6 +61,18 @@ TASK_PRESETS: dict[str, list[str]] = {
         "sft.grad_clip=1.0",
         # the gain comes within ~50 steps (0.35 -> 0.80 measured): 300 steps leave a margin
         "trainer.total_steps=300",
+    ],
+    # multi-turn with an environment: up to 4 guesses (2 digits + EOS) and 3 answers
+    # (<user> sign <assistant>) in the response budget; TIR-OTB (the answers are holes)
+    "guess": [
+        *_TASK_BASE,
+        "rollout.multi_turn.env=guess",
+        "rollout.multi_turn.max_turns=4",
+        "rollout.multi_turn.max_observation_tokens=4",
+        "data.max_response_length=24",
+        "algorithm.adv_estimator=tir_optimal_token_baseline",
+        "sft.target_accuracy=0.4",
+        "sft.eval_every=25",
     ],
     # long responses (46-135 tokens of steps + answer): the response budget holds the longest
     # answer the task can have (26 items, every total written)

@@ -16,6 +16,7 @@ ARITHMETIC_SOURCE = "otbrl/arithmetic"
 DIGIT_SUM_SOURCE = "otbrl/digit_sum"
 TOOL_ARITHMETIC_SOURCE = "otbrl/tool_arithmetic"
 CHAIN_SUM_SOURCE = "otbrl/chain_sum"
+GUESS_SOURCE = "otbrl/guess"
 SPLITS = ("train", "val")
 
 
@@ -31,6 +32,9 @@ class Task:
             tokenizer, before EOS; observation tokens included for a tool task).
         tools: built-in tools the task's demonstrations call (its tokenizer then has the
             tool-call tokens); empty for single-turn tasks.
+        env: the built-in environment its episodes run in (``otbrl.envs.builtin``); None:
+            none.
+        max_turns: model turns of a multi-turn episode (its warm start's greedy evaluation).
         model_size: the built-in model's sizes this task needs beyond ``DEFAULT_SIZE``
             (``otbrl.models.hf``), e.g. more positions for long responses.
     """
@@ -40,6 +44,8 @@ class Task:
     alphabet: str
     max_response_chars: int
     tools: tuple[str, ...] = ()
+    env: str | None = None
+    max_turns: int = 4
     model_size: dict = {}  # noqa: RUF012 (read only)
     _pools: dict[str, np.ndarray]  # per split, one item per row; ``_row`` turns it into a row
 
@@ -357,11 +363,76 @@ class ChainSumTask(Task):
         }
 
 
+class GuessTask(Task):
+    """Find a secret number in ``1..high`` by guessing: the prompt is ``?``, each model turn is
+    a guess, and the built-in ``guess`` environment answers ``+`` (the secret is higher) or
+    ``-`` (lower) until the guess is right (reward 1) or the turns run out (0). The reward needs
+    the observations: no single answer fits every row, only a search that reads the feedback.
+
+    Demonstrations guess uniformly at random inside the interval the feedback so far leaves
+    (fixed per row), for at most ``max_turns`` guesses: always consistent, but not halving, so
+    they often need more turns than the episode allows (0.61 of them find the secret with the
+    defaults) — bisection (``high = 2**k - 1`` finds any secret in k turns) is what
+    RL can learn on top. Train and val rows draw their secrets from one generator each
+    (``split_seed``): only ``high`` secrets exist, so the task measures the search, not
+    generalization to unseen prompts.
+    """
+
+    name = "guess"
+    data_source = GUESS_SOURCE
+    alphabet = "0123456789?+-"
+    env = "guess"
+
+    def __init__(
+        self,
+        high: int = 15,
+        max_turns: int = 4,
+        n_train: int = 20000,
+        n_val: int = 1000,
+        split_seed: int = 1234,
+    ):
+        _check_split_sizes(n_train=n_train, n_val=n_val)
+        if not isinstance(high, int) or not 2 <= high <= 999:
+            raise ValueError(f"high: expected an int in [2, 999], got {high!r}")
+        if not isinstance(max_turns, int) or max_turns < 1:
+            raise ValueError(f"max_turns: expected an int >= 1, got {max_turns!r}")
+        self.high, self.split_seed, self.max_turns = high, split_seed, max_turns
+        # max_turns guesses (digits + EOS) and the answers between them (<user> sign
+        # <assistant>), the last guess's EOS left out (the budget check adds it)
+        self.max_response_chars = max_turns * (len(str(high)) + 1) + (max_turns - 1) * 3 - 1
+        rng = np.random.default_rng(split_seed)
+        secrets = rng.integers(1, high + 1, size=n_train + n_val)
+        self._pools = {"val": secrets[:n_val], "train": secrets[n_val:]}
+
+    def demonstration(self, row: dict) -> list[dict]:
+        secret = int(row["reward_model"]["ground_truth"])
+        split_id = SPLITS.index(row["extra_info"]["split"])
+        rng = np.random.default_rng([self.split_seed, 11, split_id, row["extra_info"]["index"]])
+        low, high, turns = 1, self.high, []
+        while True:
+            guess = int(rng.integers(low, high + 1))
+            turns.append({"role": "assistant", "content": str(guess)})
+            if guess == secret or len(turns) == 2 * self.max_turns - 1:
+                return turns  # found, or out of turns (as the agent loop ends the episode)
+            turns.append({"role": "user", "content": "+" if secret > guess else "-"})
+            low, high = (guess + 1, high) if secret > guess else (low, guess - 1)
+
+    def _row(self, split: str, index: int, secret) -> dict:
+        return {
+            "prompt": [{"role": "user", "content": "?"}],
+            "data_source": self.data_source,
+            "ability": "search",
+            "reward_model": {"style": "rule", "ground_truth": str(int(secret))},
+            "extra_info": {"split": split, "index": index, "high": self.high},
+        }
+
+
 TASKS: dict[str, type[Task]] = {
     "arithmetic": ArithmeticTask,
     "digit_sum": DigitSumTask,
     "tool_arithmetic": ToolArithmeticTask,
     "chain_sum": ChainSumTask,
+    "guess": GuessTask,
 }
 
 

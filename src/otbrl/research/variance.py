@@ -371,7 +371,7 @@ def _probe(plan, model, path, method: str) -> GradientProbe:
     # the trainer's sampler: the agent loop over the HF backend when tools are configured
     backend = HFRollout(model, tokenizer)
     sampler = build_sampler(
-        spec, plan.tools, backend, tokenizer, eos_token_ids(model, tokenizer), str(path)
+        spec, plan.tools, backend, tokenizer, eos_token_ids(model, tokenizer), str(path), plan.env
     )
     return GradientProbe(
         model,

@@ -29,6 +29,12 @@ def exact_match(data_source: str, solution_str: str, ground_truth: str, extra_in
     return float(solution_str.strip() == str(ground_truth).strip())
 
 
+def zero(data_source: str, solution_str: str, ground_truth, extra_info: dict) -> float:
+    """0.0 for every response: with an environment (``rollout.multi_turn.env``) its rewards
+    alone are the trajectory's."""
+    return 0.0
+
+
 def extract_gsm8k_answer(text: str, *, flexible: bool = False) -> str | None:
     """The final answer of a GSM8K-style response, normalised (no ``,``/``$``/trailing ``.0``).
 
@@ -114,6 +120,7 @@ BUILTIN_REWARDS: dict[str, RewardFunction] = {
     "prime_code": prime_code,
     "geometry3k": geometry3k,
     "search_r1_exact_match": search_r1_exact_match,
+    "zero": zero,
 }
 
 _MATH = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
@@ -143,6 +150,7 @@ DATA_SOURCE_REWARDS: dict[str, RewardFunction] = {
     "otbrl/digit_sum": digit_sum,
     "otbrl/tool_arithmetic": exact_match,
     "otbrl/chain_sum": chain_sum,
+    "otbrl/guess": zero,  # the guess environment's rewards are the whole reward
     "openai/gsm8k": gsm8k,
     "gsm8k": gsm8k,
     **dict.fromkeys(_MATH, hendrycks_math),

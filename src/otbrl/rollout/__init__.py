@@ -2,7 +2,8 @@
 ``Sampler`` / ``RolloutBackend``), batch building and decoding (``batch``), three backends (``hf``:
 in-process HF sampler; ``vllm``: in-process vLLM; ``server``: vLLM OpenAI servers) with weight
 sync (``sync``: what a backend is sent after an update), and the agent loop (``agent``:
-multi-turn tool use) over any of them. The two vLLM
+multi-turn episodes of an environment, the tool loop among them; ``episode``: one sample's)
+over any of them. The two vLLM
 backends share ``vllm_common``; the server backend's jobs beside orchestration live in
 ``server_process`` (processes), ``server_client`` (HTTP), ``weight_buckets`` (weight files, read
 by the servers' ``server_worker``) and ``partial`` (versions per token).
@@ -18,7 +19,6 @@ __getattr__, __dir__, __all__ = lazy_exports(
     {
         "agent": (
             "AgentLoop",
-            "Trajectory",
             "make_agent",
             "tool_metrics",
             "transcript_rows",
@@ -31,6 +31,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "left_pad",
             "unpad_prompts",
         ),
+        "episode": ("Episode", "Trajectory"),
         "hf": (
             "HFRollout",
             "sample_next_token",

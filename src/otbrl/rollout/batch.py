@@ -68,7 +68,10 @@ def completions_to_batch(
 
     Multi-turn completions (``otbrl.rollout.agent.Trajectory``, with a ``mask``): the response
     mask is that mask (0 on observation tokens: holes), the attention mask stays 1 on every real
-    token, and ``num_turns`` / ``tool_calls`` / ``tool_errors`` [B] int64 are added.
+    token, and ``num_turns`` / ``tool_calls`` / ``tool_errors`` [B] int64 are added, with
+    ``env_rewards`` [B, Lr] float32 (each environment step's reward on its turn's last token),
+    ``env_errors`` [B] int64 (1: the sample's environment failed) and ``retokenized`` [B] int64
+    (1: re-rendering the conversation gives other ids than the stream).
     Completions that carry a weight ``version`` (the server backend) add ``policy_version`` [B]
     int64 (a multi-turn row: its oldest turn's); when every completion also carries
     ``token_versions`` (partial rollouts: the weights changed while it was generated)
@@ -111,7 +114,24 @@ def completions_to_batch(
         for key, default in (("num_turns", 1), ("tool_calls", 0), ("tool_errors", 0)):
             values = [int(getattr(c, key, default)) for c in flat]
             batch[key] = torch.tensor(values, dtype=torch.int64, device=device)
+        failed = [getattr(c, "env_error", None) is not None for c in flat]
+        batch["env_errors"] = torch.tensor(failed, dtype=torch.int64, device=device)
+        retokenized = [bool(getattr(c, "retokenized", False)) for c in flat]
+        batch["retokenized"] = torch.tensor(retokenized, dtype=torch.int64, device=device)
+        batch["env_rewards"] = _env_rewards(flat, responses.shape[1]).to(device)
     return batch
+
+
+def _env_rewards(flat: list[Completion], width: int) -> Tensor:
+    """[B, Lr] float32: each environment step's reward on the last token of the turn it scored
+    (0 elsewhere, and on every token of a sample whose environment failed)."""
+    out = torch.zeros(len(flat), width, dtype=torch.float32)
+    for b, c in enumerate(flat):
+        if getattr(c, "env_error", None) is not None:
+            continue
+        for reward, at in zip(getattr(c, "rewards", ()), getattr(c, "reward_positions", ())):
+            out[b, at] += reward
+    return out
 
 
 def _flat_completions(

@@ -37,24 +37,42 @@ class VLLMConfig:
 
 @dataclass
 class MultiTurnConfig:
-    """Multi-turn tool use (``otbrl.rollout.agent``): on when ``tools`` is not empty."""
+    """Multi-turn episodes (``otbrl.rollout.agent``): on when ``tools`` or ``env`` is set — the
+    tool environment, or an environment of the user's (``otbrl.envs``), one of them."""
 
     # built-in names or "path/to/file.py:fn"
     tools: list[str] = setting(default_factory=list, resume="fixed")
+    # an environment factory make(row) -> env: "path/to/file.py:NAME", "module:NAME" or a
+    # built-in name (docs/environments.md)
+    env: str | None = setting(None, resume="fixed")
     # "auto" | "hermes" | "compact" (auto: compact for the built-in model)
     format: str = setting("auto", choices=FORMATS, resume="fixed")
     max_turns: int = setting(4, gt=0, resume="fixed")  # model turns per sample
-    # each tool result is cut to this many tokens
-    max_tool_response_tokens: int = setting(64, gt=0, resume="fixed")
+    # each observation message (a tool result, an environment's turn) is cut to this many
+    # tokens
+    max_observation_tokens: int = setting(64, gt=0, resume="fixed")
     # a call running longer returns an error observation
     tool_timeout_s: float = setting(5.0, gt=0, resume="fixed")
+    # an environment's make / reset / step running longer fails its sample
+    env_timeout_s: float = setting(30.0, gt=0, resume="fixed")
 
     def check(self, at: str) -> None:
-        """Its keys only with tools to call."""
-        if not self.tools:
-            keys = ("format", "max_turns", "max_tool_response_tokens", "tool_timeout_s")
-            fix = f"list the tools (e.g. {at}tools=[calculator])"
-            refuse_unset(self, at, f"'{at}tools' is empty", fix, keys)
+        """Its keys only with tools or an environment; the tools' own only with tools."""
+        if self.tools and self.env is not None:
+            raise ConfigError(
+                f"'{at}tools' and '{at}env' are both set: the tool loop is an environment of "
+                "its own; give one of them",
+                f"{at}env",
+            )
+        if not self.tools and self.env is None:
+            keys = ("format", "max_turns", "max_observation_tokens", "tool_timeout_s")
+            fix = f"list the tools (e.g. {at}tools=[calculator]) or name an environment ({at}env)"
+            refuse_unset(self, at, f"'{at}tools' and '{at}env' are unset", fix, keys)
+        if self.env is None:
+            refuse_unset(self, at, f"'{at}env' is unset", f"set {at}env", ["env_timeout_s"])
+        elif not self.tools:
+            why, fix = f"'{at}tools' is empty", f"list the tools ({at}tools)"
+            refuse_unset(self, at, why, fix, ["format", "tool_timeout_s"])
 
 
 @dataclass

@@ -145,12 +145,13 @@ def build_backend(
 
 
 def build_sampler(
-    spec: RunSpec, tools, backend: RolloutBackend, tokenizer, eos_ids, model_name: str
+    spec: RunSpec, tools, backend: RolloutBackend, tokenizer, eos_ids, model_name: str, env=None
 ) -> Sampler:
     """What the run samples with: the agent loop of ``rollout.multi_turn`` over ``backend``
-    when ``tools`` (the plan's) are set (with ``rollout.mode=server`` one loop per sample,
-    the colocated engine's loop turn-synchronous), else the backend itself."""
-    if not tools:
+    when ``tools`` (the plan's) or an environment factory ``env`` (the plan's) is set (with
+    ``rollout.mode=server`` one loop per sample, the colocated engine's loop
+    turn-synchronous), else the backend itself."""
+    if not tools and env is None:
         return backend
     r = spec.rollout
     return make_agent(
@@ -160,6 +161,7 @@ def build_sampler(
         r.multi_turn,
         eos_token_ids=eos_ids,
         model=model_name,
+        env=env,
         per_trajectory=r.mode == "server",  # one agent loop per sample
         max_concurrent_trajectories=r.max_concurrent_trajectories,
     )
@@ -295,7 +297,7 @@ def build_run(plan: Plan, world: World, path: Path) -> RunParts:
     backend = build_backend(
         spec, model, tokenizer, world, path, plan.longest_prompt + spec.sampling.max_tokens
     )
-    sampler = build_sampler(spec, plan.tools, backend, tokenizer, eos_ids, str(path))
+    sampler = build_sampler(spec, plan.tools, backend, tokenizer, eos_ids, str(path), plan.env)
     engines = {"policy": build_engine(spec.engines["policy"], model, "policy", world)}
     if "critic" in spec.engines:
         critic = spec.engines["critic"]

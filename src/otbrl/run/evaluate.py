@@ -92,9 +92,16 @@ def _generations(tokenizer, sample, n: int) -> list[dict]:
             "response": sample.responses[i],
             "reward": sample.scores[i],
             "data_source": sample.rows[i].get("data_source"),
+            **_env_error(sample.rows[i]),
         }
         for i, ids in enumerate(prompts)
     ]
+
+
+def _env_error(row: dict) -> dict:
+    """``{"env_error": why}`` for a sample whose environment failed, else nothing."""
+    error = (row.get("extra_info") or {}).get("env_error")
+    return {} if error is None else {"env_error": error}
 
 
 def evaluate_accuracy(

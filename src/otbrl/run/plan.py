@@ -10,6 +10,7 @@ its ``data_source``) now, not when the row is first sampled hours into a run. It
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ from otbrl.rewards import (
 )
 from otbrl.rewards.reward_model import check_reward_model_dir
 from otbrl.rewards.sandbox import describe as sandbox_describe
-from otbrl.rollout import check_vllm_installed, make_agent
+from otbrl.rollout import check_vllm_installed
 from otbrl.rollout.server import (
     ServerError,
     check_cpu_head_dim,
@@ -51,8 +52,14 @@ from otbrl.run.model_checks import (
     check_teacher,
     check_token_budgets,
 )
+from otbrl.run.multi_turn_checks import (
+    check_env,
+    check_row_tools,
+    check_tools,
+    env_rewards_alone,
+    unseen_tools_note,
+)
 from otbrl.run.spec import RunSpec, resolve
-from otbrl.tools import resolve_tools, tool_schemas, tools_for_row
 
 TASK_VAL_SIZE = 500  # validation prompts of a built-in task when data.val_size is unset
 
@@ -74,6 +81,7 @@ class Plan:
     train_rows: list = field(default_factory=list, repr=False)
     val_rows: list = field(default_factory=list, repr=False)
     tools: Any = None  # {name: otbrl.tools.Tool} of rollout.multi_turn.tools; None: single-turn
+    env: Any = None  # the factory make(row) of rollout.multi_turn.env; None: no environment
     tokenizer: Any = field(default=None, repr=False)  # plan_tokenizer's: the run's one tokenizer
     longest_prompt: int = 0  # tokens, over all kept rows (a rollout engine's context: + budget)
     notes: tuple[str, ...] = ()  # what the plan changed in the data, for the run's start-up lines
@@ -144,6 +152,7 @@ def preflight(cfg: Config, spec: RunSpec, *, train: bool = True) -> Plan:
             raise ConfigError(f"'reward.function': {err}", "reward.function") from None
     tokenizer = plan_tokenizer(cfg)  # loaded once, no model: the tools and prompts need it
     tools = check_tools(cfg, tokenizer)
+    env = check_env(cfg, tokenizer)
     if cfg.rollout.name == "vllm":
         try:
             check_vllm_installed()
@@ -159,6 +168,9 @@ def preflight(cfg: Config, spec: RunSpec, *, train: bool = True) -> Plan:
             "data.val_files",
         )
     sandbox_notes: list[str] = []
+    if reward_fn is None and env_rewards_alone(cfg, train_rows + val_rows):
+        reward_fn = BUILTIN_REWARDS["zero"]
+        spec = dataclasses.replace(spec, reward=dataclasses.replace(spec.reward, function="zero"))
     if reward_fn is None:
         _check_rewards_resolvable(train_rows + val_rows)
         sandbox_notes = _check_reward_backends(cfg, train_rows + val_rows)
@@ -185,6 +197,7 @@ def preflight(cfg: Config, spec: RunSpec, *, train: bool = True) -> Plan:
         train_rows=train_rows,
         val_rows=val_rows,
         tools=tools,
+        env=env,
         tokenizer=tokenizer,
         longest_prompt=max(longest, longest_val),
         notes=(*notes, *val_notes),
@@ -246,73 +259,6 @@ def _check_reward_backends(cfg: Config, rows: list[dict]) -> list[str]:
                 "reward.math_backend",
             ) from None
     return notes
-
-
-def check_tools(cfg: Config, tokenizer):
-    """The resolved tools (None without any), after checking that the run's ``tokenizer``
-    (``plan_tokenizer``) and its chat template can carry tool turns in the configured format."""
-    multi = cfg.rollout.multi_turn
-    if not multi.tools:
-        return None
-    try:
-        tools = resolve_tools(multi.tools)
-    except (ValueError, TypeError) as err:
-        raise ConfigError(
-            f"'rollout.multi_turn.tools': {err}", "rollout.multi_turn.tools"
-        ) from None
-    key, where = (
-        ("data.task", f"built-in model of task {cfg.data.task!r}")
-        if cfg.model.path == "builtin"
-        else ("model.path", cfg.model.path)
-    )
-    try:
-        make_agent(
-            None,
-            tokenizer,
-            tools,
-            multi,
-            eos_token_ids=[tokenizer.eos_token_id],
-            model=where,
-        )
-    except ValueError as err:
-        key = "rollout.multi_turn.format" if str(err).startswith("format:") else key
-        raise ConfigError(f"'{key}': {err}", key) from None
-    return tools
-
-
-def check_row_tools(rows: list[dict], tools) -> None:
-    """Rows that name their tools (``extra_info.tools`` / ``tools_kwargs``) name configured
-    ones."""
-    for i, row in enumerate(rows):
-        try:
-            tools_for_row(row, tools)
-        except ValueError as err:
-            raise ConfigError(f"'rollout.multi_turn.tools': data row {i}: {err}",
-                              "rollout.multi_turn.tools") from None  # fmt: skip
-
-
-def unseen_tools_note(cfg: Config, tokenizer, rows: list[dict], tools) -> list[str]:
-    """A note when the chat template renders the first row's prompt the same with its tools
-    as without (``tools=`` ignored): the model is then told of no tool, nor how to call one."""
-    if cfg.model.path == "builtin" or not rows:  # its task's demonstrations teach the calls
-        return []
-    messages, names = rows[0]["prompt"], tools_for_row(rows[0], tools)
-    if cfg.data.apply_chat_template:
-        listed, plain = (
-            tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **kw
-            )
-            for kw in ({"tools": tool_schemas(names, tools)}, {})
-        )
-        if listed != plain:
-            return []
-        why = f"the chat template of {cfg.model.path} ignores the tools (tools=)"
-    else:
-        why = "data.apply_chat_template=false"
-    return [
-        f"{why}: the prompts do not list {sorted(names)} nor say how to call them; describe them "
-        "in the prompts (a system message), or use a chat template that renders tools"
-    ]
 
 
 def load_rows(cfg: Config, *, train: bool = True) -> tuple[list[dict], list[dict]]:

@@ -151,7 +151,8 @@ def sample_batch(
     if multi_turn:
         attention = batch["attention_mask"][:, enc["input_ids"].shape[1] :]
         responses = transcripts = decode_transcripts(tokenizer, batch["responses"], attention)
-        repeated = transcript_rows(repeated, transcripts, batch)
+        errors = [getattr(c, "env_error", None) for group in completions for c in group]
+        repeated = transcript_rows(repeated, transcripts, batch, errors)
     if scoring.pool is not None:  # scored in worker processes while the caller goes on
         pending = scoring.pool.submit(texts, repeated)
     else:
@@ -196,6 +197,12 @@ class _Finish:
         scores, info = self.pending.result()
         batch, mask = sample.batch, sample.batch["response_mask"]
         score = torch.tensor(scores, dtype=torch.float32)
+        env_rewards = batch.get("env_rewards")
+        if env_rewards is not None:
+            # a sample whose environment failed is scored 0 (its reward says nothing of the
+            # policy); every other one gets its environment's rewards on top
+            score = score.masked_fill(batch["env_errors"].bool(), 0.0)
+            scores = (score + env_rewards.sum(dim=1)).tolist()
         shaping = {}
         shape = self.scoring.settings
         if shape.overlong_buffer.len > 0:
@@ -218,6 +225,9 @@ class _Finish:
             shaping["reward/model_mean"] = float(learned.mean())
             shaping["timing/reward_model"] = time.perf_counter() - start_rm
         batch["token_level_scores"] = place_scores(score, mask)
+        if env_rewards is not None:
+            batch["token_level_scores"] += env_rewards
+            score = score + env_rewards.sum(dim=1)
         metrics = sample_metrics(score, mask, batch["truncated"])
         metrics.update({k: float(v) for k, v in info.items()})
         metrics.update(shaping)

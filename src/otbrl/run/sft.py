@@ -36,6 +36,7 @@ from otbrl.data import get_task, render_prompts
 from otbrl.engine.optim import OptimConfig
 from otbrl.engine.spec import EngineSpec, MicroBatchConfig
 from otbrl.engine.trainable import TrainableEngine
+from otbrl.envs.builtin import BUILTIN_ENVS
 from otbrl.models import build_tiny_model, eos_token_ids, load_model_and_tokenizer
 from otbrl.rollout import HFRollout, SamplingParams, make_agent
 from otbrl.rollout.agent import Trajectory
@@ -133,6 +134,7 @@ def run_sft(
     trigger_window: int = 5,
     progress: bool = False,
     tools: dict | None = None,
+    env=None,
     max_turns: int = 4,
 ) -> dict:
     """Teacher-forced SFT on response tokens only, on the trainer's ``TrainableEngine`` with the
@@ -150,9 +152,10 @@ def run_sft(
             batches reaches the target (at most every ``trigger_window`` steps).
         max_new_tokens: response cap when evaluating.
         progress: show a progress bar (stderr) with the loss and the last greedy accuracy.
-        tools: ``{name: Tool}`` for a tool task: multi-turn demonstrations are encoded as the
-            agent loop builds responses, and greedy evaluation runs the agent loop (at most
-            ``max_turns`` model turns) with these tools.
+        tools / env: ``{name: Tool}`` for a tool task, or an environment factory
+            (``make(row) -> env``) for an environment's task: multi-turn demonstrations are
+            encoded as the agent loop builds responses, and greedy evaluation runs the agent
+            loop (at most ``max_turns`` model turns) with these tools or this environment.
 
     The ``nll`` term's ``sft/sure_frac`` is free (from the training forward's own log-probs):
     the share of rows whose every trained token, EOS included, has probability > 1/2 given the
@@ -172,7 +175,9 @@ def run_sft(
     if not isinstance(trigger_window, int) or trigger_window < 1:
         raise ValueError(f"trigger_window: expected an int ≥ 1, got {trigger_window!r}")
     stops = eos_token_ids(model, tokenizer)
-    agent = _tool_agent(model, tokenizer, tools, max_turns, stops) if tools else None
+    agent = None
+    if tools or env is not None:
+        agent = _agent(model, tokenizer, tools, env, max_turns, stops)
     data = demonstration_batch(
         rows, demonstrations, tokenizer, turns=agent.turns if agent else None
     )
@@ -192,15 +197,17 @@ def run_sft(
     return result
 
 
-def _tool_agent(model, tokenizer, tools: dict, max_turns: int, stops):
-    """The agent loop over the model (``HFRollout``) with ``tools``: its ``turns`` encode
-    multi-turn demonstrations as the loop builds responses, and it answers greedy evaluation."""
+def _agent(model, tokenizer, tools: dict | None, env, max_turns: int, stops):
+    """The agent loop over the model (``HFRollout``) with ``tools`` or the environment ``env``:
+    its ``turns`` encode multi-turn demonstrations as the loop builds responses, and it
+    answers greedy evaluation."""
     return make_agent(
         HFRollout(model, tokenizer),
         tokenizer,
         tools,
         MultiTurnConfig(max_turns=max_turns),
         eos_token_ids=stops,
+        env=env,
     )
 
 
@@ -377,6 +384,8 @@ def _build_warm_start(tmp: Path, final: Path, settings: dict, sft: SFTConfig) ->
             seed=seed,
             progress=True,
             tools=resolve_tools(task_obj.tools) if task_obj.tools else None,
+            env=BUILTIN_ENVS[task_obj.env] if task_obj.env else None,
+            max_turns=task_obj.max_turns,
         )
     if not result["reached_target"]:
         logger.warning(

@@ -172,7 +172,9 @@ class ChatTurns:
     Raises ``ValueError`` naming ``model`` when the template is missing or not prefix-preserving.
     """
 
-    def __init__(self, tokenizer, fmt: ToolCallFormat, eos_token_ids: Sequence[int], model=""):
+    def __init__(
+        self, tokenizer, fmt: ToolCallFormat | None, eos_token_ids: Sequence[int], model=""
+    ):
         self.tokenizer, self.fmt, self.model = tokenizer, fmt, str(model)
         self.eos_ids = [int(i) for i in eos_token_ids]
         # characters of the vocabulary's longest token: how far to cut a tool output before
@@ -181,11 +183,11 @@ class ChatTurns:
         if not self.eos_ids:
             raise ValueError("eos_token_ids: expected at least one id that ends a model turn")
         self.stop_ids = list(self.eos_ids)
-        if fmt.stop_at_call_end:
+        if fmt is not None and fmt.stop_at_call_end:
             self.stop_ids.append(_ids(tokenizer, CALL_CLOSE)[0])
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(
-                f"model {self.model!r}: the tokenizer has no chat template; multi-turn tool use "
+                f"model {self.model!r}: the tokenizer has no chat template; a multi-turn run "
                 "builds observation tokens from it"
             )
         check_prefix_preserving(self, model=self.model)
@@ -204,22 +206,31 @@ class ChatTurns:
         return self.tokenizer.decode(body, skip_special_tokens=False), eos
 
     def observation_text(self, turn_ids: Sequence[int], messages: Sequence[dict]) -> str:
-        """The text that follows a model turn (``turn_ids``, as sampled) when the tool
-        ``messages`` (``{"role": "tool", "name", "content"}``) answer it, up to and including
-        the next generation prompt."""
+        """The text that follows a model turn (``turn_ids``, as sampled) when ``messages``
+        (tool results ``{"role": "tool", "name", "content"}`` or an environment's ``user``
+        turns) answer it, up to and including the next generation prompt.
+
+        The template renders the turn's content, or where that changes the text before the
+        observation (a template that rewrites earlier assistant turns: Qwen3 drops their
+        ``<think>`` blocks) a stand-in for it: what it writes between two turns does not depend
+        on their reasoning, and the sampled tokens are never re-rendered."""
         content, ended_by_eos = self.turn_text(turn_ids)
-        before = [
-            {"role": "user", "content": _PROBE_USER},
-            {"role": "assistant", "content": content},
-        ]
-        prefix = self.render(before)
-        full = self.render([*before, *messages], generation_prompt=True)
-        if not full.startswith(prefix):
+        for shown in (content, _ASSISTANT_MARK):
+            before = [
+                {"role": "user", "content": _PROBE_USER},
+                {"role": "assistant", "content": shown},
+            ]
+            prefix = self.render(before)
+            full = self.render([*before, *messages], generation_prompt=True)
+            if full.startswith(prefix):
+                break
+        else:
             raise ValueError(
                 f"model {self.model!r}: the chat template is not prefix-preserving (appending "
-                "tool messages changed the text of the assistant turn before them)"
+                f"{messages[0]['role'] if messages else 'no'} messages changed the text of the "
+                "assistant turn before them)"
             )
-        close = _turn_close(prefix, content)
+        close = _turn_close(prefix, shown)
         emitted = (
             self.tokenizer.decode(turn_ids[-1:], skip_special_tokens=False) if ended_by_eos else ""
         )
@@ -252,6 +263,14 @@ class ChatTurns:
             )
         return ids + self.tokenizer.encode(text, add_special_tokens=False)
 
+    def rendered_ids(self, messages: Sequence[dict], tools: list | None = None) -> list[int]:
+        """The ids of ``messages`` rendered whole by the template (``tools``: the schemas the
+        prompt was rendered with) and tokenized again: what a trainer that re-renders the
+        conversation would train on, compared with the sampled stream
+        (``env/retokenization_mismatch``)."""
+        text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
     def truncate(self, text: str, max_tokens: int) -> str:
         """``text`` cut to its first ``max_tokens`` tokens (a tool's output, before the template
         wraps it). Cut by characters first — (max_tokens + 1) × the vocabulary's longest token —
@@ -265,9 +284,10 @@ class ChatTurns:
         """A demonstration as the agent loop would produce it: ``(response ids, mask)``.
 
         ``turns``: assistant messages (``content`` text, and/or ``tool_calls``: ``[{"name",
-        "arguments"}]``, written in this format) alternating with the tool messages that answer
-        them; a turn that is not answered ends with the first EOS id. Mask 1 on model tokens, 0
-        on observations, which are rendered from the tool messages' ``content``.
+        "arguments"}]``, written in this format) alternating with the tool (or, an
+        environment's, user) messages that answer them; a turn that is not answered ends with
+        the first EOS id. Mask 1 on model tokens, 0 on observations, which are rendered from
+        the answering messages' ``content``.
         """
         ids: list[int] = []
         mask: list[int] = []
@@ -281,10 +301,10 @@ class ChatTurns:
                 text += self.fmt.call_text(call["name"], call["arguments"])
             model = list(self.tokenizer.encode(text, add_special_tokens=False))
             answers = []
-            while i + 1 < len(turns) and turns[i + 1].get("role") == "tool":
+            while i + 1 < len(turns) and turns[i + 1].get("role") in ("tool", "user"):
                 answers.append(turns[i + 1])
                 i += 1
-            if not answers or not self.fmt.stop_at_call_end:
+            if not answers or self.fmt is None or not self.fmt.stop_at_call_end:
                 model.append(self.eos_ids[0])
             if answers:
                 observation = self.observation_ids(model, answers)
@@ -300,6 +320,18 @@ def check_prefix_preserving(turns: ChatTurns, *, model="") -> None:
     """``ValueError`` naming ``model`` unless the template renders a synthetic conversation
     (prompt, a call, its result, a second call, its result, an answer) so that each rendering is
     a prefix of the next: the generation prompt, each assistant turn, each tool answer."""
+    if turns.fmt is None:  # an environment's observations: user turns
+        conversation = [
+            {"role": "user", "content": _PROBE_USER},
+            {"role": "assistant", "content": "400"},
+            {"role": "user", "content": "higher"},
+            {"role": "assistant", "content": "410"},
+            {"role": "user", "content": "lower"},
+            {"role": "assistant", "content": "408"},
+        ]
+        _check_renderings(turns, conversation, "user", model)
+        turns.observation_ids(_ids(turns.tokenizer, "400"), conversation[2:3])
+        return
     name = next(iter(turns.fmt.tools), "tool")
     tool = turns.fmt.tools.get(name)
     arguments = {p: "1" for p in (tool.parameters if tool else ("x",))}
@@ -312,10 +344,18 @@ def check_prefix_preserving(turns: ChatTurns, *, model="") -> None:
         {"role": "tool", "name": name, "content": "408"},
         {"role": "assistant", "content": "408"},
     ]
+    _check_renderings(turns, conversation, "tool", model)
+    # and writes a tool message's content as it is (observation_ids keeps it apart)
+    turns.observation_ids(_ids(turns.tokenizer, call), conversation[2:3])
+
+
+def _check_renderings(turns: ChatTurns, conversation: list[dict], observed: str, model) -> None:
+    """``ValueError`` naming ``model`` unless each rendering of ``conversation[:k]`` (with the
+    generation prompt after an ``observed`` message) is a prefix of the next."""
     previous = turns.render(conversation[:1], generation_prompt=True)
     for k in range(2, len(conversation) + 1):
         role = conversation[k - 1]["role"]
-        text = turns.render(conversation[:k], generation_prompt=role == "tool")
+        text = turns.render(conversation[:k], generation_prompt=role == observed)
         if not text.startswith(previous):
             raise ValueError(
                 f"model {str(model)!r}: the chat template is not prefix-preserving: adding "
@@ -324,13 +364,12 @@ def check_prefix_preserving(turns: ChatTurns, *, model="") -> None:
                 "template, e.g. keep earlier assistant turns verbatim)"
             )
         previous = text
-    # and writes a tool message's content as it is (observation_ids keeps it apart)
-    turns.observation_ids(_ids(turns.tokenizer, call), conversation[2:3])
 
 
 # stands in for a tool message's content while the template renders (plain ASCII letters and
 # digits: a template that escapes or JSON-encodes its content leaves it as it is)
 _CONTENT_MARK = "OTBRLTOOLCONTENT{}MARK"
+_ASSISTANT_MARK = "OTBRLASSISTANTTURNMARK"  # stands in for a sampled turn's content
 
 
 def _turn_close(prefix: str, content: str) -> str:
