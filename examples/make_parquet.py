@@ -3,6 +3,8 @@
     python examples/make_parquet.py --out data/arith                 # the built-in task
     python examples/make_parquet.py --out data/chain --task chain_sum  # any built-in task
     python examples/make_parquet.py --out data/toy_gsm8k --gsm8k-toy  # GSM8K-shaped word problems
+    python examples/make_parquet.py --out data/legs --task reasoning_gym:leg_counting \
+        --task-options '{"min_animals": 2}'                         # a reasoning-gym dataset
 
 Then: ``otbrl train data.train_files=data/arith/train.parquet \
 data.val_files=data/arith/val.parquet``.
@@ -13,16 +15,21 @@ datasets look for the response), so another framework can warm-start on them. ``
 reward is ``otbrl.rewards.builtin.chain_sum`` (verl's ``compute_score`` signature: point verl's
 ``custom_reward_function`` at it); its answers end in ``####N``, so verl's GSM8K scorer
 (``--data-source openai/gsm8k``) grades them too, on the answer alone — a weaker reward that
-pays for chains whose slips cancel.
+pays for chains whose slips cancel. A reasoning-gym dataset's rows (``reasoning_gym:NAME``, or
+a weighted composite ``reasoning_gym:A=2,B=1``) carry their entry in ``extra_info``: their
+reward is ``otbrl.rewards.compute_score`` (data_source ``reasoning_gym/NAME``), the dataset's own
+``score_answer``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 from pathlib import Path
 
 from otbrl.data import get_task, write_parquet_rows
+from otbrl.data.reasoning_gym import TASK_PREFIX, ReasoningGymTask
 
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Femi"]
@@ -55,11 +62,16 @@ def gsm8k_toy_rows(n: int, seed: int, split: str) -> list[dict]:
     return rows
 
 
-def task_rows(name: str, n: int, seed: int, split: str, data_source: str | None) -> list[dict]:
-    """``n`` rows of built-in task ``name`` with their demonstrations in ``extra_info.answer``
-    (text demonstrations only: a tool task's turns stay out); ``data_source`` replaces the
-    task's own when given."""
-    task = get_task(name)
+def task_rows(
+    name: str, n: int, seed: int, split: str, data_source: str | None, options=None
+) -> list[dict]:
+    """``n`` rows of built-in task ``name`` (or a reasoning-gym dataset with its ``options``)
+    with their demonstrations in ``extra_info.answer`` (text demonstrations only: a
+    multi-turn task's turns stay out); ``data_source`` replaces the task's own when given."""
+    if name.startswith(TASK_PREFIX):
+        task = ReasoningGymTask(name[len(TASK_PREFIX) :], options, train_size=n, val_size=n)
+    else:
+        task = get_task(name)
     rows = task.rows(split, n, seed=seed)
     for row in rows:
         answer = task.demonstration(row)
@@ -74,7 +86,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for train/val.parquet")
     parser.add_argument("--gsm8k-toy", action="store_true", help="GSM8K-shaped toy set instead")
-    parser.add_argument("--task", default="arithmetic", help="the built-in task to write")
+    parser.add_argument(
+        "--task", default="arithmetic", help="a built-in task, or reasoning_gym:NAME[=W,...]"
+    )
+    parser.add_argument(
+        "--task-options", default="{}", help="a reasoning-gym dataset's options (JSON)"
+    )
     parser.add_argument(
         "--data-source", default=None, help="data_source of every row (default: the task's)"
     )
@@ -86,11 +103,12 @@ def main() -> None:
         train = gsm8k_toy_rows(args.n_train, args.seed, "train")
         val = gsm8k_toy_rows(args.n_val, args.seed, "val")
     else:
-        train = task_rows(args.task, args.n_train, args.seed, "train", args.data_source)
-        val = task_rows(args.task, args.n_val, args.seed, "val", args.data_source)
+        options = json.loads(args.task_options)
+        train = task_rows(args.task, args.n_train, args.seed, "train", args.data_source, options)
+        val = task_rows(args.task, args.n_val, args.seed, "val", args.data_source, options)
     for split, rows in (("train", train), ("val", val)):
         path = write_parquet_rows(rows, args.out / f"{split}.parquet")
-        print(f"{path}: {len(rows)} rows, e.g. {rows[0]['prompt'][0]['content']!r}")
+        print(f"{path}: {len(rows)} rows, e.g. {rows[0]['prompt'][-1]['content'][:120]!r}")
 
 
 if __name__ == "__main__":

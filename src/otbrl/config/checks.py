@@ -16,6 +16,9 @@ def choices() -> dict[str, tuple[str, ...]]:
     return choice_fields(Config)
 
 
+REASONING_GYM = "reasoning_gym:"  # otbrl.data.reasoning_gym.TASK_PREFIX (no import: no torch)
+
+
 def check_config(cfg: Config) -> None:
     """Every field and group (``check_settings``), then the rules across groups; raises
     ``ConfigError`` naming the key."""
@@ -31,6 +34,13 @@ def check_config(cfg: Config) -> None:
             f"(rollout.name=vllm, rollout.mode=colocated), not with {where}; drop the key "
             "(merged weights are synced)",
             "model.lora.sync",
+        )
+    task = cfg.data.task or ""
+    if cfg.model.path == "builtin" and task.startswith(REASONING_GYM):
+        raise ConfigError(
+            f"'data.task={task}': reasoning-gym's questions need a model of yours (the built-in "
+            "model's vocabulary is a built-in task's few characters); set model.path",
+            "data.task",
         )
     batch, mini = cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size
     if mini is not None and (mini <= 0 or batch % mini != 0):

@@ -4,8 +4,9 @@ No torch or pandas: the CLI's schema composes ``DataConfig`` and starts without 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from otbrl.settings import setting
+from otbrl.settings import refuse_unset, setting
 
 # data.overlong_prompts; "filter" drops the rows before they are encoded (the run's plan)
 OVERLONG_PROMPTS = ("error", "filter", "truncate_left")
@@ -17,11 +18,17 @@ class DataConfig:
     train_files: list[str] = setting(default_factory=list, resume="fixed")
     # parquet validation rows (same schema); empty: none, or the task's
     val_files: list[str] = setting(default_factory=list, resume="fixed")
-    # a built-in task ("arithmetic" | "digit_sum" | "tool_arithmetic" | "chain_sum") as the
-    # data when no files are given (it brings its preset, otbrl.config.presets); None: the
-    # built-in model's "arithmetic", and for a user's model no fallback (data.train_files is
-    # required)
+    # a built-in task ("arithmetic" | "digit_sum" | "tool_arithmetic" | "chain_sum" |
+    # "guess") or a reasoning-gym dataset ("reasoning_gym:NAME", a composite
+    # "reasoning_gym:NAME=WEIGHT,NAME=WEIGHT") as the data when no files are given (a built-in
+    # brings its preset, otbrl.config.presets); None: the built-in model's "arithmetic", and
+    # for a user's model no fallback (data.train_files is required)
     task: str | None = setting(None, resume="fixed")
+    # a reasoning-gym task's dataset options (its config fields, e.g. data.task_options.
+    # min_terms=3; a composite: one mapping per dataset name)
+    task_options: dict[str, Any] = setting(default_factory=dict, resume="fixed")
+    # a reasoning-gym task's training entries; None: 10000
+    train_size: int | None = setting(None, ge=1, null="10000 entries", resume="fixed")
     train_batch_size: int = setting(32, gt=0, resume="fixed")  # prompts per RL step
     # validation prompts: a seeded sample of this many rows of data.val_files; None: all of
     # them (the built-in task: 500)
@@ -37,3 +44,10 @@ class DataConfig:
     apply_chat_template: bool = setting(True, resume="fixed")
     # seeds the shuffling of the training rows and the validation sample
     seed: int = setting(0, resume="fixed")
+
+    def check(self, at: str) -> None:
+        """A reasoning-gym task's keys only with one."""
+        if not (self.task or "").startswith("reasoning_gym:"):
+            because = f"'{at}task' is not a reasoning-gym dataset"
+            fix = f"set {at}task=reasoning_gym:NAME"
+            refuse_unset(self, at, because, fix, ["task_options", "train_size"])

@@ -15,6 +15,7 @@ from otbrl.rewards.math_answers import dapo_math, hendrycks_math
 from otbrl.rewards.math_prime import geometry3k, prime_math
 from otbrl.rewards.math_verify import math_verify_score
 from otbrl.rewards.qa import search_r1_exact_match
+from otbrl.rewards.reasoning_gym import reasoning_gym_score
 from otbrl.rewards.sandbox import SandboxConfig
 
 RewardFunction = Callable[[str, str, str, dict], float]
@@ -161,7 +162,10 @@ DATA_SOURCE_REWARDS: dict[str, RewardFunction] = {
     **dict.fromkeys(_SEARCH, search_r1_exact_match),
 }
 # data_source prefixes, checked after the exact names: AIME years ("aime2024", "aime_2025"...)
-DATA_SOURCE_PREFIXES: dict[str, RewardFunction] = {"aime": dapo_math}
+DATA_SOURCE_PREFIXES: dict[str, RewardFunction] = {
+    "aime": dapo_math,
+    "reasoning_gym/": reasoning_gym_score,  # the dataset's own score_answer, on the row's entry
+}
 MATH_BACKENDS = ("verl", "math_verify")
 
 

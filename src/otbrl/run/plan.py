@@ -21,6 +21,9 @@ import numpy as np
 
 from otbrl.config import Config, ConfigError
 from otbrl.data import get_task, read_parquet_rows, tokenize_prompts
+from otbrl.data.reasoning_gym import DEFAULT_TRAIN_SIZE as RG_TRAIN_SIZE
+from otbrl.data.reasoning_gym import TASK_PREFIX as RG_PREFIX
+from otbrl.data.reasoning_gym import ReasoningGymTask
 from otbrl.models import (
     build_tokenizer,
     load_tokenizer,
@@ -105,11 +108,30 @@ def _check_files(cfg: Config) -> None:
                 raise ConfigError(f"'{key}': {str(err).removeprefix('path: ')}", key) from None
 
 
-def _check_task(cfg: Config) -> None:
+def task_for(cfg: Config):
+    """The task ``data.task`` names: a built-in (``otbrl.data.get_task``) or a reasoning-gym
+    dataset with ``data.task_options`` and the data's sizes (``ReasoningGymTask``); a name
+    neither knows is a ``ConfigError`` naming ``data.task``, a missing reasoning-gym an
+    install hint."""
+    name = cfg.data.task
     try:
-        task = get_task(cfg.data.task)
-    except ValueError as err:
-        raise ConfigError(f"'data.task': {err}", "data.task") from None
+        if name.startswith(RG_PREFIX):
+            return ReasoningGymTask(
+                name[len(RG_PREFIX) :],
+                cfg.data.task_options,
+                train_size=cfg.data.train_size or RG_TRAIN_SIZE,
+                val_size=cfg.data.val_size or TASK_VAL_SIZE,
+            )
+        return get_task(name)
+    except (ValueError, ImportError) as err:
+        key = "data.task_options" if "task_options" in str(err) else "data.task"
+        raise ConfigError(f"'{key}': {err}", key) from None
+
+
+def _check_task(cfg: Config) -> None:
+    task = task_for(cfg)
+    if isinstance(task, ReasoningGymTask):
+        return  # a user's model: no answer length is known
     longest = task.max_response_chars + 1  # + EOS: a shorter cap truncates right answers
     if cfg.data.max_response_length < longest:
         raise ConfigError(
@@ -269,10 +291,10 @@ def load_rows(cfg: Config, *, train: bool = True) -> tuple[list[dict], list[dict
     training rows may be missing (``otbrl eval``). A problem with a file is a one-line
     ``ConfigError`` naming the key and the file."""
     data = cfg.data
-    task = get_task(data.task) if data.task is not None else None
+    task = task_for(cfg) if data.task is not None else None
     train_rows = _read_rows(cfg, "train_files")
     if not train_rows and task is not None:
-        train_rows = task.rows("train", seed=data.seed)
+        train_rows = _task_rows(task, "train", None, data.seed)
     if not train_rows and train:
         raise ConfigError(
             f"'data.train_files' is empty and model.path is a model of yours "
@@ -285,8 +307,16 @@ def load_rows(cfg: Config, *, train: bool = True) -> tuple[list[dict], list[dict
         keep = np.random.default_rng(data.seed).choice(len(val), data.val_size, replace=False)
         val = [val[i] for i in sorted(keep)]
     if not val and not data.train_files and task is not None:
-        val = task.rows("val", data.val_size or TASK_VAL_SIZE, seed=data.seed)
+        val = _task_rows(task, "val", data.val_size or TASK_VAL_SIZE, data.seed)
     return train_rows, val
+
+
+def _task_rows(task, split: str, n: int | None, seed: int) -> list[dict]:
+    """A task's rows; a reasoning-gym dataset that refuses its options names the key."""
+    try:
+        return task.rows(split, n, seed=seed)
+    except ValueError as err:
+        raise ConfigError(f"'data.task_options': {err}", "data.task_options") from None
 
 
 def plan_tokenizer(cfg: Config):
