@@ -30,9 +30,9 @@ $(STAMP): pyproject.toml
 	@# a venv whose torch is a CPU build (a GPU machine installs the CUDA vllm itself); then drop
 	@# the CUDA vision/audio wheels it drags in.
 	@if $(PY) -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then \
-		$(PY) -m pip install -q --no-compile -e ".[dev,docs,trl,vllm]" && \
+		$(PY) -m pip install -q --no-compile -e ".[dev,docs,trl,vllm,envs]" && \
 		$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec; \
-	else $(PY) -m pip install -q --no-compile -e ".[dev,docs,trl]"; fi
+	else $(PY) -m pip install -q --no-compile -e ".[dev,docs,trl,envs]"; fi
 	@touch $@
 
 $(VERL_STAMP): pyproject.toml

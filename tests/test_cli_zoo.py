@@ -62,6 +62,8 @@ def zoo(tmp_path_factory):
     train = write_parquet_rows(rows, root / "train.parquet")
     val = write_parquet_rows(rows[:4], root / "val.parquet")
     reward = length_reward_file(root)
+    (root / "retry_env.py").write_text(RETRY_ENV)
+    dirs["env"] = [f"rollout.multi_turn.env={root / 'retry_env.py'}:make", *ENV]
     dirs["data"] = [
         f"data.train_files=[{train}]",
         f"data.val_files=[{val}]",
@@ -149,6 +151,52 @@ TOOLS = [
     "data.max_prompt_length=512",
     "data.max_response_length=48",
 ]
+
+
+# an environment of the user's (Gymnasium's shape, no otbrl import): the answer's length parity
+# is its reward, and an odd one gets a second try after a user turn
+RETRY_ENV = """
+class Retry:
+    def __init__(self, row):
+        self.tries = 0
+
+    def reset(self, seed=None, options=None):
+        return None, {}
+
+    def step(self, action):
+        self.tries += 1
+        reward = float(len(action) % 2)
+        if reward or self.tries >= 2:
+            return None, reward, True, False, {}
+        return "Not quite. Try again.", 0.0, False, False, {}
+
+
+def make(row):
+    return Retry(row)
+"""
+ENV = [
+    "rollout.multi_turn.max_turns=2",
+    "algorithm.adv_estimator=tir_optimal_token_baseline",
+    "data.max_response_length=40",
+]
+
+
+def _env_run(out: Path) -> None:
+    """An environment's run trained: its rewards in every step, no sample failed. (A random
+    model seldom ends a turn before its budget, so few rows reach a second turn here; the
+    holes and exact streams are tests/test_env_templates.py's and tests/test_envs.py's.)"""
+    steps = [r for r in read_metrics(out) if "policy/grad_norm" in r]
+    assert steps and all(r["env/errors"] == 0 for r in steps)
+    assert all(math.isfinite(r["env/reward_mean"]) and r["train/num_turns_mean"] >= 1
+               for r in steps)  # fmt: skip
+
+
+def test_a_users_environment_from_the_cli(zoo, tmp_path, capsys, one_thread):
+    """``rollout.multi_turn.env=retry_env.py:make`` on the HF rollout (the other engines: the
+    torchrun, vLLM and server cells)."""
+    out = tmp_path / "runs" / "env"
+    _train(zoo, QWEN, out, *zoo["env"], capsys=capsys)
+    _env_run(out)
 
 
 @pytest.mark.parametrize("feature", list(ONE_PROCESS))
@@ -305,6 +353,7 @@ TWO_PROCESSES = [
     ("mistral", "tp", ["actor.tensor_parallel_size=2"]),
     ("gemma", "ulysses", ["actor.ulysses_sequence_parallel_size=2",
                           "model.use_remove_padding=true"]),
+    (QWEN, "fsdp2+env", ["{env}"]),
 ]  # fmt: skip
 
 
@@ -406,6 +455,7 @@ def test_two_process_layouts_from_torchrun(zoo, tmp_path):
     for shape, layout, extra in TWO_PROCESSES:
         out = tmp_path / f"{shape}-{layout}" / "runs" / "new"
         extra = [e.format(rm=zoo[f"rm-{shape}"]) if "{rm}" in e else e for e in extra]
+        extra = _with_env(zoo, extra)
         outs.append((out, BF16_SYNC_TOL if "model.precision=bf16-mixed" in extra else SYNC_TOL))
         # a collective that waits on a rank that is not coming fails in 2 min, naming the step
         extra = [*extra, "trainer.dist_timeout_s=120"]
@@ -413,12 +463,14 @@ def test_two_process_layouts_from_torchrun(zoo, tmp_path):
     _run_in_turn(argvs, _env(), timeout=420, logs=tmp_path / "logs", torchrun=True)
     for out, tol in outs:
         _check_run(out, tol=tol)
+    _env_run(outs[-1][0])
 
 
 # -- vLLM in-process: every shape --------------------------------------------------------------
 VLLM_CELLS = [(shape, []) for shape in ZOO_NAMES] + [
     (QWEN, ["model.lora.rank=8", "model.lora.alpha=16", "model.lora.sync=adapter"]),
     ("llama3.2", ["model.lora.rank=8", "model.lora.alpha=16"]),  # merged into a tied model
+    (QWEN, ["{env}"]),
 ]
 
 
@@ -429,7 +481,7 @@ def test_vllm_rollout_on_every_shape(zoo, tmp_path):
     assert documented_overrides("test_vllm_rollout_on_every_shape") == ["rollout.name=vllm"]
     outs = [tmp_path / f"{i}-{shape}" / "run" for i, (shape, _) in enumerate(VLLM_CELLS)]
     argvs = [
-        ["train", *_args(zoo, shape, out, ["rollout.name=vllm", *extra])]
+        ["train", *_args(zoo, shape, out, ["rollout.name=vllm", *_with_env(zoo, extra)])]
         for (shape, extra), out in zip(VLLM_CELLS, outs)
     ]
     _run_in_turn(
@@ -437,6 +489,12 @@ def test_vllm_rollout_on_every_shape(zoo, tmp_path):
     )
     for out in outs:
         _check_run(out)
+    _env_run(outs[-1])
+
+
+def _with_env(zoo, extra: list[str]) -> list[str]:
+    """``extra`` with ``"{env}"`` replaced by the environment's overrides."""
+    return [x for e in extra for x in (zoo["env"] if e == "{env}" else [e])]
 
 
 # -- server mode ----------------------------------------------------------------------------
@@ -536,6 +594,7 @@ SERVER_CELLS = {
     "k1-partial": ["trainer.max_staleness=1", "rollout.partial_rollout=true"],
     "lora-merged": ["model.lora.rank=8", "model.lora.alpha=16"],
     "k1-tools": ["trainer.max_staleness=1", *TOOLS],
+    "k1-partial-env": ["trainer.max_staleness=1", "rollout.partial_rollout=true", "{env}"],
 }
 
 
@@ -550,8 +609,11 @@ def test_server_mode_cells_on_a_user_started_server(zoo, qwen_server, cell, tmp_
     assert {"rollout.name=vllm", "rollout.mode=server"} <= set(train)  # what it printed
     extra = list(qwen_server)
     out = tmp_path / "runs" / "new"
-    code = cli.main(["train", *_args(zoo, QWEN, out, [*extra, *SERVER_CELLS[cell]])])
+    cells = _with_env(zoo, SERVER_CELLS[cell])
+    code = cli.main(["train", *_args(zoo, QWEN, out, [*extra, *cells])])
     assert code == 0, capsys.readouterr().err[-3000:]
+    if cell.endswith("env"):
+        _env_run(out)
     if cell.startswith("k1"):  # stale rows differ from the trainer by design
         rows = read_metrics(out)
         assert all(math.isfinite(r.get("policy/loss", 0.0)) for r in rows)

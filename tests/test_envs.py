@@ -4,6 +4,7 @@ ids plus the observations' ids, step rewards on their turns, failures that fail 
 alone), the sampling step's rewards, and the built-in guess environment and task."""
 
 import asyncio
+import json
 import math
 import time
 
@@ -41,6 +42,10 @@ class Guess:
     def reset(self, seed=None, options=None):
         if self.mode == "reset_raises":
             raise KeyError("no such level")
+        if self.mode == "reset_hangs":
+            time.sleep(30)
+        if self.mode == "reset_garbage":
+            return "just an observation"
         return None, {"seed": seed}
 
     def step(self, action):
@@ -327,3 +332,40 @@ def test_guess_env_and_task():
     assert 0.45 < found / len(rows_) < 0.75
     with pytest.raises(ValueError, match="high"):
         get_task("guess", high=1)
+
+
+def test_failing_environments_fail_their_samples_from_the_cli(user_env, tmp_path, capsys):
+    """``otbrl train`` with an environment that raises, hangs or returns garbage on some rows:
+    the run finishes, those samples are counted and scored 0, the logged generations say why."""
+    from otbrl import cli
+    from otbrl.data import write_parquet_rows
+    from otbrl.models import build_tiny_model
+    from run_utils import read_metrics, train_overrides
+    from tiny_models import ONE_LAYER
+
+    model = build_tiny_model(tmp_path / "model", task="guess", **ONE_LAYER)
+    modes = ["ok", "make_raises", "hangs", "garbage"]
+    train = write_parquet_rows(rows(*range(1, 9), modes=modes * 2), tmp_path / "train.parquet")
+    # validation samples greedily: a random model's turns seldom end, so its environments fail
+    # before the first step
+    val_modes = ["ok", "reset_raises", "reset_hangs", "reset_garbage"]
+    val = write_parquet_rows(rows(7, 7, 7, 7, modes=val_modes), tmp_path / "val.parquet")
+    env = user_env.__code__.co_filename
+    out = tmp_path / "run"
+    argv = ["train", *train_overrides(
+        model, out, f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+        f"rollout.multi_turn.env={env}:make", "rollout.multi_turn.env_timeout_s=0.5",
+        "rollout.multi_turn.max_turns=3", "data.max_response_length=16", "rollout.n=2",
+        "trainer.total_steps=2", "trainer.val_every=2", "trainer.log_generations=4",
+        "algorithm.adv_estimator=tir_optimal_token_baseline",
+    )]  # fmt: skip
+    assert cli.main(argv) == 0, capsys.readouterr().err[-3000:]
+    steps = [r for r in read_metrics(out) if "policy/grad_norm" in r]
+    # of 8 samples a step: make_raises's 2 always; "garbage" and "hangs" where a turn ended
+    assert len(steps) == 2 and all(r["env/errors"] >= 2 for r in steps)
+    logged = [json.loads(x) for x in (out / "generations.jsonl").read_text().splitlines()]
+    why = {g.get("env_error", "") for g in logged}
+    assert any("did not return within 0.5 s" in w for w in why), why
+    assert any("reset must return" in w for w in why), why
+    assert any("reset raised KeyError" in w for w in why), why
+    assert all(g["reward"] == 0.0 for g in logged if g.get("env_error"))
