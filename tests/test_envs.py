@@ -369,3 +369,34 @@ def test_failing_environments_fail_their_samples_from_the_cli(user_env, tmp_path
     assert any("reset must return" in w for w in why), why
     assert any("reset raised KeyError" in w for w in why), why
     assert all(g["reward"] == 0.0 for g in logged if g.get("env_error"))
+
+
+def test_an_opening_observation_joins_the_prompt(tmp_path):
+    """``reset``'s observation is the prompt's last user turn (once per row, before encoding);
+    every sample's environment must open alike, or that sample fails saying so."""
+
+    class Opening:
+        def __init__(self, row):
+            self.row = row
+
+        def reset(self, seed=None, options=None):
+            if self.row["extra_info"]["mode"] == "fickle":
+                Opening.count = getattr(Opening, "count", 0) + 1
+                return str(Opening.count % 7), {}
+            return "7", {}
+
+        def step(self, action):
+            return None, 1.0, True, False, {}
+
+    loop = agent(Opening)
+    opened = loop.prompt_rows(rows(7, 7, modes=["ok", "fickle"]))
+    assert opened[0]["prompt"][-1] == {"role": "user", "content": "7"}
+    assert opened[0]["env_opening"] == 1 and opened[0]["prompt"][0]["content"] == "?"
+    sample = sample_batch(loop, TOK, rows(7, 7, modes=["ok", "fickle"]), params(n=2),
+                          scoring=Scoring(function=lambda *a: 0.0))  # fmt: skip
+    # the prompt ids hold the opening as a user turn, then the generation prompt
+    assert TOK.decode(sample.batch["prompts"][0][sample.batch["prompts"][0] != TOK.pad_token_id]
+                      .tolist()).endswith("<user>?<user>7<assistant>")  # fmt: skip
+    assert sample.batch["env_errors"].tolist() == [0, 0, 1, 1]
+    assert "opened the episode otherwise" in sample.rows[2]["extra_info"]["env_error"]
+    assert sample.scores[:2] == [1.0, 1.0]

@@ -48,6 +48,9 @@ class ScriptedSampler:
     def __init__(self, answers):
         self.answers = answers
 
+    def prompt_rows(self, rows):
+        return list(rows)
+
     def generate(self, prompts, params, *, max_tokens=None, rows=None):
         return [
             [

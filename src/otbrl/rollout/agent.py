@@ -59,6 +59,8 @@ from otbrl.tools.formats import ChatTurns, get_format
 TURN_SEED_STRIDE = 7_919_000_003
 # per-trajectory loop: each row's later turns draw with a seed of its own as well
 TRAJECTORY_SEED_STRIDE = 104_729
+# a row's key: how many of its prompt's last messages its environment's reset opened with
+OPENING_KEY = "env_opening"
 # a tool environment's step runs its calls under their own timeout: its step may take that
 # long and a margin more
 TOOL_STEP_MARGIN_S = 5.0
@@ -117,6 +119,28 @@ class AgentLoop:
         self.timeout_s = timeout_s
         self.per_trajectory = per_trajectory
         self.max_concurrent_trajectories = max_concurrent_trajectories
+
+    def prompt_rows(self, rows: Sequence[Mapping]) -> list[Mapping]:
+        """The rows with what each one's environment opens its episode with — ``reset``'s
+        observation, made and reset once here with the row's seed — appended to its prompt
+        (``OPENING_KEY`` counts those messages; every sample's own environment must open the
+        same, which ``generate`` checks). A row whose environment fails here is kept as it is:
+        its samples fail in ``generate``, each saying why."""
+        return asyncio.run(self._openings(list(rows)))
+
+    async def _openings(self, rows: list[Mapping]) -> list[Mapping]:
+        runner = EnvRunner(self.timeout_s)
+
+        async def opening(row: Mapping) -> Mapping:
+            probe = Episode([], 0, row)
+            await self._open(runner, probe, check=False)
+            await self._close(runner, probe)
+            if probe.env_error is not None or not probe.opening:
+                return row
+            prompt = [*row.get("prompt", []), *probe.opening]
+            return {**row, "prompt": prompt, OPENING_KEY: len(probe.opening)}
+
+        return list(await asyncio.gather(*(opening(row) for row in rows)))
 
     def generate(
         self,
@@ -211,8 +235,9 @@ class AgentLoop:
         finally:
             pool.shutdown(wait=False)
 
-    async def _open(self, runner: EnvRunner, row: Episode) -> None:
-        """Make and reset the row's environment (a failure ends the row)."""
+    async def _open(self, runner: EnvRunner, row: Episode, check: bool = True) -> None:
+        """Make and reset the row's environment (a failure ends the row); ``check``: its
+        opening must be the one its prompt was made with (``prompt_rows``)."""
         try:
             row.env = await runner.call("make(row)", self.make_env, row.data)
             extra = row.data.get("extra_info") or {}
@@ -221,6 +246,12 @@ class AgentLoop:
                 "reset", row.env.reset, seed=reset_seed(row.data), options=options
             )
             row.opening, _ = check_reset(reset)
+            n = row.data.get(OPENING_KEY, 0)
+            if check and row.opening != (list(row.data["prompt"][-n:]) if n else []):
+                raise EnvError(
+                    f"reset(seed={reset_seed(row.data)}) opened the episode otherwise than it "
+                    "did when the prompt was made: an environment must reset alike for one seed"
+                )
         except EnvError as err:
             row.fail(str(err))
         except AttributeError as err:  # an env without reset/step
@@ -279,7 +310,7 @@ class AgentLoop:
         prompt = row.data.get("prompt")
         if not isinstance(prompt, list) or row.env_error is not None:
             return False
-        messages = list(prompt) + list(row.opening)
+        messages = list(prompt)  # reset's observation in it already (prompt_rows)
         for k, turn in enumerate(row.turns):
             messages.append({"role": "assistant", "content": self.turns.turn_text(turn)[0]})
             if k < len(row.history):

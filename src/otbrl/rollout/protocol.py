@@ -101,6 +101,11 @@ class Sampler(Protocol):
 
     tools: Mapping[str, Any] | None
 
+    def prompt_rows(self, rows: Sequence[Mapping]) -> list[Mapping]:
+        """The rows as their prompts are rendered: the data rows, or (the agent loop) with what
+        each row's environment opens its episode with appended to the prompt."""
+        ...
+
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -154,6 +159,10 @@ class Backend:
     tools = None  # a backend renders no tools (the agent loop over it does)
     vocab_size: int
     max_model_len: int | None = None
+
+    def prompt_rows(self, rows: Sequence[Mapping]) -> list[Mapping]:
+        """The data rows as they are: a backend has no environment to open an episode."""
+        return list(rows)
 
     def generate(
         self,

@@ -132,9 +132,9 @@ def sample_batch(
     reward metrics missing): the caller computes what does not need them, then calls
     ``sample.resolve()``; with a pool (``scoring.pool``) the scoring runs meanwhile.
     """
-    rows = list(rows)
     scoring = scoring or Scoring()
     start = time.perf_counter()
+    rows = sampler.prompt_rows(rows)  # an environment's opening observation in the prompt
     enc = encode_prompts(rows, tokenizer, max_prompt_length, sampler.tools, overlong=overlong)
     prompts = unpad_prompts(enc["input_ids"], enc["attention_mask"])
     completions = sampler.generate(prompts, params, rows=rows)
