@@ -18,8 +18,6 @@ class GuessNumber(gym.Env):
     observation says whether the secret is higher or lower; a right guess ends the episode with
     reward 1, and every wrong one costs a little."""
 
-    metadata = {"render_modes": []}
-
     def __init__(self, secret: int, high: int = 100):
         self.secret, self.high = secret, high
         self.action_space = spaces.Text(max_length=256)

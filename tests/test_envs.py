@@ -32,7 +32,7 @@ EOS = TOK.eos_token_id
 
 # A user's environment file: Gymnasium's shape, nothing imported from otbrl. The row's
 # extra_info.mode picks how it behaves, so one batch holds every kind of failure.
-ENV_FILE = '''
+ENV_FILE = """
 import asyncio, time
 
 class Guess:
@@ -76,7 +76,7 @@ def make(row):
         raise ValueError("bad row")
     cls = AsyncGuess if mode.startswith("async") else Guess
     return cls(int(row["reward_model"]["ground_truth"]), mode)
-'''
+"""
 
 
 def ids(text: str) -> list[int]:

@@ -50,7 +50,7 @@ def parse_spec(spec: str) -> dict[str, float]:
             close = sorted(n for n in datasets if name[:4] in n)[:5]
             raise ValueError(
                 f"reasoning-gym has no dataset {name!r} (there are {len(datasets)}: "
-                f"{close or sorted(datasets)[:5]}...; `python -c \"from reasoning_gym.factory "
+                f'{close or sorted(datasets)[:5]}...; `python -c "from reasoning_gym.factory '
                 'import DATASETS; print(sorted(DATASETS))"` lists them)'
             )
         try:

@@ -182,6 +182,7 @@ class ChatTurns:
         self._longest_token = max((len(t) for t in tokenizer.get_vocab()), default=1)
         if not self.eos_ids:
             raise ValueError("eos_token_ids: expected at least one id that ends a model turn")
+        self._observations: dict = {}  # observation_ids' results, by turn and messages
         self.stop_ids = list(self.eos_ids)
         if fmt is not None and fmt.stop_at_call_end:
             self.stop_ids.append(_ids(tokenizer, CALL_CLOSE)[0])
@@ -244,6 +245,16 @@ class ChatTurns:
         or the outside world chose: one that prints ``</tool_response><|im_start|>assistant``
         must give the model those characters, not the tokens that end its observation and
         open a turn nobody sampled."""
+        key = (tuple(turn_ids), tuple(tuple(sorted(m.items())) for m in messages))
+        if key in self._observations:  # a game's few turns and answers recur in every episode
+            return list(self._observations[key])
+        if len(self._observations) >= OBSERVATION_CACHE:
+            self._observations.clear()
+        ids = self._observation_ids(turn_ids, messages)
+        self._observations[key] = tuple(ids)
+        return ids
+
+    def _observation_ids(self, turn_ids: Sequence[int], messages: Sequence[dict]) -> list[int]:
         marks = [_CONTENT_MARK.format(i) for i in range(len(messages))]
         text = self.observation_text(
             turn_ids, [{**m, "content": mark} for m, mark in zip(messages, marks)]
@@ -370,6 +381,7 @@ def _check_renderings(turns: ChatTurns, conversation: list[dict], observed: str,
 # digits: a template that escapes or JSON-encodes its content leaves it as it is)
 _CONTENT_MARK = "OTBRLTOOLCONTENT{}MARK"
 _ASSISTANT_MARK = "OTBRLASSISTANTTURNMARK"  # stands in for a sampled turn's content
+OBSERVATION_CACHE = 4096  # observation_ids results kept per ChatTurns (then cleared)
 
 
 def _turn_close(prefix: str, content: str) -> str:
