@@ -78,7 +78,8 @@ def _comment(lines: list[str], first: int, last: int) -> str:
 
 
 def _scalar(value: Any) -> str:
-    # JSON is valid YAML for every value a config holds (null, bools, numbers, strings, lists)
+    # JSON is valid YAML for every value a config holds (null, bools, numbers, strings, lists,
+    # mappings)
     return json.dumps(value, ensure_ascii=False)
 
 
@@ -92,7 +93,7 @@ def commented_yaml(cfg: Config) -> str:
     def walk(node: dict, default: dict, prefix: str, indent: str) -> None:
         for name, value in node.items():
             key = f"{prefix}{name}"
-            if isinstance(value, dict):
+            if isinstance(value, dict) and key not in comments:  # a group, not a dict-valued key
                 out.append(f"{indent}{name}:")
                 walk(value, default.get(name, {}), f"{key}.", indent + "  ")
                 continue
@@ -108,10 +109,11 @@ def commented_yaml(cfg: Config) -> str:
 def keys_help() -> str:
     """Every key with its default and description, one per line (``otbrl train --help``)."""
     defaults: dict[str, Any] = {}
+    leaves = key_comments()
 
     def flat(node: dict, prefix: str) -> None:
         for name, value in node.items():
-            if isinstance(value, dict):
+            if isinstance(value, dict) and f"{prefix}{name}" not in leaves:
                 flat(value, f"{prefix}{name}.")
             else:
                 defaults[f"{prefix}{name}"] = value

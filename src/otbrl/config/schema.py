@@ -178,8 +178,8 @@ def all_keys(node: Any = None, prefix: str = "") -> list[str]:
     for name in node:
         value = node._get_node(name)
         dotted = f"{prefix}{name}"
-        if isinstance(value, DictConfig):
-            keys.extend(all_keys(value, dotted + "."))
+        if isinstance(value, DictConfig) and OmegaConf.get_type(value) not in (dict, None):
+            keys.extend(all_keys(value, dotted + "."))  # a group (a dict-valued key is a leaf)
         else:
             keys.append(dotted)
     return keys

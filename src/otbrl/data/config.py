@@ -24,8 +24,8 @@ class DataConfig:
     # brings its preset, otbrl.config.presets); None: the built-in model's "arithmetic", and
     # for a user's model no fallback (data.train_files is required)
     task: str | None = setting(None, resume="fixed")
-    # a reasoning-gym task's dataset options (its config fields, e.g. data.task_options.
-    # min_terms=3; a composite: one mapping per dataset name)
+    # a reasoning-gym task's dataset options, its config fields (a composite: one mapping
+    # per dataset name), e.g. data.task_options.min_animals=2
     task_options: dict[str, Any] = setting(default_factory=dict, resume="fixed")
     # a reasoning-gym task's training entries; None: 10000
     train_size: int | None = setting(None, ge=1, null="10000 entries", resume="fixed")
