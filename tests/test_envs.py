@@ -9,6 +9,7 @@ import math
 import time
 
 import pytest
+import torch
 
 from otbrl.data import get_task
 from otbrl.envs import (
@@ -400,3 +401,65 @@ def test_an_opening_observation_joins_the_prompt(tmp_path):
     assert sample.batch["env_errors"].tolist() == [0, 0, 1, 1]
     assert "opened the episode otherwise" in sample.rows[2]["extra_info"]["env_error"]
     assert sample.scores[:2] == [1.0, 1.0]
+
+
+def test_an_environment_run_resumes_exactly(tmp_path):
+    """A run stopped at its step-2 checkpoint and resumed to step 4 logs the metrics and ends
+    with the weights of the run that went straight to step 4: the environments' seeds come from
+    the rows, nothing of an episode outlives its step."""
+    from safetensors.torch import load_file
+
+    from otbrl import cli
+    from otbrl.data import write_parquet_rows
+    from otbrl.models import build_tiny_model
+    from run_utils import stable_metrics, train_overrides
+    from tiny_models import ONE_LAYER
+
+    model = build_tiny_model(tmp_path / "model", task="guess", **ONE_LAYER)
+    task = get_task("guess")
+    train = write_parquet_rows(task.rows("train", 32, seed=0), tmp_path / "train.parquet")
+    val = write_parquet_rows(task.rows("val", 8, seed=0), tmp_path / "val.parquet")
+
+    def run(out, steps):
+        return cli.main(["train", *train_overrides(
+            model, out, f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+            "rollout.multi_turn.env=guess", "rollout.multi_turn.max_turns=4",
+            "data.max_response_length=24", f"trainer.total_steps={steps}", "trainer.save_every=2",
+            "trainer.val_every=2", "trainer.resume=auto",
+            "algorithm.adv_estimator=tir_optimal_token_baseline",
+        )])  # fmt: skip
+
+    assert run(tmp_path / "full", 4) == 0
+    assert run(tmp_path / "split", 2) == 0 and run(tmp_path / "split", 4) == 0
+    assert stable_metrics(tmp_path / "split") == stable_metrics(tmp_path / "full")
+    a, b = (load_file(tmp_path / d / "checkpoints" / "step_4" / "model.safetensors")
+            for d in ("full", "split"))  # fmt: skip
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_every_estimator_trains_on_an_environment(tmp_path):
+    """One step of each registered estimator on the guess environment from the CLI (GAE with
+    its critic): finite losses, the environment's rewards in the batch."""
+    from otbrl import cli
+    from otbrl.algos.advantages import ESTIMATORS
+    from otbrl.data import write_parquet_rows
+    from otbrl.models import build_tiny_model
+    from run_utils import read_metrics, train_overrides
+    from tiny_models import ONE_LAYER
+
+    model = build_tiny_model(tmp_path / "model", task="guess", **ONE_LAYER)
+    task = get_task("guess")
+    train = write_parquet_rows(task.rows("train", 8, seed=0), tmp_path / "train.parquet")
+    val = write_parquet_rows(task.rows("val", 4, seed=0), tmp_path / "val.parquet")
+    for name in sorted(ESTIMATORS):
+        out = tmp_path / name
+        extra = ["critic.enable=true"] if "values" in ESTIMATORS[name].needs_for() else []
+        code = cli.main(["train", *train_overrides(
+            model, out, f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+            "rollout.multi_turn.env=guess", "data.max_response_length=16",
+            "trainer.total_steps=1", "trainer.val_every=0", f"algorithm.adv_estimator={name}",
+            *extra,
+        )])  # fmt: skip
+        assert code == 0, name
+        (step,) = [r for r in read_metrics(out) if "policy/grad_norm" in r]
+        assert math.isfinite(step["policy/loss"]) and "env/reward_mean" in step, name
