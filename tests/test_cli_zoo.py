@@ -591,10 +591,10 @@ def qwen_server(zoo, tmp_path_factory):
 
 SERVER_CELLS = {
     "k0": ["trainer.total_steps=3"],
-    "k1-partial": ["trainer.max_staleness=1", "rollout.partial_rollout=true"],
+    # partial rollouts of an environment's episodes (a user's env file): one cell for both
+    "k1-partial-env": ["trainer.max_staleness=1", "rollout.partial_rollout=true", "{env}"],
     "lora-merged": ["model.lora.rank=8", "model.lora.alpha=16"],
     "k1-tools": ["trainer.max_staleness=1", *TOOLS],
-    "k1-partial-env": ["trainer.max_staleness=1", "rollout.partial_rollout=true", "{env}"],
 }
 
 

@@ -15,12 +15,13 @@ from run_utils import read_metrics
 
 SIZE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=2)  # fmt: skip
-STEPS = 100
+STEPS = 80
+VAL_EVERY = 20
 
 
 def guess_run(tmp_path, seed: int) -> list[tuple[int, float]]:
     """SFT (300 steps on the demonstrations of 4000 rows), then ``STEPS`` TIR-OTB steps with
-    ``trainer.seed=seed``: the (step, greedy validation accuracy) pairs, first and last."""
+    ``trainer.seed=seed``: the (step, greedy validation accuracy) pairs, every ``VAL_EVERY``."""
     from otbrl.run.trainer import Trainer
 
     task = get_task("guess")
@@ -39,7 +40,7 @@ def guess_run(tmp_path, seed: int) -> list[tuple[int, float]]:
     cfg = load_config(None, [
         f"model.path={path}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
         f"trainer.output_dir={tmp_path / 'run'}", f"trainer.total_steps={STEPS}",
-        f"trainer.val_every={STEPS}", "trainer.logger=[jsonl]", "data.train_batch_size=16",
+        f"trainer.val_every={VAL_EVERY}", "trainer.logger=[jsonl]", "data.train_batch_size=32",
         "rollout.n=8", "data.max_response_length=24", "rollout.multi_turn.env=guess",
         "rollout.multi_turn.max_turns=4", "rollout.multi_turn.max_observation_tokens=4",
         "algorithm.adv_estimator=tir_optimal_token_baseline", "actor.lr=1e-3",
@@ -52,10 +53,14 @@ def guess_run(tmp_path, seed: int) -> list[tuple[int, float]]:
 
 @pytest.mark.slow
 def test_rl_in_the_guess_environment_raises_accuracy(tmp_path):
-    """Measured on a 2-core Intel Xeon (AMX), trainer seeds 0-2 of this exact run: greedy
-    validation accuracy 0.352 -> 0.742 / 0.602 / 0.688 after 100 steps (gains 0.25-0.39; after
-    60 steps 0.17-0.37, the curves are not monotone); lr 2e-3 was unstable (one seed fell to
-    0.16). Hence 100 steps and the bound 0.2."""
-    (first, before), (last, after) = guess_run(tmp_path, seed=0)
-    assert (first, last) == (0, STEPS)
-    assert after - before >= 0.2, (before, after)
+    """Greedy accuracy over the task's 15 secrets moves in steps of ~0.07 (one secret more or
+    less found) and not monotonically, so the end is the mean of the last two validations.
+    Measured on a 2-core Intel Xeon (AMX) at one thread (as ``make test`` runs it), trainer
+    seeds 0-2 of this exact run: 0.492 -> 0.734 / 0.766 / 0.785 (gains 0.24,
+    0.27, 0.29; the sampled training reward 0.51 -> 0.70-0.73 over the run). At 16 prompts a step the
+    gain was 0.12-0.37, at lr 2e-3 a seed collapsed, and a warm start stopped at a target
+    accuracy (75 steps) left RL too little to build on. Hence the bound 0.2."""
+    curve = guess_run(tmp_path, seed=0)
+    assert [s for s, _ in curve] == list(range(0, STEPS + 1, VAL_EVERY))
+    before, end = curve[0][1], (curve[-1][1] + curve[-2][1]) / 2
+    assert end - before >= 0.2, curve
