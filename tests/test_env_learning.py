@@ -56,10 +56,10 @@ def test_rl_in_the_guess_environment_raises_accuracy(tmp_path):
     """Greedy accuracy over the task's 15 secrets moves in steps of ~0.07 (one secret more or
     less found) and not monotonically, so the end is the mean of the last two validations.
     Measured on a 2-core Intel Xeon (AMX) at one thread (as ``make test`` runs it), trainer
-    seeds 0-2 of this exact run: 0.492 -> 0.734 / 0.766 / 0.785 (gains 0.24,
-    0.27, 0.29; the sampled training reward 0.51 -> 0.70-0.73 over the run). At 16 prompts a step the
-    gain was 0.12-0.37, at lr 2e-3 a seed collapsed, and a warm start stopped at a target
-    accuracy (75 steps) left RL too little to build on. Hence the bound 0.2."""
+    seeds 0-2 of this exact run: 0.492 -> 0.734 / 0.766 / 0.785 (gains 0.24, 0.27, 0.29; the
+    sampled training reward 0.51 -> 0.70-0.73 over the run). At 16 prompts a step the gain was
+    0.12-0.37, at lr 2e-3 a seed collapsed, and a warm start stopped at a target accuracy (75
+    steps) left RL too little to build on. Hence the bound 0.2."""
     curve = guess_run(tmp_path, seed=0)
     assert [s for s, _ in curve] == list(range(0, STEPS + 1, VAL_EVERY))
     before, end = curve[0][1], (curve[-1][1] + curve[-2][1]) / 2
