@@ -191,14 +191,6 @@ def _env_run(out: Path) -> None:
                for r in steps)  # fmt: skip
 
 
-def test_a_users_environment_from_the_cli(zoo, tmp_path, capsys, one_thread):
-    """``rollout.multi_turn.env=retry_env.py:make`` on the HF rollout (the other engines: the
-    torchrun, vLLM and server cells)."""
-    out = tmp_path / "runs" / "env"
-    _train(zoo, QWEN, out, *zoo["env"], capsys=capsys)
-    _env_run(out)
-
-
 @pytest.mark.parametrize("feature", list(ONE_PROCESS))
 @pytest.mark.parametrize("shape", ZOO_NAMES)
 def test_one_process_features_on_every_shape(zoo, shape, feature, tmp_path, capsys, one_thread):

@@ -137,22 +137,51 @@ def test_sigkill_and_resume_syncs_the_engine(model_dir, data, tmp_path, one_thre
     assert stable_metrics(killed) == stable_metrics(full)
 
 
+# an environment of the user's, in the arithmetic task's characters: an answer of even length
+# gets a second try after "=", the length's parity is the reward
+RETRY_ENV = """
+class Retry:
+    def __init__(self):
+        self.tries = 0
+
+    def reset(self, seed=None, options=None):
+        return None, {}
+
+    def step(self, action):
+        self.tries += 1
+        reward = float(len(action) % 2)
+        if reward or self.tries >= 2:
+            return None, reward, True, False, {}
+        return "=", 0.0, False, False, {}
+
+
+def make(row):
+    return Retry()
+"""
+
+
 def test_two_ranks_fsdp_with_vllm(model_dir, data, tmp_path):
     """`otbrl train --nproc-per-node=2 rollout.name=vllm` (torch.distributed.run under otbrl's
     launcher): FSDP2, one engine per rank, synced from the sharded model; the mismatch metric is
     the maximum over both ranks. And no start-up noise (issue 53): every vLLM run printed vLLM's
     "Triton is installed, but doesn't include CPU backend" (the config check imported vLLM
     before its logging was turned down) and torch's C++ "NUMA binding" note from vLLM's CPU
-    worker — once per process, so processes of their own show it."""
+    worker — once per process, so processes of their own show it. Each rank's engine runs an
+    environment's episodes (a user's file): the sync check holds over the whole stream."""
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
     env["OMP_NUM_THREADS"] = "1"
+    # each rank's engine runs an environment's episodes too: a second try after "="
+    (tmp_path / "retry.py").write_text(RETRY_ENV)
     cmd = [sys.executable, "-m", "otbrl", "train", "--nproc-per-node=2"]
-    cmd += overrides(model_dir, data, out, "trainer.total_steps=2")
+    cmd += overrides(model_dir, data, out, "trainer.total_steps=2",
+                     f"rollout.multi_turn.env={tmp_path / 'retry.py'}:make",
+                     "rollout.multi_turn.max_turns=2", "data.max_response_length=12")  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     steps = check_synced(read_metrics(out))
     assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["env/errors"] == 0 and math.isfinite(r["env/reward_mean"]) for r in steps)
     assert "otbrl: new run in" in done.stderr  # the trainer's own lines stay
     for noise in ("Triton is installed", "NUMA binding"):
         assert noise not in done.stderr, done.stderr[-3000:]

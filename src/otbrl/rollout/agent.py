@@ -117,6 +117,8 @@ class AgentLoop:
         self.max_turns = max_turns
         self.max_observation_tokens = max_observation_tokens
         self.timeout_s = timeout_s
+        # its worker threads serve every batch's calls (a thread per call cost more than a step)
+        self.runner = EnvRunner(timeout_s)
         self.per_trajectory = per_trajectory
         self.max_concurrent_trajectories = max_concurrent_trajectories
 
@@ -129,7 +131,7 @@ class AgentLoop:
         return asyncio.run(self._openings(list(rows)))
 
     async def _openings(self, rows: list[Mapping]) -> list[Mapping]:
-        runner = EnvRunner(self.timeout_s)
+        runner = self.runner
 
         async def opening(row: Mapping) -> Mapping:
             probe = Episode([], 0, row)
@@ -173,8 +175,12 @@ class AgentLoop:
                 row.add_model(completion)
                 states.append(row)
         asyncio.run(self._episodes(states, params))
+        seen: dict = {}  # one check per distinct stream (samples often repeat one another)
         for row in states:
-            row.retokenized = self._retokenized(row)
+            key = (tuple(row.prompt), tuple(row.tokens), row.env_error is None)
+            if key not in seen:
+                seen[key] = self._retokenized(row)
+            row.retokenized = seen[key]
         n = params.n
         return [
             [row.trajectory() for row in states[i * n : (i + 1) * n]] for i in range(len(groups))
@@ -183,7 +189,7 @@ class AgentLoop:
     async def _episodes(self, rows: list[Episode], params: SamplingParams) -> None:
         """Every row's environment made and reset, then stepped after each model turn until
         its episode ends; the environments closed at the end, whatever happened."""
-        runner = EnvRunner(self.timeout_s)
+        runner = self.runner
         await asyncio.gather(*(self._open(runner, row) for row in rows))
         try:
             if self.per_trajectory:
