@@ -229,6 +229,30 @@ def test_runner_calls_plain_and_async_methods_under_a_timeout():
     assert asyncio.run(main()) < 2.0  # each hang cut at its timeout
     with pytest.raises(ValueError, match="timeout_s"):
         EnvRunner(0)
+    # workers are reused from call to call (and from one event loop to the next); a call past
+    # its timeout keeps its worker until it returns, and counts against max_hung meanwhile
+    import threading
+
+    runner = EnvRunner(0.2, max_hung=1)
+
+    async def calls():
+        await asyncio.gather(*(runner.call("step", lambda: 1) for _ in range(4)))
+
+    for _ in range(4):
+        asyncio.run(calls())
+    assert runner.threads_started <= 4  # 16 calls, at most 4 at once: threads reused
+    gate = threading.Event()
+
+    async def hang_then_refuse():
+        with pytest.raises(EnvError, match="did not return"):
+            await runner.call("step", gate.wait)
+        with pytest.raises(EnvError, match="1 earlier environment calls still run"):
+            await runner.call("step", lambda: 1)
+        gate.set()
+        await asyncio.sleep(0.1)  # the hung call returns: its worker is free again
+        return await runner.call("step", lambda: 2)
+
+    assert asyncio.run(hang_then_refuse()) == 2
 
 
 def test_the_stream_is_the_sampled_ids_and_the_observations(user_env):

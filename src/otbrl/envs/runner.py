@@ -34,6 +34,11 @@ class EnvRunner:
         self.max_hung = max_hung
         self._workers = _Workers()
 
+    @property
+    def threads_started(self) -> int:
+        """Worker threads started so far (they are reused: a count, not a gauge)."""
+        return self._workers.started
+
     async def call(self, what: str, fn, *args, **kwargs):
         """``fn(*args, **kwargs)``'s result (awaited when it is awaitable); ``EnvError`` naming
         ``what`` when it raises or runs past the timeout."""
@@ -84,6 +89,7 @@ class _Workers:
         self._lock = threading.Lock()
         self._idle = 0
         self._hung = 0
+        self.started = 0  # worker threads started so far
 
     def hung(self) -> int:
         """Calls the caller gave up on that still run."""
@@ -97,6 +103,7 @@ class _Workers:
             if not start:
                 self._idle -= 1
         if start:
+            self.started += 1
             threading.Thread(target=self._work, name="otbrl-env", daemon=True).start()
         self._jobs.put(job)
         return job
