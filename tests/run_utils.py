@@ -105,6 +105,37 @@ def length_reward_file(root: Path) -> Path:
     return path
 
 
+# A user's environment (Gymnasium's shape, no otbrl import): the answer's length parity is its
+# reward, and an even one gets a second try after the user turn ANSWER.
+RETRY_ENV = """
+class Retry:
+    def __init__(self):
+        self.tries = 0
+
+    def reset(self, seed=None, options=None):
+        return None, {}
+
+    def step(self, action):
+        self.tries += 1
+        reward = float(len(action) % 2)
+        if reward or self.tries >= 2:
+            return None, reward, True, False, {}
+        return ANSWER, 0.0, False, False, {}
+
+
+def make(row):
+    return Retry()
+"""
+
+
+def retry_env_file(root: Path, answer: str) -> Path:
+    """``root/retry_env.py`` with ``make`` = ``RETRY_ENV`` answering ``answer`` (text the
+    model's tokenizer can write); returns its path."""
+    path = root / "retry_env.py"
+    path.write_text(RETRY_ENV.replace("ANSWER", repr(answer)))
+    return path
+
+
 def length_reward_files(root: Path, n_val: int) -> tuple[Path, Path, Path]:
     """(train.parquet with 32 arithmetic prompts, val.parquet with ``n_val``, the length-parity
     reward.py) under ``root``."""

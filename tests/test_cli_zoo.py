@@ -36,7 +36,7 @@ import pytest
 
 from otbrl import cli
 from otbrl.data import write_parquet_rows
-from run_utils import length_reward_file, read_metrics, refused
+from run_utils import length_reward_file, read_metrics, refused, retry_env_file
 from user_model import USER_MESSAGES
 from zoo import QWEN, ZOO_NAMES, build_reward_standin, build_standin
 
@@ -62,8 +62,8 @@ def zoo(tmp_path_factory):
     train = write_parquet_rows(rows, root / "train.parquet")
     val = write_parquet_rows(rows[:4], root / "val.parquet")
     reward = length_reward_file(root)
-    (root / "retry_env.py").write_text(RETRY_ENV)
-    dirs["env"] = [f"rollout.multi_turn.env={root / 'retry_env.py'}:make", *ENV]
+    env = retry_env_file(root, "Not quite. Try again.")
+    dirs["env"] = [f"rollout.multi_turn.env={env}:make", *ENV]
     dirs["data"] = [
         f"data.train_files=[{train}]",
         f"data.val_files=[{val}]",
@@ -153,27 +153,6 @@ TOOLS = [
 ]
 
 
-# an environment of the user's (Gymnasium's shape, no otbrl import): the answer's length parity
-# is its reward, and an odd one gets a second try after a user turn
-RETRY_ENV = """
-class Retry:
-    def __init__(self, row):
-        self.tries = 0
-
-    def reset(self, seed=None, options=None):
-        return None, {}
-
-    def step(self, action):
-        self.tries += 1
-        reward = float(len(action) % 2)
-        if reward or self.tries >= 2:
-            return None, reward, True, False, {}
-        return "Not quite. Try again.", 0.0, False, False, {}
-
-
-def make(row):
-    return Retry(row)
-"""
 ENV = [
     "rollout.multi_turn.max_turns=2",
     "algorithm.adv_estimator=tir_optimal_token_baseline",

@@ -22,6 +22,7 @@ from run_utils import (
     length_reward_files,
     read_metrics,
     refused,
+    retry_env_file,
     stable_metrics,
     vllm_run_overrides,
 )
@@ -137,29 +138,6 @@ def test_sigkill_and_resume_syncs_the_engine(model_dir, data, tmp_path, one_thre
     assert stable_metrics(killed) == stable_metrics(full)
 
 
-# an environment of the user's, in the arithmetic task's characters: an answer of even length
-# gets a second try after "=", the length's parity is the reward
-RETRY_ENV = """
-class Retry:
-    def __init__(self):
-        self.tries = 0
-
-    def reset(self, seed=None, options=None):
-        return None, {}
-
-    def step(self, action):
-        self.tries += 1
-        reward = float(len(action) % 2)
-        if reward or self.tries >= 2:
-            return None, reward, True, False, {}
-        return "=", 0.0, False, False, {}
-
-
-def make(row):
-    return Retry()
-"""
-
-
 def test_two_ranks_fsdp_with_vllm(model_dir, data, tmp_path):
     """`otbrl train --nproc-per-node=2 rollout.name=vllm` (torch.distributed.run under otbrl's
     launcher): FSDP2, one engine per rank, synced from the sharded model; the mismatch metric is
@@ -171,11 +149,12 @@ def test_two_ranks_fsdp_with_vllm(model_dir, data, tmp_path):
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
     env["OMP_NUM_THREADS"] = "1"
-    # each rank's engine runs an environment's episodes too: a second try after "="
-    (tmp_path / "retry.py").write_text(RETRY_ENV)
+    # each rank's engine runs an environment's episodes too: a second try after "=" (a
+    # character of the arithmetic task's tokenizer)
+    retry = retry_env_file(tmp_path, "=")
     cmd = [sys.executable, "-m", "otbrl", "train", "--nproc-per-node=2"]
     cmd += overrides(model_dir, data, out, "trainer.total_steps=2",
-                     f"rollout.multi_turn.env={tmp_path / 'retry.py'}:make",
+                     f"rollout.multi_turn.env={retry}:make",
                      "rollout.multi_turn.max_turns=2", "data.max_response_length=12")  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
