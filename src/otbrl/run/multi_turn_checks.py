@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from otbrl.config import Config, ConfigError
 from otbrl.envs import resolve_env
+from otbrl.envs.builtin import BUILTIN_ENVS
 from otbrl.rewards import has_builtin_reward
 from otbrl.rollout import make_agent
 from otbrl.tools import resolve_tools, tool_schemas, tools_for_row
@@ -25,8 +26,6 @@ def check_env(cfg: Config, tokenizer):
     spec = cfg.rollout.multi_turn.env
     if spec is None:
         return None
-    from otbrl.envs.builtin import BUILTIN_ENVS
-
     try:
         factory = resolve_env(spec, BUILTIN_ENVS)
     except (ValueError, TypeError) as err:
